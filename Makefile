@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine: `make train` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+export WANDB_MODE ?= offline
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+
+.PHONY: train test lint venv clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+
+# torch/torchvision first: this pair is served from the machine's disk.
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -e '.[experiments,dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m experiments.train
+
+test: $(STAMP)
+	$(PY) -m ruff check dpkfac experiments tests
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check dpkfac experiments tests
+	$(PY) -m ruff format --check dpkfac experiments tests
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache
