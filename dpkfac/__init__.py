@@ -1,0 +1,10 @@
+"""dpkfac: distributed K-FAC preconditioning (DP-KFAC) and its D-KFAC baselines."""
+
+from __future__ import annotations
+
+from dpkfac.preconditioner import KFACPreconditioner
+from dpkfac.strategies import STRATEGIES
+
+__version__ = "0.1.0"
+
+__all__ = ["STRATEGIES", "KFACPreconditioner", "__version__"]

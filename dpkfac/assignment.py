@@ -1,0 +1,333 @@
+"""Load balancing of K-FAC work items (layers or single factors) to ranks.
+
+Every rank calls these functions with the same inputs (module order and
+shapes, which are identical on all ranks) and gets the same answer, so no
+communication is needed to agree on who owns what. Nothing here imports
+``torch``: the functions are plain arithmetic on shapes and costs.
+
+Two placements are needed by the strategies:
+
+* DP-KFAC gives each *layer* one owner that builds, decomposes and
+  preconditions it (:func:`assign_layers`). The published code uses round
+  robin over module order; greedy longest-processing-time (LPT) on a cost
+  model lowers the busiest rank's load, which sets the step time.
+* D-KFAC and SPD-KFAC place each *factor's decomposition* (A and G of every
+  layer as separate items) on one rank (:func:`assign_factors`); SPD-KFAC
+  decomposes small factors locally on every rank instead of broadcasting
+  them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "COSTS",
+    "EIGH_COEFF",
+    "INVERSE_COEFF",
+    "LayerShape",
+    "assign_factors",
+    "assign_layers",
+    "compute_cost",
+    "compute_cost_inverse",
+    "factor_decomposition_cost",
+    "load_imbalance",
+    "lpt_assign",
+    "memory_cost",
+    "rank_loads",
+    "round_robin_assign",
+]
+
+#: Cost of a symmetric eigendecomposition with eigenvectors, per ``d**3``, in
+#: multiply-add units (the unit of the factor construction term ``N*T*d**2``).
+#: LAPACK's symmetric QR/divide-and-conquer with eigenvectors costs about
+#: ``9 d**3`` flops (Golub & Van Loan, *Matrix Computations*, sec. 8.3),
+#: while a matmul costs ``2`` flops per multiply-add, so ``9 / 2 = 4.5``.
+#: This is a flop count; on GPUs eigh reaches a far smaller fraction of peak
+#: than a matmul, so the measured ratio is larger still. The LPT assignment
+#: depends only on ratios between items, and every item pays the same
+#: coefficient, so the constant only shifts weight between the construction
+#: term (which scales with the batch) and the decomposition term.
+EIGH_COEFF: float = 4.5
+
+#: Cost of a dense inverse per ``d**3`` in multiply-add units: LU with
+#: inversion is about ``2 d**3`` flops, i.e. ``1.0`` multiply-add units.
+INVERSE_COEFF: float = 1.0
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the cost models need to know about one K-FAC layer.
+
+    Attributes:
+        name: Module name, as in ``model.named_modules()``.
+        kind: ``"linear"`` or ``"conv2d"``.
+        a_dim: Side of the A factor: ``d_in * kh * kw`` plus one for a bias.
+        g_dim: Side of the G factor: ``d_out``.
+        positions: Output positions per sample ``T`` (spatial positions of a
+            Conv2d, sequence length of a Linear on sequences, 1 for a plain
+            Linear). The A factor is built from ``N * T`` rows.
+        batch_size: Local batch size ``N``.
+    """
+
+    name: str
+    kind: str
+    a_dim: int
+    g_dim: int
+    positions: int = 1
+    batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("linear", "conv2d"):
+            raise ValueError(f"kind must be 'linear' or 'conv2d', got {self.kind!r}")
+        for field in ("a_dim", "g_dim", "positions", "batch_size"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+
+    @classmethod
+    def linear(
+        cls,
+        name: str,
+        d_in: int,
+        d_out: int,
+        *,
+        bias: bool = True,
+        batch_size: int = 1,
+        positions: int = 1,
+    ) -> LayerShape:
+        """Shape of an ``nn.Linear(d_in, d_out)``; ``positions`` is the product of extra dims."""
+        return cls(name, "linear", d_in + int(bias), d_out, positions, batch_size)
+
+    @classmethod
+    def conv2d(
+        cls,
+        name: str,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: tuple[int, int],
+        out_hw: tuple[int, int],
+        *,
+        bias: bool = False,
+        groups: int = 1,
+        batch_size: int = 1,
+    ) -> LayerShape:
+        """Shape of an ``nn.Conv2d`` producing an ``out_hw`` output map."""
+        kh, kw = kernel_size
+        a_dim = in_channels // groups * kh * kw + int(bias)
+        return cls(name, "conv2d", a_dim, out_channels, out_hw[0] * out_hw[1], batch_size)
+
+
+CostFn = Callable[[LayerShape], float]
+
+
+def factor_decomposition_cost(dim: int, coeff: float = EIGH_COEFF) -> float:
+    """Cost of decomposing one ``dim x dim`` factor: ``coeff * dim**3``.
+
+    Used to place single factors (D-KFAC, SPD-KFAC), where the cubic
+    decomposition is the work being distributed; factor construction is
+    done by every rank there and does not enter the placement.
+    """
+    return coeff * float(dim) ** 3
+
+
+def compute_cost(shape: LayerShape, decomposition_coeff: float = EIGH_COEFF) -> float:
+    """Work an owner does for one layer per update, in multiply-adds.
+
+    Factor construction ``aᵀa`` and ``gᵀg`` from ``N*T`` rows costs
+    ``N*T*(a_dim**2 + g_dim**2)``; the decompositions cost
+    ``decomposition_coeff * (a_dim**3 + g_dim**3)`` (see :data:`EIGH_COEFF`
+    for why 4.5). Preconditioning (``2*g*a*(g+a)`` for the eigen method) is
+    left out: it is at most of the order of the decomposition term for the
+    same layer and it does not change which layers are heavy.
+    """
+    rows = shape.batch_size * shape.positions
+    a, g = float(shape.a_dim), float(shape.g_dim)
+    return rows * (a * a + g * g) + decomposition_coeff * (a**3 + g**3)
+
+
+def compute_cost_inverse(shape: LayerShape) -> float:
+    """:func:`compute_cost` with the cheaper dense-inverse decomposition."""
+    return compute_cost(shape, decomposition_coeff=INVERSE_COEFF)
+
+
+def memory_cost(shape: LayerShape) -> float:
+    """Elements an owner stores for one layer: ``a_dim**2 + g_dim**2``.
+
+    Factors and their decompositions (eigenvectors or inverses) are each
+    ``d**2`` elements, so the true total is twice this plus ``d`` eigenvalues;
+    LPT is invariant to a common scale, and the eigenvalues are negligible.
+    """
+    return float(shape.a_dim) ** 2 + float(shape.g_dim) ** 2
+
+
+#: Registered layer cost functions, by name.
+COSTS: dict[str, CostFn] = {
+    "compute": compute_cost,
+    "compute_inverse": compute_cost_inverse,
+    "memory": memory_cost,
+}
+
+
+def _check_world_size(world_size: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+
+
+def lpt_assign(costs: Sequence[float], world_size: int) -> list[int]:
+    """Greedy longest-processing-time assignment of items to ranks.
+
+    Items are taken by cost, largest first (equal costs by index, so the
+    order is the same on every rank), and each goes to the currently
+    least-loaded rank (equal loads: the lowest rank). Graham's bound gives a
+    busiest-rank load of at most ``(4/3 - 1/(3P))`` times the optimum.
+
+    Args:
+        costs: Non-negative finite cost of each item.
+        world_size: Number of ranks ``P``.
+
+    Returns:
+        The rank of each item, in the original item order. With more ranks
+        than items, the ranks past the number of items stay empty.
+    """
+    _check_world_size(world_size)
+    for i, c in enumerate(costs):
+        if not (math.isfinite(c) and c >= 0):
+            raise ValueError(f"cost of item {i} must be finite and >= 0, got {c}")
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    heap: list[tuple[float, int]] = [(0.0, r) for r in range(world_size)]
+    result = [0] * len(costs)
+    for i in order:
+        load, rank = heapq.heappop(heap)
+        result[i] = rank
+        heapq.heappush(heap, (load + float(costs[i]), rank))
+    return result
+
+
+def round_robin_assign(n: int, world_size: int) -> list[int]:
+    """Item ``i`` goes to rank ``i % world_size`` (the published DP-KFAC scheme)."""
+    _check_world_size(world_size)
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return [i % world_size for i in range(n)]
+
+
+def _resolve_cost(cost: str | CostFn) -> CostFn:
+    if callable(cost):
+        return cost
+    try:
+        return COSTS[cost]
+    except KeyError:
+        raise ValueError(f"unknown cost {cost!r}; choose from {sorted(COSTS)}") from None
+
+
+def assign_layers(
+    shapes: Sequence[LayerShape],
+    world_size: int,
+    cost: str | CostFn = "compute",
+    method: str = "lpt",
+) -> list[int]:
+    """Owner rank of each layer, for DP-KFAC.
+
+    Args:
+        shapes: Layers in module registration order (the same on every rank).
+        world_size: Number of ranks.
+        cost: A name in :data:`COSTS` or a callable ``LayerShape -> float``.
+        method: ``"lpt"`` (balanced by ``cost``), ``"round_robin"`` (module
+            order, ignores ``cost``; the reference code's choice) or
+            ``"best"``: whichever of the two has the lower busiest-rank cost
+            (LPT on ties). LPT is not optimal and, on regular networks where
+            round robin happens to split evenly, can be a hair worse; "best"
+            is never worse than the published scheme.
+
+    Returns:
+        The owner rank of each layer, in the order of ``shapes``.
+    """
+    if method == "round_robin":
+        return round_robin_assign(len(shapes), world_size)
+    if method not in ("lpt", "best"):
+        raise ValueError(f"method must be 'lpt', 'round_robin' or 'best', got {method!r}")
+    fn = _resolve_cost(cost)
+    costs = [fn(s) for s in shapes]
+    lpt = lpt_assign(costs, world_size)
+    if method == "best":
+        rr = round_robin_assign(len(shapes), world_size)
+        if max(rank_loads(rr, costs, world_size)) < max(rank_loads(lpt, costs, world_size)):
+            return rr
+    return lpt
+
+
+def assign_factors(
+    dims: Sequence[int],
+    world_size: int,
+    local_threshold: int | None = None,
+) -> list[int | None]:
+    """Rank that decomposes each factor, for D-KFAC and SPD-KFAC.
+
+    Each factor is its own item (callers usually pass
+    ``[a_0, g_0, a_1, g_1, ...]``), so A and G of one layer may land on
+    different ranks. Placement is LPT on :func:`factor_decomposition_cost`.
+
+    Args:
+        dims: Side of each factor.
+        world_size: Number of ranks.
+        local_threshold: If given, factors with ``dim < local_threshold`` get
+            ``None``: every rank decomposes them itself, which costs less than
+            broadcasting the result (SPD-KFAC; its reference uses about 1024).
+            They take no part in the balancing of the others.
+
+    Returns:
+        The decomposing rank of each factor, or ``None`` for local factors.
+    """
+    _check_world_size(world_size)
+    placed = [i for i, d in enumerate(dims) if local_threshold is None or d >= local_threshold]
+    ranks = lpt_assign([factor_decomposition_cost(dims[i]) for i in placed], world_size)
+    result: list[int | None] = [None] * len(dims)
+    for i, r in zip(placed, ranks, strict=True):
+        result[i] = r
+    return result
+
+
+def rank_loads(
+    assignment: Sequence[int | None],
+    costs: Sequence[float],
+    world_size: int,
+) -> list[float]:
+    """Total cost on each rank.
+
+    Args:
+        assignment: Rank of each item, or ``None`` for an item every rank
+            does itself (a locally decomposed factor), which adds its cost
+            to every rank.
+        costs: Cost of each item.
+        world_size: Number of ranks.
+
+    Returns:
+        The load of ranks ``0 .. world_size - 1``.
+    """
+    _check_world_size(world_size)
+    if len(assignment) != len(costs):
+        raise ValueError(f"{len(assignment)} assignments for {len(costs)} costs")
+    loads = [0.0] * world_size
+    for rank, c in zip(assignment, costs, strict=True):
+        if rank is None:
+            loads = [load + c for load in loads]
+        elif 0 <= rank < world_size:
+            loads[rank] += c
+        else:
+            raise ValueError(f"rank {rank} outside [0, {world_size})")
+    return loads
+
+
+def load_imbalance(loads: Sequence[float]) -> float:
+    """Busiest rank over the mean load: 1.0 is perfect balance.
+
+    The step waits for the busiest rank, so ``max / mean`` is the slowdown
+    against a perfect split of the same total work. All-zero loads give 1.0.
+    """
+    if not loads:
+        raise ValueError("no loads")
+    mean = sum(loads) / len(loads)
+    return 1.0 if mean == 0 else max(loads) / mean

@@ -1,0 +1,276 @@
+"""Collectives with byte/time accounting, fused buckets and triangle packing.
+
+Every collective of the package goes through :class:`Communicator`, which
+
+* fuses a list of tensors into flat buckets (one per dtype, optionally split
+  at a byte cap) so the number of collectives does not grow with the number
+  of layers;
+* can send only the upper triangle of symmetric factors;
+* counts the bytes of every buffer handed to torch.distributed per category
+  and times waiting on it in the category's phase;
+* launches every collective asynchronously and waits with a timeout, so a
+  hang becomes an error that names the phase and the rank instead of a
+  silent deadlock.
+
+With no initialised process group (or a group of one rank) every call is a
+no-op that records nothing, which is what makes world size 1 communication-free.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dpkfac.stats import PHASE_OF_CATEGORY, CommStats, PhaseTimer
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within the configured timeout."""
+
+
+_TRIU_CACHE: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _triu(dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (dim, device)
+    if key not in _TRIU_CACHE:
+        rows, cols = torch.triu_indices(dim, dim, device=device)
+        _TRIU_CACHE[key] = (rows, cols)
+    return _TRIU_CACHE[key]
+
+
+def pack_triangle(matrix: torch.Tensor) -> torch.Tensor:
+    """The upper triangle (diagonal included) of a symmetric matrix, row-major."""
+    rows, cols = _triu(matrix.shape[0], matrix.device)
+    return matrix[rows, cols]
+
+
+def unpack_triangle(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """The symmetric matrix whose upper triangle is ``packed``."""
+    rows, cols = _triu(dim, packed.device)
+    out = packed.new_empty(dim, dim)
+    out[rows, cols] = packed
+    out[cols, rows] = packed
+    return out
+
+
+def triangle_numel(dim: int) -> int:
+    """Elements sent for a symmetric ``dim``² factor with triangle packing."""
+    return dim * (dim + 1) // 2
+
+
+def _bucket_plan(
+    tensors: Sequence[torch.Tensor], numels: Sequence[int], cap_bytes: int | None
+) -> list[list[int]]:
+    """Group tensor indices into buckets of one dtype and device, split at ``cap_bytes``."""
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    buckets: list[list[int]] = []
+    for indices in groups.values():
+        current: list[int] = []
+        size = 0
+        for i in indices:
+            nbytes = numels[i] * tensors[i].element_size()
+            if current and cap_bytes is not None and size + nbytes > cap_bytes:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += nbytes
+        if current:
+            buckets.append(current)
+    return buckets
+
+
+@dataclass
+class Handle:
+    """Pending collectives; :meth:`Communicator.wait` completes them and unpacks results."""
+
+    category: str
+    works: list = field(default_factory=list)
+    finish: list[Callable[[], None]] = field(default_factory=list)
+    done: bool = False
+
+
+class Communicator:
+    """Accounted, fused, time-limited collectives over one process group.
+
+    Args:
+        group: the process group (None: the default group, if initialised).
+        timeout: seconds to wait for any collective before raising
+            :class:`CollectiveTimeout`.
+        stats: where bytes and calls are recorded.
+        timer: where waiting time is recorded, per category's phase.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout: float = 300.0,
+        stats: CommStats | None = None,
+        timer: PhaseTimer | None = None,
+    ) -> None:
+        self.enabled = dist.is_available() and dist.is_initialized()
+        self.group = group if self.enabled else None
+        self.rank = dist.get_rank(group) if self.enabled else 0
+        self.size = dist.get_world_size(group) if self.enabled else 1
+        self.timeout = timeout
+        self.stats = stats if stats is not None else CommStats()
+        self.timer = timer if timer is not None else PhaseTimer()
+
+    @property
+    def active(self) -> bool:
+        """True when collectives actually run (more than one rank)."""
+        return self.enabled and self.size > 1
+
+    def global_rank(self, group_rank: int) -> int:
+        """Translate a rank of this group to the global rank torch.distributed expects."""
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    # ----------------------------------------------------------------- helpers
+    def _launch(
+        self, handle: Handle, fn: Callable[..., object], flat: torch.Tensor, **kwargs: object
+    ) -> None:
+        self.stats.record(handle.category, flat.numel() * flat.element_size())
+        handle.works.append(fn(flat, group=self.group, async_op=True, **kwargs))
+
+    def wait(self, handle: Handle) -> None:
+        """Block until ``handle`` completes (timed in its category's phase), then unpack."""
+        if handle.done:
+            return
+        phase = PHASE_OF_CATEGORY.get(handle.category, handle.category)
+        with self.timer.phase(phase):
+            for work in handle.works:
+                try:
+                    work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+                except Exception as err:  # gloo/NCCL raise several types on timeout
+                    raise CollectiveTimeout(
+                        f"dpkfac: {handle.category} collective did not complete within "
+                        f"{self.timeout:.0f}s on rank {self.rank} (phase {phase}): {err}"
+                    ) from err
+            for finish in handle.finish:
+                finish()
+        handle.done = True
+
+    # ------------------------------------------------------------- collectives
+    def allreduce_mean(
+        self,
+        tensors: Sequence[torch.Tensor],
+        category: str,
+        *,
+        triangle: bool = False,
+        cap_bytes: int | None = None,
+        async_op: bool = False,
+    ) -> Handle:
+        """Average tensors across ranks in place, fused into buckets.
+
+        Args:
+            tensors: tensors to average (square symmetric ones if ``triangle``).
+            category: accounting category.
+            triangle: send only upper triangles of the (symmetric) tensors.
+            cap_bytes: split buckets at this size (None: one bucket per dtype).
+            async_op: return before completion; call :meth:`wait` later.
+        """
+        handle = Handle(category)
+        if not self.active or not tensors:
+            handle.done = True
+            return handle
+        tensors = list(tensors)
+        numels = [triangle_numel(t.shape[0]) if triangle else t.numel() for t in tensors]
+        for bucket in _bucket_plan(tensors, numels, cap_bytes):
+            parts = [
+                pack_triangle(tensors[i]) if triangle else tensors[i].reshape(-1) for i in bucket
+            ]
+            flat = torch.cat(parts)
+            self._launch(handle, dist.all_reduce, flat)
+            handle.finish.append(self._unpacker(flat, [tensors[i] for i in bucket], triangle))
+        if not async_op:
+            self.wait(handle)
+        return handle
+
+    def _unpacker(
+        self, flat: torch.Tensor, tensors: list[torch.Tensor], triangle: bool, scale: bool = True
+    ) -> Callable[[], None]:
+        size = self.size
+
+        def finish() -> None:
+            offset = 0
+            if scale:
+                flat.div_(size)
+            for t in tensors:
+                if triangle:
+                    n = triangle_numel(t.shape[0])
+                    t.copy_(unpack_triangle(flat[offset : offset + n], t.shape[0]))
+                else:
+                    n = t.numel()
+                    t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n
+
+        return finish
+
+    def broadcast(
+        self,
+        tensors: Sequence[torch.Tensor],
+        src: int,
+        category: str,
+        *,
+        async_op: bool = False,
+    ) -> Handle:
+        """Broadcast tensors from group rank ``src`` into the same-shaped tensors elsewhere."""
+        handle = Handle(category)
+        if not self.active or not tensors:
+            handle.done = True
+            return handle
+        tensors = list(tensors)
+        for bucket in _bucket_plan(tensors, [t.numel() for t in tensors], None):
+            flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
+            self._launch(handle, dist.broadcast, flat, src=self.global_rank(src))
+            if self.rank != src:
+                handle.finish.append(
+                    self._unpacker(flat, [tensors[i] for i in bucket], False, scale=False)
+                )
+        if not async_op:
+            self.wait(handle)
+        return handle
+
+    def reduce_mean(
+        self,
+        tensors: Sequence[torch.Tensor],
+        dst: int,
+        category: str,
+        *,
+        async_op: bool = False,
+    ) -> Handle:
+        """Average tensors onto group rank ``dst`` only; other ranks' copies are left as is."""
+        handle = Handle(category)
+        if not self.active or not tensors:
+            handle.done = True
+            return handle
+        tensors = list(tensors)
+        for bucket in _bucket_plan(tensors, [t.numel() for t in tensors], None):
+            flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
+            self._launch(handle, dist.reduce, flat, dst=self.global_rank(dst))
+            if self.rank == dst:
+                handle.finish.append(self._unpacker(flat, [tensors[i] for i in bucket], False))
+        if not async_op:
+            self.wait(handle)
+        return handle
+
+    def allreduce_max(self, tensor: torch.Tensor, category: str = "setup") -> torch.Tensor:
+        """Element-wise maximum across ranks (used once to agree on placement inputs)."""
+        if not self.active:
+            return tensor
+        handle = Handle(category)
+        self.stats.record(category, tensor.numel() * tensor.element_size())
+        handle.works.append(
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        )
+        self.wait(handle)
+        return tensor

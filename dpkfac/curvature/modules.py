@@ -1,0 +1,193 @@
+"""Layer-type helpers: how a module's captured tensors become K-FAC inputs.
+
+Each supported module type gets a :class:`ModuleHelper` that turns the layer
+input into the patch matrix ``a`` of shape (N, T, d_in) and the output
+gradient into ``g`` of shape (N, T, d_out), with T positions per sample, and
+that reads and writes the weight gradient as the (d_out, d_in[+1]) matrix of
+the design contract (bias gradient as the last column). The registry
+``MODULE_HELPERS`` maps module types to helpers, so a new layer type is one
+class and one registry entry.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ModuleHelper(ABC):
+    """Shape and gradient plumbing for one supported module.
+
+    Args:
+        module: the layer whose weight (and bias) K-FAC preconditions.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the bias joins the weight as a last gradient column."""
+        return getattr(self.module, "bias", None) is not None
+
+    @property
+    @abstractmethod
+    def in_features(self) -> int:
+        """Columns of ``a`` before the bias column (d_in, or C·kh·kw)."""
+
+    @property
+    @abstractmethod
+    def out_features(self) -> int:
+        """Columns of ``g`` (d_out)."""
+
+    @property
+    def a_dim(self) -> int:
+        """Dimension of the A factor (bias column included)."""
+        return self.in_features + int(self.has_bias)
+
+    @property
+    def g_dim(self) -> int:
+        """Dimension of the G factor."""
+        return self.out_features
+
+    @abstractmethod
+    def a_matrix(self, x: torch.Tensor) -> torch.Tensor:
+        """Layer input as (N, T, in_features)."""
+
+    @abstractmethod
+    def g_matrix(self, grad_output: torch.Tensor) -> torch.Tensor:
+        """Output gradient as (N, T, out_features)."""
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Weight, then bias when present: the order of the gradient matrix columns."""
+        params = [self.module.weight]
+        if self.has_bias:
+            params.append(self.module.bias)
+        return params
+
+    def grad_matrix(self) -> torch.Tensor | None:
+        """The gradient as (d_out, a_dim), or None when the layer got no gradient."""
+        weight = self.module.weight
+        if weight.grad is None:
+            return None
+        grad = weight.grad.reshape(weight.shape[0], -1)
+        if self.has_bias:
+            bias_grad = self.module.bias.grad
+            if bias_grad is None:
+                bias_grad = torch.zeros_like(self.module.bias)
+            grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
+        return grad
+
+    def set_grad_matrix(self, matrix: torch.Tensor) -> None:
+        """Write a (d_out, a_dim) matrix back into ``.grad`` of weight and bias."""
+        weight = self.module.weight
+        w_cols = matrix[:, : self.in_features]
+        weight.grad.copy_(w_cols.reshape(weight.shape).to(weight.grad.dtype))
+        if self.has_bias:
+            bias = self.module.bias
+            if bias.grad is None:
+                bias.grad = torch.zeros_like(bias)
+            bias.grad.copy_(matrix[:, -1].reshape(bias.shape).to(bias.grad.dtype))
+
+
+class LinearHelper(ModuleHelper):
+    """``nn.Linear`` with input (N, *, d_in): the extra dims are positions."""
+
+    @property
+    def in_features(self) -> int:
+        return self.module.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.module.out_features
+
+    def a_matrix(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 1:
+            x = x.unsqueeze(0)
+        return x.reshape(x.shape[0], -1, x.shape[-1])
+
+    def g_matrix(self, grad_output: torch.Tensor) -> torch.Tensor:
+        if grad_output.dim() == 1:
+            grad_output = grad_output.unsqueeze(0)
+        return grad_output.reshape(grad_output.shape[0], -1, grad_output.shape[-1])
+
+
+class Conv2dHelper(ModuleHelper):
+    """``nn.Conv2d`` (groups=1): ``a`` is the im2col patch matrix of the layer's geometry."""
+
+    @property
+    def in_features(self) -> int:
+        kh, kw = self.module.kernel_size
+        return self.module.in_channels * kh * kw
+
+    @property
+    def out_features(self) -> int:
+        return self.module.out_channels
+
+    def _padded_input(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        """Apply string or non-zero padding modes explicitly so ``unfold`` sees padding 0."""
+        conv = self.module
+        if isinstance(conv.padding, str):
+            if conv.padding == "valid":
+                return x, (0, 0)
+            pads: list[int] = []
+            for k, d in zip(reversed(conv.kernel_size), reversed(conv.dilation), strict=True):
+                total = d * (k - 1)
+                pads += [total // 2, total - total // 2]
+            mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+            return F.pad(x, pads, mode=mode), (0, 0)
+        if conv.padding_mode != "zeros":
+            return F.pad(x, conv._reversed_padding_repeated_twice, mode=conv.padding_mode), (0, 0)
+        return x, tuple(conv.padding)
+
+    def a_matrix(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 3:
+            x = x.unsqueeze(0)
+        x, padding = self._padded_input(x)
+        conv = self.module
+        patches = F.unfold(
+            x, conv.kernel_size, dilation=conv.dilation, padding=padding, stride=conv.stride
+        )
+        return patches.transpose(1, 2)
+
+    def g_matrix(self, grad_output: torch.Tensor) -> torch.Tensor:
+        if grad_output.dim() == 3:
+            grad_output = grad_output.unsqueeze(0)
+        n, c = grad_output.shape[:2]
+        return grad_output.reshape(n, c, -1).transpose(1, 2)
+
+
+MODULE_HELPERS: dict[type[nn.Module], type[ModuleHelper]] = {
+    nn.Linear: LinearHelper,
+    nn.Conv2d: Conv2dHelper,
+}
+
+
+def helper_for(module: nn.Module) -> ModuleHelper | None:
+    """The helper for a supported module, or None for layers K-FAC leaves alone.
+
+    Subclasses of registered types count (e.g. ``NonDynamicallyQuantizableLinear``);
+    grouped convolutions do not, because their weight is not one Kronecker block.
+    """
+    for module_type, helper_type in MODULE_HELPERS.items():
+        if isinstance(module, module_type):
+            if isinstance(module, nn.Conv2d) and module.groups != 1:
+                return None
+            if getattr(module, "weight", None) is None:
+                return None
+            return helper_type(module)
+    return None
+
+
+def positions_of(module: nn.Module, x: torch.Tensor) -> int:
+    """T: output positions per sample, for cost models and load balancing."""
+    helper = helper_for(module)
+    if helper is None:
+        return 1
+    if isinstance(module, nn.Conv2d):
+        return helper.a_matrix(x[:1]).shape[1]
+    return math.prod(x.shape[1:-1]) if x.dim() > 2 else 1

@@ -1,0 +1,475 @@
+"""KFACPreconditioner: capture hooks, the generic step loop and checkpoint state.
+
+The loop is the same for every distribution scheme; at each point it asks
+the strategy object (:mod:`dpkfac.strategies`) what this rank should do:
+
+1. capture (hooks): build batch factors for the layers this rank captures,
+   A in the forward hook and G in a hook on the layer's output tensor;
+2. average gradients across ranks (unless DDP already has);
+3. reduce batch factors (strategy-specific) and fold them into running averages;
+4. on decomposition steps, decompose the factors this rank is assigned and
+   share the results;
+5. precondition the layers this rank is responsible for and share the results;
+6. scale by the KL clip and write the gradients back for ``optimizer.step()``.
+
+The G hook is registered on the layer's *output tensor* rather than with
+``register_full_backward_hook``: a tensor hook registered before an in-place
+op (``nn.ReLU(inplace=True)``) still receives the gradient of the value the
+layer produced, whereas the module backward hook errors out.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dpkfac.comm import Communicator
+from dpkfac.curvature import COMPUTE_METHODS, KFACLayer, helper_for
+from dpkfac.curvature.factors import WEIGHT_SHARING
+from dpkfac.curvature.layer import FACTORS
+from dpkfac.stats import CommStats, PhaseTimer
+from dpkfac.strategies import STRATEGIES, Preconditioned, Strategy
+from dpkfac.strategies.base import layer_shape
+
+Schedule = int | Callable[[int], int]
+Scalar = float | Callable[[int], float]
+
+
+def _value(x: Any, step: int) -> Any:
+    return x(step) if callable(x) else x
+
+
+def _check_positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
+    if callable(value):
+        return
+    ok = (
+        isinstance(value, (int, float))
+        and math.isfinite(value)
+        and (value >= 0 if allow_zero else value > 0)
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} must be a positive number or a callable of the step, got {value!r}"
+        )
+
+
+def _check_steps(name: str, value: Any) -> None:
+    if callable(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 or a callable of the step, got {value!r}")
+
+
+class KFACPreconditioner:
+    """Distributed K-FAC gradient preconditioner (see ``shared/design.md``).
+
+    Args:
+        model: the model, possibly wrapped in ``DistributedDataParallel``.
+        strategy: "dp-kfac", "d-kfac" or "spd-kfac".
+        compute_method: "eigen" (exact damped Kronecker inverse) or "inverse"
+            (damping split as √γ on each factor).
+        damping: γ, a float or a callable of the step.
+        factor_decay: running-average decay of the factors.
+        kl_clip: KL-clip bound, or None to disable it.
+        lr: learning rate used by the KL clip (float or callable of the step).
+        factor_update_steps: factor update interval (int or callable of the step).
+        inv_update_steps: decomposition interval (int or callable of the step).
+        skip_layers: regexes searched in module names; matches are not preconditioned.
+        weight_sharing: "expand" or "reduce" for Conv2d positions and sequence dims.
+        process_group: group to distribute over (default: the world group).
+        factor_dtype: dtype factors are built and accumulated in (default:
+            the layer weight's dtype).
+        decomposition_dtype: dtype of decompositions (at least float32; a
+            float64 factor is decomposed in float64).
+        bucket_cap_mb: size cap of fused gradient/factor buckets.
+        collective_timeout: seconds before a collective is declared hung.
+        **strategy_options: strategy-specific options, e.g. ``grad_reduction``
+            and ``assignment`` for dp-kfac, ``local_threshold`` and ``fusion``
+            for spd-kfac. Unknown options raise ValueError.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        strategy: str = "dp-kfac",
+        compute_method: str = "eigen",
+        damping: Scalar = 0.003,
+        factor_decay: Scalar = 0.95,
+        kl_clip: float | None = 0.001,
+        lr: Scalar = 0.1,
+        factor_update_steps: Schedule = 1,
+        inv_update_steps: Schedule = 1,
+        skip_layers: str | Iterable[str] = (),
+        weight_sharing: str = "expand",
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        factor_dtype: torch.dtype | None = None,
+        decomposition_dtype: torch.dtype = torch.float32,
+        bucket_cap_mb: float = 25.0,
+        collective_timeout: float = 300.0,
+        **strategy_options: Any,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(STRATEGIES)}")
+        if compute_method not in COMPUTE_METHODS:
+            raise ValueError(
+                f"unknown compute_method {compute_method!r}; "
+                f"expected one of {sorted(COMPUTE_METHODS)}"
+            )
+        if weight_sharing not in WEIGHT_SHARING:
+            raise ValueError(
+                f"unknown weight_sharing {weight_sharing!r}; expected one of {WEIGHT_SHARING}"
+            )
+        _check_positive("damping", damping)
+        _check_positive("lr", lr)
+        if not callable(factor_decay) and not (
+            isinstance(factor_decay, (int, float)) and 0 <= factor_decay < 1
+        ):
+            raise ValueError(f"factor_decay must be in [0, 1), got {factor_decay!r}")
+        if kl_clip is not None:
+            _check_positive("kl_clip", kl_clip)
+        _check_steps("factor_update_steps", factor_update_steps)
+        _check_steps("inv_update_steps", inv_update_steps)
+        for name, dt in (
+            ("factor_dtype", factor_dtype),
+            ("decomposition_dtype", decomposition_dtype),
+        ):
+            if dt is not None and (not isinstance(dt, torch.dtype) or not dt.is_floating_point):
+                raise ValueError(f"{name} must be a floating torch.dtype, got {dt!r}")
+        if torch.finfo(decomposition_dtype).bits < 32:
+            raise ValueError(
+                f"decomposition_dtype {decomposition_dtype} is half precision; "
+                "decompositions need at least float32"
+            )
+        if isinstance(skip_layers, str):
+            skip_layers = (skip_layers,)
+        try:
+            self._skip = [re.compile(p) for p in skip_layers]
+        except re.error as err:
+            raise ValueError(f"invalid skip_layers regex: {err}") from err
+
+        self.model = model
+        self.ddp = isinstance(model, DistributedDataParallel)
+        self.module = model.module if self.ddp else model
+        self.strategy_name = strategy
+        self.compute_method = compute_method
+        self.method = COMPUTE_METHODS[compute_method]
+        self.damping = damping
+        self.factor_decay = factor_decay
+        self.kl_clip = kl_clip
+        self.lr = lr
+        self.factor_update_steps = factor_update_steps
+        self.inv_update_steps = inv_update_steps
+        self.weight_sharing = weight_sharing
+        self.factor_dtype = factor_dtype
+        self.decomposition_dtype = decomposition_dtype
+        self.steps = 0
+
+        self._stats = CommStats()
+        on_cuda = any(p.is_cuda for p in self.module.parameters())
+        self._timer = PhaseTimer(synchronize=on_cuda)
+        self.comm = Communicator(
+            process_group, timeout=collective_timeout, stats=self._stats, timer=self._timer
+        )
+        self.strategy: Strategy = STRATEGIES[strategy](
+            self.comm,
+            self.method,
+            decomposition_dtype=decomposition_dtype,
+            bucket_cap_mb=bucket_cap_mb,
+            **strategy_options,
+        )
+        self.layers: dict[str, KFACLayer] = self._register()
+        kfac_params = {id(p) for layer in self.layers.values() for p in layer.helper.parameters()}
+        self._other_params = [
+            p for p in self.module.parameters() if p.requires_grad and id(p) not in kfac_params
+        ]
+        self._layer_list = list(self.layers.values())
+        self.strategy.place(self._layer_list, [layer_shape(x, 1, 1) for x in self._layer_list])
+        self._buffer_peak = 0
+        self._capture = self._is_factor_step(0)
+
+    # ------------------------------------------------------------ registration
+    def _register(self) -> dict[str, KFACLayer]:
+        """Wrap every supported, trainable, non-skipped module and hook it (module order)."""
+        layers: dict[str, KFACLayer] = {}
+        for name, module in self.module.named_modules():
+            helper = helper_for(module)
+            if helper is None or any(p.search(name) for p in self._skip):
+                continue
+            if not all(p.requires_grad for p in helper.parameters()):
+                continue
+            layer = KFACLayer(name, module, helper)
+            module.register_forward_hook(partial(self._forward_hook, layer), with_kwargs=True)
+            layers[name] = layer
+        return layers
+
+    def _is_factor_step(self, step: int) -> bool:
+        return step % int(_value(self.factor_update_steps, step)) == 0
+
+    def _is_inv_step(self, step: int) -> bool:
+        return step % int(_value(self.inv_update_steps, step)) == 0
+
+    def _dtype_for(self, layer: KFACLayer) -> torch.dtype:
+        return self.factor_dtype or layer.module.weight.dtype
+
+    def _forward_hook(
+        self,
+        layer: KFACLayer,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+    ) -> None:
+        if not (self._capture and module.training and torch.is_grad_enabled()):
+            return
+        if not self.strategy.captures(layer):
+            return
+        x = args[0] if args else kwargs.get("input")
+        if not isinstance(x, torch.Tensor):
+            return
+        with self._timer.phase("factor_compute"):
+            layer.accumulate_a(x, self.weight_sharing, self._dtype_for(layer))
+        self.strategy.factor_ready(layer, "A")
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(partial(self._grad_hook, layer))
+
+    def _grad_hook(self, layer: KFACLayer, grad: torch.Tensor) -> None:
+        with self._timer.phase("factor_compute"):
+            layer.accumulate_g(grad, self.weight_sharing, self._dtype_for(layer))
+        self.strategy.factor_ready(layer, "G")
+
+    # --------------------------------------------------------------- placement
+    def _finalise_placement(self) -> None:
+        """Place layers from the first batch's shapes, agreed on by all ranks."""
+        stats = torch.tensor(
+            [[x.batch_size, x.positions] for x in self._layer_list], dtype=torch.float64
+        ).reshape(-1, 2)
+        if self.strategy.needs_batch_shapes():
+            self.comm.allreduce_max(stats)
+        shapes = [
+            layer_shape(x, int(n), int(t))
+            for x, (n, t) in zip(self._layer_list, stats.tolist(), strict=True)
+        ]
+        self.strategy.place(self._layer_list, shapes)
+        self.strategy.placed = True
+        for layer in self._layer_list:
+            if not self.strategy.captures(layer):
+                layer.clear_pending()
+
+    # -------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self) -> None:
+        """Average gradients, update curvature as scheduled and precondition in place."""
+        step = self.steps
+        strat = self.strategy
+        layers = self._layer_list
+        if not strat.placed:
+            self._finalise_placement()
+        self._buffer_peak = max(self._buffer_peak, sum(x.pending_nbytes() for x in layers))
+
+        if not self.ddp:
+            strat.reduce_gradients(layers, self._other_params)
+
+        if any(x.pending(w) is not None for x in layers for w in FACTORS) or self._capture:
+            strat.reduce_factors(layers)
+            decay = float(_value(self.factor_decay, step))
+            for layer in layers:
+                layer.update_factors(decay)
+
+        damping = float(_value(self.damping, step))
+        _check_positive("damping", damping)
+        if self._is_inv_step(step):
+            due = {(x.name, w) for x in layers for w in FACTORS if x.factor(w) is not None}
+            with self._timer.phase("decomposition"):
+                for name, which in sorted(due):
+                    layer = self.layers[name]
+                    if strat.decomposes(layer, which):
+                        layer.decompose(
+                            which, self.method, damping=damping, dtype=self.decomposition_dtype
+                        )
+            strat.share_decompositions(layers, due)
+
+        results = self._precondition(damping)
+        final = strat.share_preconditioned(layers, results, with_kl=self.kl_clip is not None)
+        self._apply(final, step)
+        self._warn_uncaptured()
+
+        self.steps += 1
+        self._capture = self._is_factor_step(self.steps)
+
+    def _precondition(self, damping: float) -> dict[str, Preconditioned]:
+        results: dict[str, Preconditioned] = {}
+        with self._timer.phase("precondition"):
+            for layer in self._layer_list:
+                if not self.strategy.preconditions(layer):
+                    continue
+                grad = layer.helper.grad_matrix()
+                if grad is None:
+                    continue
+                v = layer.preconditioned_grad(damping)
+                if v is None:
+                    results[layer.name] = Preconditioned(grad, 0.0, False)
+                else:
+                    results[layer.name] = Preconditioned(v, float((v * grad).sum()), True)
+        return results
+
+    def _apply(self, final: dict[str, Preconditioned], step: int) -> None:
+        """Scale by the KL clip and write the updates into ``.grad``."""
+        scale = 1.0
+        if self.kl_clip is not None:
+            lr = float(_value(self.lr, step))
+            vg_sum = 0.0
+            for layer in self._layer_list:
+                res = final.get(layer.name)
+                if res is not None and res.preconditioned:
+                    vg_sum += res.vg * lr**2
+            if vg_sum != 0.0 and math.isfinite(vg_sum):
+                scale = min(1.0, math.sqrt(self.kl_clip / abs(vg_sum)))
+        for layer in self._layer_list:
+            res = final.get(layer.name)
+            if res is None:
+                continue
+            # Unpreconditioned updates are written too: under dp-kfac they may
+            # have arrived by broadcast in place of a gradient never averaged here.
+            matrix = res.matrix * scale if res.preconditioned and scale != 1.0 else res.matrix
+            layer.helper.set_grad_matrix(matrix)
+
+    def _warn_uncaptured(self) -> None:
+        """Warn once per layer whose hooks never fired although it has a gradient."""
+        for layer in self._layer_list:
+            if (
+                layer.ever_captured
+                or layer.warned_no_capture
+                or not self.strategy.captures(layer)
+                or layer.module.weight.grad is None
+            ):
+                continue
+            layer.warned_no_capture = True
+            warnings.warn(
+                f"dpkfac: layer {layer.name!r} ({type(layer.module).__name__}) received a gradient "
+                "but its forward hook never fired (it is probably called functionally, like "
+                "nn.MultiheadAttention.out_proj); it keeps its averaged gradient",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    # -------------------------------------------------------------- inspection
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes and calls per collective category on this rank since :meth:`reset_stats`."""
+        return self._stats.as_dict()
+
+    def timings(self) -> dict[str, float]:
+        """Seconds per phase on this rank since :meth:`reset_stats`."""
+        return self._timer.as_dict()
+
+    def reset_stats(self) -> None:
+        """Zero the communication, timing and buffer-peak accounting."""
+        self._stats.reset()
+        self._timer.reset()
+        self._buffer_peak = 0
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes of K-FAC state on this rank.
+
+        ``factors`` and ``decompositions`` are what is held now; ``buffers``
+        is the peak of batch factors awaiting ``step()`` since the last reset.
+        """
+        return {
+            "factors": sum(x.factor_nbytes() for x in self._layer_list),
+            "decompositions": sum(x.decomposition_nbytes() for x in self._layer_list),
+            "buffers": self._buffer_peak,
+        }
+
+    # ------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Factors, decompositions, placement and step counters (tensors cloned)."""
+
+        def clone(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach().clone()
+
+        layers = {}
+        for layer in self._layer_list:
+            layers[layer.name] = {
+                "A": clone(layer.a_factor),
+                "G": clone(layer.g_factor),
+                "A_decomp": [clone(t) for t in layer.a_decomp.tensors()]
+                if layer.a_decomp
+                else None,
+                "G_decomp": [clone(t) for t in layer.g_decomp.tensors()]
+                if layer.g_decomp
+                else None,
+                "owner": layer.owner,
+                "a_owner": layer.a_owner,
+                "g_owner": layer.g_owner,
+                "ever_captured": layer.ever_captured,
+            }
+        return {
+            "steps": self.steps,
+            "strategy": self.strategy_name,
+            "compute_method": self.compute_method,
+            "world_size": self.comm.size,
+            "rank": self.comm.rank,
+            "placed": self.strategy.placed,
+            "layers": layers,
+            "strategy_state": self.strategy.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; the run then continues bitwise-identically."""
+        for key, mine in (
+            ("strategy", self.strategy_name),
+            ("compute_method", self.compute_method),
+            ("world_size", self.comm.size),
+        ):
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"checkpoint was saved with {key}={state.get(key)!r} but this preconditioner "
+                    f"has {key}={mine!r}"
+                )
+        missing = sorted(set(state["layers"]) - set(self.layers))
+        if missing:
+            raise ValueError(f"checkpoint has K-FAC layers this model lacks: {missing}")
+        for name, layer in self.layers.items():
+            entry = state["layers"].get(name)
+            if entry is None:
+                continue
+            layer.a_factor = entry["A"].clone() if entry["A"] is not None else None
+            layer.g_factor = entry["G"].clone() if entry["G"] is not None else None
+            layer.a_decomp = (
+                self.method.from_tensors([t.clone() for t in entry["A_decomp"]])
+                if entry["A_decomp"] is not None
+                else None
+            )
+            layer.g_decomp = (
+                self.method.from_tensors([t.clone() for t in entry["G_decomp"]])
+                if entry["G_decomp"] is not None
+                else None
+            )
+            layer.owner, layer.a_owner, layer.g_owner = (
+                entry["owner"],
+                entry["a_owner"],
+                entry["g_owner"],
+            )
+            layer.ever_captured = entry.get("ever_captured", False)
+            layer.clear_pending()
+        self.steps = int(state["steps"])
+        self.strategy.placed = bool(state["placed"])
+        self.strategy.load_state_dict(state.get("strategy_state", {}))
+        self._capture = self._is_factor_step(self.steps)
+
+    def __repr__(self) -> str:
+        return (
+            f"KFACPreconditioner(strategy={self.strategy_name!r}, method={self.compute_method!r}, "
+            f"layers={len(self.layers)}, world_size={self.comm.size}, rank={self.comm.rank})"
+        )

@@ -1,0 +1,220 @@
+"""SPD-KFAC: D-KFAC's maths with pipelined, fused, triangle-packed factor traffic.
+
+Differences from :mod:`dpkfac.strategies.d_kfac`, after Shi et al.'s smart
+parallel D-KFAC:
+
+1. **Pipelining.** Each batch factor's all-reduce is launched asynchronously
+   from the capture hook that built it (A in the forward hook, G in the
+   backward hook); ``step()`` only waits.
+2. **Dynamic tensor fusion.** During the first ``profile_steps`` factor
+   updates every factor travels alone while its ready time (seconds since
+   the step's first factor) is recorded. The ranks then agree on the
+   element-wise maximum of those times and of a measured alpha-beta model of
+   the collective, and :func:`dpkfac.fusion.plan_buckets` merges consecutive
+   factors while the next one will be ready before the current bucket's
+   communication would finish (or waiting for it costs less than alpha). A
+   bucket is launched as soon as its last factor is built.
+3. **Triangle packing.** Only the upper triangle of each symmetric factor is sent.
+4. **Placement.** Factors smaller than ``local_threshold`` are decomposed on
+   every rank with no broadcast; larger ones go to ranks by LPT and are
+   broadcast.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from dpkfac.comm import Handle, triangle_numel
+from dpkfac.curvature import KFACLayer
+from dpkfac.curvature.layer import FACTORS
+from dpkfac.fusion import CommModel, fit_comm_model, plan_buckets
+from dpkfac.strategies.d_kfac import DKFAC
+
+Key = tuple[str, str]
+
+
+class SPDKFAC(DKFAC):
+    """Pipelined, fused, triangle-packed factor all-reduces and thresholded placement.
+
+    Options:
+        local_threshold: factors with a smaller dimension are decomposed
+            locally on every rank (reference code: about 1024).
+        fusion: "dynamic" (the rule above) or "none" (one collective per factor).
+        profile_steps: factor updates measured before the fusion plan is fixed.
+        comm_alpha / comm_beta: fix the alpha-beta model instead of measuring it.
+    """
+
+    name = "spd-kfac"
+    OPTIONS: ClassVar[dict[str, Any]] = {
+        "local_threshold": 1024,
+        "fusion": "dynamic",
+        "profile_steps": 2,
+        "comm_alpha": None,
+        "comm_beta": None,
+    }
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.options["fusion"] not in ("dynamic", "none"):
+            raise ValueError(
+                f"unknown fusion {self.options['fusion']!r}; expected 'dynamic' or 'none'"
+            )
+        if int(self.options["local_threshold"]) < 0:
+            raise ValueError(f"local_threshold must be >= 0, got {self.options['local_threshold']}")
+        self.plan: list[list[Key]] | None = None
+        self.comm_model: CommModel | None = None
+        self._bucket_of: dict[Key, int] = {}
+        self._profiles: list[dict[Key, float]] = []
+        self._reset_step()
+
+    def _reset_step(self) -> None:
+        self._t0: float | None = None
+        self._times: dict[Key, float] = {}
+        self._ready: dict[int, list[Key]] = {}
+        self._launched: set[Key] = set()
+        self._stale: set[Key] = set()
+        self._inflight: list[tuple[list[tuple[KFACLayer, str]], list[torch.Tensor], Handle]] = []
+        self._layers: dict[str, KFACLayer] = {}
+
+    def local_threshold(self) -> int | None:
+        return int(self.options["local_threshold"])
+
+    # -------------------------------------------------------------- pipelining
+    def factor_ready(self, layer: KFACLayer, which: str) -> None:
+        if not self.comm.active:
+            return
+        now = time.perf_counter()
+        if self._t0 is None:
+            self._t0 = now
+        key = (layer.name, which)
+        self._layers[layer.name] = layer
+        self._times[key] = now - self._t0
+        if key in self._launched:
+            # A second micro-batch after the launch: the in-flight result is
+            # stale; step() all-reduces the complete sum instead.
+            self._stale.add(key)
+            return
+        bucket = self._bucket_of.get(key)
+        if bucket is None:
+            self._launch([(layer, which)])
+            return
+        ready = self._ready.setdefault(bucket, [])
+        ready.append(key)
+        if len(ready) == len(self.plan[bucket]):
+            self._launch_keys(self.plan[bucket])
+
+    def _launch_keys(self, keys: Sequence[Key]) -> None:
+        self._launch([(self._layers[name], which) for name, which in keys])
+
+    def _launch(self, items: list[tuple[KFACLayer, str]]) -> None:
+        tensors = [layer.pending(which).clone() for layer, which in items]
+        handle = self.comm.allreduce_mean(tensors, "factor_allreduce", triangle=True, async_op=True)
+        self._launched.update((layer.name, which) for layer, which in items)
+        self._inflight.append((items, tensors, handle))
+
+    def reduce_factors(self, layers: Sequence[KFACLayer]) -> None:
+        if not self.comm.active:
+            self._reset_step()
+            return
+        # Buckets with members that did not run this step (on any rank, since
+        # usage must match across ranks) still go, in plan order.
+        for bucket in sorted(self._ready):
+            keys = self._ready[bucket]
+            if len(keys) < len(self.plan[bucket]):
+                order = [k for k in self.plan[bucket] if k in keys]
+                self._launch_keys(order)
+        for items, tensors, handle in self._inflight:
+            self.comm.wait(handle)
+            for (layer, which), tensor in zip(items, tensors, strict=True):
+                if (layer.name, which) not in self._stale:
+                    layer.set_pending(which, tensor)
+        redo = [
+            (layer, w)
+            for layer in layers
+            for w in FACTORS
+            if layer.pending(w) is not None
+            and ((layer.name, w) in self._stale or (layer.name, w) not in self._launched)
+        ]
+        if redo:
+            tensors = [layer.pending(w) for layer, w in redo]
+            self.comm.allreduce_mean(tensors, "factor_allreduce", triangle=True)
+            for (layer, which), tensor in zip(redo, tensors, strict=True):
+                layer.set_pending(which, tensor)
+        if self.plan is None and self._times:
+            self._profiles.append(dict(self._times))
+            if len(self._profiles) >= int(self.options["profile_steps"]):
+                self._build_plan(layers)
+        self._reset_step()
+
+    # ------------------------------------------------------------------ fusion
+    def _measure_comm_model(self) -> CommModel:
+        """Time blocking all-reduces of a few sizes and fit alpha and beta."""
+        alpha, beta = self.options["comm_alpha"], self.options["comm_beta"]
+        if alpha is not None and beta is not None:
+            return CommModel(float(alpha), float(beta))
+        samples = []
+        for numel in (256, 16384, 262144):
+            buf = torch.zeros(numel, dtype=torch.float32)
+            for _ in range(3):
+                start = time.perf_counter()
+                handle = Handle("setup")
+                self.comm.stats.record("setup", buf.numel() * buf.element_size())
+                handle.works.append(dist.all_reduce(buf, group=self.comm.group, async_op=True))
+                self.comm.wait(handle)
+                samples.append((buf.numel() * buf.element_size(), time.perf_counter() - start))
+        return fit_comm_model(samples)
+
+    def _build_plan(self, layers: Sequence[KFACLayer]) -> None:
+        """Fix the fusion plan from the profiled ready times, identically on every rank."""
+        keys = [(layer.name, w) for layer in layers for w in FACTORS]
+        seen = [k for k in keys if any(k in p for p in self._profiles)]
+        times = torch.tensor(
+            [sum(p.get(k, 0.0) for p in self._profiles) / len(self._profiles) for k in seen],
+            dtype=torch.float64,
+        )
+        model = self._measure_comm_model()
+        agreed = torch.cat([times, torch.tensor([model.alpha, model.beta], dtype=torch.float64)])
+        self.comm.allreduce_max(agreed)
+        times_l = agreed[:-2].tolist()
+        self.comm_model = CommModel(float(agreed[-2]), float(agreed[-1]))
+        order = sorted(range(len(seen)), key=lambda i: (times_l[i], i))
+        by_name = {layer.name: layer for layer in layers}
+        sizes = []
+        for i in order:
+            name, which = seen[i]
+            helper = by_name[name].helper
+            dim = helper.a_dim if which == "A" else helper.g_dim
+            dtype = by_name[name].module.weight.dtype
+            sizes.append(triangle_numel(dim) * torch.empty((), dtype=dtype).element_size())
+        ready = [times_l[i] for i in order]
+        if self.options["fusion"] == "dynamic":
+            buckets = plan_buckets(ready, sizes, self.comm_model)
+        else:
+            buckets = [[i] for i in range(len(order))]
+        self.plan = [[seen[order[i]] for i in bucket] for bucket in buckets]
+        self._bucket_of = {k: b for b, bucket in enumerate(self.plan) for k in bucket}
+
+    # ------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "plan": [list(map(list, bucket)) for bucket in self.plan] if self.plan else None,
+            "comm_model": (self.comm_model.alpha, self.comm_model.beta)
+            if self.comm_model
+            else None,
+            "profiles": [[[k[0], k[1], t] for k, t in p.items()] for p in self._profiles],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        plan = state.get("plan")
+        self.plan = [[(k[0], k[1]) for k in bucket] for bucket in plan] if plan else None
+        self._bucket_of = (
+            {k: b for b, bucket in enumerate(self.plan) for k in bucket} if self.plan else {}
+        )
+        cm = state.get("comm_model")
+        self.comm_model = CommModel(*cm) if cm else None
+        self._profiles = [{(n, w): t for n, w, t in p} for p in state.get("profiles", [])]
