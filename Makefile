@@ -18,7 +18,7 @@ $(PY):
 # torch/torchvision first: this pair is served from the machine's disk.
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -e '.[experiments,dev]'
+	$(PY) -m pip install -e '.[experiments,dev]' --config-settings editable_mode=compat
 	touch $(STAMP)
 
 venv: $(STAMP)

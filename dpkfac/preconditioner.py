@@ -157,7 +157,7 @@ class KFACPreconditioner:
         try:
             self._skip = [re.compile(p) for p in skip_layers]
         except re.error as err:
-            raise ValueError(f"invalid skip_layers regex: {err}") from err
+            raise ValueError(f"invalid skip_layers regex {err.pattern!r}: {err}") from err
 
         self.model = model
         self.ddp = isinstance(model, DistributedDataParallel)

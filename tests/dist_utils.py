@@ -1,0 +1,107 @@
+"""Run a function on several gloo ranks (forked processes on localhost) with timeouts.
+
+Every process group gets a short timeout and the parent joins every rank with
+a deadline, so a deadlock fails the test quickly and names the rank instead
+of hanging CI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._dynamo  # noqa: F401  (optimizers import it lazily: 3 s per forked rank otherwise)
+import torch.distributed as dist
+
+PG_TIMEOUT_S = 60
+JOIN_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, queue: Any, args: tuple
+) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+        )
+        result = fn(rank, world_size, *args)
+        # Plain pickle: multiprocessing's pickler would pass tensors as shared-memory
+        # handles that die with this process before the parent reads them.
+        queue.put((rank, "ok", pickle.dumps(result)))
+    except BaseException:  # report every failure, including assertion errors
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = JOIN_TIMEOUT_S
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks.
+
+    Returns:
+        The per-rank return values, indexed by rank.
+
+    Raises:
+        AssertionError: naming the ranks that failed or did not finish in time.
+    """
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    while len(results) + len(errors) < world_size:
+        remaining = (deadline - datetime.datetime.now()).total_seconds()
+        if remaining <= 0:
+            break
+        if all(not p.is_alive() for p in procs):
+            remaining = min(remaining, 5.0)  # all exited: drain what they sent, then stop
+        try:
+            rank, status, payload = queue.get(timeout=min(remaining, 2.0))
+        except Exception:  # queue.Empty
+            if all(not p.is_alive() for p in procs) and remaining <= 2.0:
+                break
+            continue
+        if status == "ok":
+            results[rank] = pickle.loads(payload)
+        else:
+            errors[rank] = payload
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    missing = sorted(set(range(world_size)) - set(results) - set(errors))
+    if errors or missing:
+        msg = [f"rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())]
+        if missing:
+            msg.append(f"ranks {missing} did not report within {timeout}s (deadlock or crash?)")
+        raise AssertionError("\n".join(msg))
+    return [results[r] for r in range(world_size)]
