@@ -135,10 +135,21 @@ class Communicator:
         return dist.get_global_rank(self.group, group_rank)
 
     # ----------------------------------------------------------------- helpers
+    def wire_bytes(self, kind: str, nbytes: int) -> int:
+        """Bytes one rank sends for a collective under the bandwidth-optimal algorithm."""
+        p = self.size
+        factor = 2 if kind == "allreduce" else 1
+        return factor * nbytes * (p - 1) // p
+
+    def record(self, category: str, kind: str, nbytes: int) -> None:
+        """Account one collective of ``kind`` ("allreduce" or "rooted") over ``nbytes``."""
+        self.stats.record(category, nbytes, self.wire_bytes(kind, nbytes))
+
     def _launch(
         self, handle: Handle, fn: Callable[..., object], flat: torch.Tensor, **kwargs: object
     ) -> None:
-        self.stats.record(handle.category, flat.numel() * flat.element_size())
+        kind = "allreduce" if fn is dist.all_reduce else "rooted"
+        self.record(handle.category, kind, flat.numel() * flat.element_size())
         handle.works.append(fn(flat, group=self.group, async_op=True, **kwargs))
 
     def wait(self, handle: Handle) -> None:
@@ -152,8 +163,8 @@ class Communicator:
                     work.wait(timeout=datetime.timedelta(seconds=self.timeout))
                 except Exception as err:  # gloo/NCCL raise several types on timeout
                     raise CollectiveTimeout(
-                        f"dpkfac: {handle.category} collective did not complete within "
-                        f"{self.timeout:.0f}s on rank {self.rank} (phase {phase}): {err}"
+                        f"dpkfac: {handle.category} collective failed or did not complete "
+                        f"within {self.timeout:g}s on rank {self.rank} (phase {phase}): {err}"
                     ) from err
             for finish in handle.finish:
                 finish()
@@ -268,7 +279,7 @@ class Communicator:
         if not self.active:
             return tensor
         handle = Handle(category)
-        self.stats.record(category, tensor.numel() * tensor.element_size())
+        self.record(category, "allreduce", tensor.numel() * tensor.element_size())
         handle.works.append(
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         )

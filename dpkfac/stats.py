@@ -48,15 +48,36 @@ class CommStats:
     def reset(self) -> None:
         self._bytes: dict[str, int] = defaultdict(int)
         self._calls: dict[str, int] = defaultdict(int)
+        self._wire: dict[str, int] = defaultdict(int)
 
-    def record(self, category: str, nbytes: int) -> None:
+    def record(self, category: str, nbytes: int, wire_bytes: int | None = None) -> None:
+        """Count one collective over a buffer of ``nbytes``.
+
+        Args:
+            category: accounting category.
+            nbytes: size of the buffer handed to torch.distributed.
+            wire_bytes: bytes this rank sends under the bandwidth-optimal
+                algorithm (ring all-reduce: 2(P-1)/P of the buffer; broadcast
+                and reduce: (P-1)/P), so schemes can be compared on the wire.
+        """
         self._bytes[category] += int(nbytes)
         self._calls[category] += 1
+        self._wire[category] += int(nbytes if wire_bytes is None else wire_bytes)
 
     def as_dict(self) -> dict[str, dict[str, int]]:
-        """Every contract category (zero when unused) plus any extra one that was used."""
+        """Every contract category (zero when unused) plus any extra one that was used.
+
+        Each entry holds ``bytes`` and ``calls`` (the contract) and ``wire_bytes``.
+        """
         names = list(COMM_CATEGORIES) + sorted(set(self._calls) - set(COMM_CATEGORIES))
-        return {c: {"bytes": self._bytes.get(c, 0), "calls": self._calls.get(c, 0)} for c in names}
+        return {
+            c: {
+                "bytes": self._bytes.get(c, 0),
+                "calls": self._calls.get(c, 0),
+                "wire_bytes": self._wire.get(c, 0),
+            }
+            for c in names
+        }
 
 
 class PhaseTimer:

@@ -54,7 +54,9 @@ def concat_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def make_preconditioner(model: nn.Module, variant: str, **overrides: Any) -> dpkfac.KFACPreconditioner:
+def make_preconditioner(
+    model: nn.Module, variant: str, **overrides: Any
+) -> dpkfac.KFACPreconditioner:
     strategy, options = STRATEGY_VARIANTS[variant]
     kwargs: dict[str, Any] = {
         "damping": 0.01,

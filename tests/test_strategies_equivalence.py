@@ -61,7 +61,10 @@ def test_same_batch_every_strategy_matches_world_size_one(world_size: int) -> No
                 # bitwise-identical parameters on all ranks
                 for name, tensor in got.items():
                     assert torch.equal(tensor, results[0][variant]["params"][step][name]), (
-                        variant, step, rank, name,
+                        variant,
+                        step,
+                        rank,
+                        name,
                     )
 
 

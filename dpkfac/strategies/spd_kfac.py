@@ -163,7 +163,7 @@ class SPDKFAC(DKFAC):
             for _ in range(3):
                 start = time.perf_counter()
                 handle = Handle("setup")
-                self.comm.stats.record("setup", buf.numel() * buf.element_size())
+                self.comm.record("setup", "allreduce", buf.numel() * buf.element_size())
                 handle.works.append(dist.all_reduce(buf, group=self.comm.group, async_op=True))
                 self.comm.wait(handle)
                 samples.append((buf.numel() * buf.element_size(), time.perf_counter() - start))

@@ -1,0 +1,152 @@
+"""Exact bytes per collective category and K-FAC memory per rank, from the layer shapes.
+
+Bytes are the sizes of the buffers handed to torch.distributed on each rank;
+every rank takes part in every collective, so every rank counts the same
+bytes. Formulas for TinyNet (float64, 8 bytes):
+
+* gradients: every trainable parameter once;
+* dp-kfac: preconditioned gradients of every K-FAC layer (+2 KL scalars per
+  layer when kl_clip is on), no factor or decomposition bytes;
+* d-kfac: Σ(d_A² + d_G²) factors, Σ(d² + d) eigen decompositions broadcast;
+* spd-kfac: Σ d(d+1)/2 triangles, decompositions only for d >= local_threshold.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_ranks
+from strategy_cases import batch, make_model, make_preconditioner
+from torch import nn
+
+import dpkfac
+
+ITEM = 8
+
+
+def _shapes(model: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """name -> (a_dim, g_dim, parameter elements) for K-FAC layers."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Linear, nn.Conv2d)):
+            a = m.weight[0].numel() + int(m.bias is not None)
+            out[name] = (a, m.weight.shape[0], sum(p.numel() for p in m.parameters()))
+    return out
+
+
+def _stats_after_one_step(rank: int, world_size: int, variant: str, kl_clip):
+    model = make_model()
+    pre = make_preconditioner(model, variant, kl_clip=kl_clip)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):  # step 0 places layers; spd fixes its plan after step 1
+        if step == 2:
+            pre.reset_stats()
+        opt.zero_grad()
+        x, y = batch(step, rank)
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+    owners = {n: (layer.owner, layer.a_owner, layer.g_owner) for n, layer in pre.layers.items()}
+    return pre.comm_stats(), pre.memory_usage(), owners
+
+
+VARIANTS = ["dp-kfac", "dp-kfac-owner", "d-kfac", "spd-kfac", "spd-kfac-local"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bytes_per_category_match_formulas(world_size: int, variant: str) -> None:
+    kl_clip = 0.001 if variant == "dp-kfac" else None
+    results = run_ranks(_stats_after_one_step, world_size, variant, kl_clip)
+    model = make_model()
+    shapes = _shapes(model)
+    grad_numel = sum(p.numel() for p in model.parameters())
+    kfac_numel = sum(s[2] for s in shapes.values())
+    factor_full = sum(a * a + g * g for a, g, _ in shapes.values())
+    factor_tri = sum(a * (a + 1) // 2 + g * (g + 1) // 2 for a, g, _ in shapes.values())
+    owners = results[0][2]
+    p = world_size
+    for rank, (stats, _memory, owners_r) in enumerate(results):
+        assert owners_r == owners, rank  # every rank computed the same placement
+        grads = stats["grad_allreduce"]
+        assert grads["bytes"] == grad_numel * ITEM
+        if variant.startswith("dp-kfac"):
+            n_owners = len({o for o, _, _ in owners.values()})
+            meta = 2 if kl_clip else 0
+            bucket_bytes = [
+                sum((shapes[n][2] + meta) * ITEM for n, (o, _, _) in owners.items() if o == r)
+                for r in range(p)
+            ]
+            assert stats["precond_broadcast"] == {
+                "bytes": (kfac_numel + meta * len(shapes)) * ITEM,
+                "calls": n_owners,
+                "wire_bytes": sum(b * (p - 1) // p for b in bucket_bytes),
+            }
+            assert stats["factor_allreduce"]["bytes"] == 0
+            assert stats["decomposition_broadcast"]["bytes"] == 0
+            if variant == "dp-kfac-owner":
+                # reduce to owners + all-reduce of the rest: SGD's traffic on the wire
+                wire = grads["wire_bytes"] + stats["precond_broadcast"]["wire_bytes"]
+                sgd_wire = 2 * grad_numel * ITEM * (p - 1) // p
+                assert abs(wire - sgd_wire) <= 2 * (n_owners + 1), (wire, sgd_wire)
+                assert grads["calls"] == n_owners + 1
+            else:
+                assert grads["calls"] == 1
+            continue
+        assert stats["precond_broadcast"]["bytes"] == 0
+        factor_bytes = (factor_tri if variant.startswith("spd") else factor_full) * ITEM
+        assert stats["factor_allreduce"]["bytes"] == factor_bytes
+        threshold = 1024 if variant == "spd-kfac-local" else 0
+        placed = [
+            d for a, g, _ in shapes.values() for d in (a, g) if d >= threshold
+        ]
+        assert stats["decomposition_broadcast"]["bytes"] == sum(d * d + d for d in placed) * ITEM
+        srcs = {o for _, ao, go in owners.values() for o in (ao, go) if o is not None}
+        assert stats["decomposition_broadcast"]["calls"] == len(srcs)
+        if variant == "d-kfac":
+            assert stats["factor_allreduce"]["calls"] == 1
+
+
+def _wide_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]).double()
+
+
+def _memory(rank: int, world_size: int, strategy: str):
+    model = _wide_mlp()
+    pre = dpkfac.KFACPreconditioner(model, strategy=strategy, kl_clip=None, collective_timeout=60)
+    for step in range(2):
+        if step == 1:
+            pre.reset_stats()
+        model.zero_grad()
+        x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+        model(x).pow(2).mean().backward()
+        pre.step()
+    return pre.memory_usage()
+
+
+@pytest.mark.distributed
+def test_memory_per_rank_shrinks_with_world_size_for_dp_kfac_only() -> None:
+    per_layer_factors = (9 * 9 + 8 * 8) * ITEM
+    per_layer_decomp = (9 * 9 + 9 + 8 * 8 + 8) * ITEM
+    for strategy in ("dp-kfac", "d-kfac"):
+        busiest = {}
+        for p in (1, 2, 4):
+            mems = [_memory(0, 1, strategy)] if p == 1 else run_ranks(_memory, p, strategy)
+            for mem in mems:
+                if strategy == "d-kfac":  # every rank holds everything
+                    assert mem["factors"] == 4 * per_layer_factors
+                    assert mem["decompositions"] == 4 * per_layer_decomp
+            if strategy == "dp-kfac":  # the layers are split exactly
+                assert sum(m["factors"] for m in mems) == 4 * per_layer_factors
+                assert sum(m["decompositions"] for m in mems) == 4 * per_layer_decomp
+                assert sum(m["buffers"] for m in mems) == 4 * per_layer_factors
+                for m in mems:
+                    assert m["factors"] == (4 // p) * per_layer_factors
+            busiest[p] = max(m["factors"] + m["decompositions"] for m in mems)
+        if strategy == "dp-kfac":
+            assert busiest[1] == 2 * busiest[2] == 4 * busiest[4]
+        else:
+            assert busiest[1] == busiest[2] == busiest[4]
