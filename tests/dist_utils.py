@@ -17,7 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch._dynamo  # noqa: F401  (optimizers import it lazily: 3 s per forked rank otherwise)
+
+# Optimizers import torch._dynamo lazily: 3 s in every forked rank unless done here.
+import torch._dynamo
 import torch.distributed as dist
 
 PG_TIMEOUT_S = 60

@@ -76,7 +76,7 @@ def run(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     lr: float = 0.1,
 ) -> dict[str, list[dict[str, torch.Tensor]]]:
-    """Train on ``batches``; record gradients after ``pre.step()`` and parameters after each step."""
+    """Train on ``batches``; record gradients after ``pre.step()`` and parameters after steps."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     grads, params = [], []
     for x, y in batches:
