@@ -232,6 +232,7 @@ class Communicator:
         src: int,
         category: str,
         *,
+        cap_bytes: int | None = None,
         async_op: bool = False,
     ) -> Handle:
         """Broadcast tensors from group rank ``src`` into the same-shaped tensors elsewhere."""
@@ -240,7 +241,7 @@ class Communicator:
             handle.done = True
             return handle
         tensors = list(tensors)
-        for bucket in _bucket_plan(tensors, [t.numel() for t in tensors], None):
+        for bucket in _bucket_plan(tensors, [t.numel() for t in tensors], cap_bytes):
             flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
             self._launch(handle, dist.broadcast, flat, src=self.global_rank(src))
             if self.rank != src:
@@ -257,6 +258,7 @@ class Communicator:
         dst: int,
         category: str,
         *,
+        cap_bytes: int | None = None,
         async_op: bool = False,
     ) -> Handle:
         """Average tensors onto group rank ``dst`` only; other ranks' copies are left as is."""
@@ -265,7 +267,7 @@ class Communicator:
             handle.done = True
             return handle
         tensors = list(tensors)
-        for bucket in _bucket_plan(tensors, [t.numel() for t in tensors], None):
+        for bucket in _bucket_plan(tensors, [t.numel() for t in tensors], cap_bytes):
             flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
             self._launch(handle, dist.reduce, flat, dst=self.global_rank(dst))
             if self.rank == dst:

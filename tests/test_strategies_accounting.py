@@ -99,9 +99,7 @@ def test_bytes_per_category_match_formulas(world_size: int, variant: str) -> Non
         factor_bytes = (factor_tri if variant.startswith("spd") else factor_full) * ITEM
         assert stats["factor_allreduce"]["bytes"] == factor_bytes
         threshold = 1024 if variant == "spd-kfac-local" else 0
-        placed = [
-            d for a, g, _ in shapes.values() for d in (a, g) if d >= threshold
-        ]
+        placed = [d for a, g, _ in shapes.values() for d in (a, g) if d >= threshold]
         assert stats["decomposition_broadcast"]["bytes"] == sum(d * d + d for d in placed) * ITEM
         srcs = {o for _, ao, go in owners.values() for o in (ao, go) if o is not None}
         assert stats["decomposition_broadcast"]["calls"] == len(srcs)
@@ -150,3 +148,98 @@ def test_memory_per_rank_shrinks_with_world_size_for_dp_kfac_only() -> None:
             assert busiest[1] == 2 * busiest[2] == 4 * busiest[4]
         else:
             assert busiest[1] == busiest[2] == busiest[4]
+
+
+def _fusion_calls(rank: int, world_size: int, alpha: float, beta: float, fusion: str):
+    model = make_model()
+    pre = make_preconditioner(
+        model,
+        "spd-kfac",
+        local_threshold=0,
+        profile_steps=2,
+        comm_alpha=alpha,
+        comm_beta=beta,
+        fusion=fusion,
+    )
+    calls = []
+    for step in range(4):
+        pre.reset_stats()
+        model.zero_grad()
+        x, y = batch(step, rank)
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        calls.append(pre.comm_stats()["factor_allreduce"]["calls"])
+    return calls, pre.strategy.plan
+
+
+@pytest.mark.distributed
+def test_spd_fusion_plan_decides_the_number_of_factor_collectives() -> None:
+    n_factors = 6  # three layers, A and G each
+    # profiling steps: one collective per factor; then the plan decides
+    merged = run_ranks(_fusion_calls, 2, 1e3, 0.0, "dynamic")  # waiting is always cheaper
+    assert merged[0][0] == [n_factors, n_factors, 1, 1]
+    assert len(merged[0][1]) == 1 and len(merged[0][1][0]) == n_factors
+    alone = run_ranks(_fusion_calls, 2, 0.0, 0.0, "dynamic")  # nothing to save by waiting
+    assert alone[0][0] == [n_factors] * 4
+    off = run_ranks(_fusion_calls, 2, 1e3, 0.0, "none")
+    assert off[0][0] == [n_factors] * 4
+    # the plan lists A factors in forward order, then G factors in backward order
+    order = [k for bucket in merged[0][1] for k in bucket]
+    assert order == [
+        ("conv", "A"),
+        ("fc1", "A"),
+        ("fc2", "A"),
+        ("fc2", "G"),
+        ("fc1", "G"),
+        ("conv", "G"),
+    ]
+    assert merged[0][1] == merged[1][1]
+
+
+def _capped(rank: int, world_size: int, cap_mb: float):
+    model = make_model()
+    pre = make_preconditioner(model, "dp-kfac", bucket_cap_mb=cap_mb)
+    for step in range(2):
+        pre.reset_stats()
+        model.zero_grad()
+        x, y = batch(step, rank)
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+    return pre.comm_stats(), {n: x.owner for n, x in pre.layers.items()}
+
+
+@pytest.mark.distributed
+def test_bucket_cap_splits_collectives_but_not_bytes() -> None:
+    big = run_ranks(_capped, 2, 25.0)[0]
+    tiny = run_ranks(_capped, 2, 30 * ITEM / 2**20)[0]  # 30 float64 per bucket
+    for cat in ("grad_allreduce", "precond_broadcast"):
+        assert tiny[0][cat]["bytes"] == big[0][cat]["bytes"]
+        assert tiny[0][cat]["calls"] > big[0][cat]["calls"]
+    # one bucket per owner when nothing is capped
+    assert big[0]["precond_broadcast"]["calls"] == len(set(big[1].values()))
+
+
+def _accumulate(rank: int, world_size: int, variant: str):
+    model = make_model()
+    pre = make_preconditioner(model, variant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        for micro in range(2):
+            x, y = batch(10 * step + micro, 0)
+            (F.cross_entropy(model(x), y) / 2).backward()
+        pre.step()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.distributed
+def test_gradient_accumulation_matches_world_size_one() -> None:
+    """Two micro-batches per step: factors are averaged over them on every strategy."""
+    ref = _accumulate(0, 1, "d-kfac")
+    for variant in ("dp-kfac", "d-kfac", "spd-kfac"):
+        results = run_ranks(_accumulate, 2, variant)
+        for params in results:
+            for name, t in params.items():
+                rel = float((t - ref[name]).abs().max() / ref[name].abs().max())
+                assert rel < 1e-6, (variant, name, rel)

@@ -77,7 +77,13 @@ class DKFAC(Strategy):
                         torch.empty(shape, dtype=dtype, device=factor.device)
                         for shape in self.method.shapes(factor.shape[0])
                     ]
-            handle = self.comm.broadcast(tensors, src, "decomposition_broadcast", async_op=True)
+            handle = self.comm.broadcast(
+                tensors,
+                src,
+                "decomposition_broadcast",
+                cap_bytes=self.bucket_cap_bytes,
+                async_op=True,
+            )
             pending.append((src, items, tensors, handle))
         for src, items, tensors, handle in pending:
             self.comm.wait(handle)

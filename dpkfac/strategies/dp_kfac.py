@@ -96,7 +96,11 @@ class DPKFAC(Strategy):
                 for p in layer.helper.parameters()
                 if p.grad is not None
             ]
-            handles.append(self.comm.reduce_mean(grads, owner, "grad_allreduce", async_op=True))
+            handles.append(
+                self.comm.reduce_mean(
+                    grads, owner, "grad_allreduce", cap_bytes=self.bucket_cap_bytes, async_op=True
+                )
+            )
         others = [p.grad for p in other_params if p.grad is not None]
         handles.append(
             self.comm.allreduce_mean(
@@ -142,7 +146,13 @@ class DPKFAC(Strategy):
                 (
                     owned,
                     buffers,
-                    self.comm.broadcast(buffers, owner, "precond_broadcast", async_op=True),
+                    self.comm.broadcast(
+                        buffers,
+                        owner,
+                        "precond_broadcast",
+                        cap_bytes=self.bucket_cap_bytes,
+                        async_op=True,
+                    ),
                 )
             )
         for owned, buffers, handle in handles:
