@@ -120,6 +120,14 @@ class Communicator:
         self.rank = dist.get_rank(group) if self.enabled else 0
         self.size = dist.get_world_size(group) if self.enabled else 1
         self.timeout = timeout
+        # NCCL only moves CUDA tensors: small control tensors built on the CPU
+        # (placement statistics, calibration buffers) are moved to this device.
+        backend = dist.get_backend(self.group) if self.enabled else "none"
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
         self.stats = stats if stats is not None else CommStats()
         self.timer = timer if timer is not None else PhaseTimer()
 
@@ -281,9 +289,11 @@ class Communicator:
         if not self.active:
             return tensor
         handle = Handle(category)
-        self.record(category, "allreduce", tensor.numel() * tensor.element_size())
+        work = tensor.to(self.device)
+        self.record(category, "allreduce", work.numel() * work.element_size())
         handle.works.append(
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            dist.all_reduce(work, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         )
         self.wait(handle)
+        tensor.copy_(work)
         return tensor

@@ -137,7 +137,8 @@ class DPKFAC(Strategy):
                     matrix = res.matrix.contiguous()
                     meta = matrix.new_tensor([res.vg, float(res.preconditioned)])
                 else:
-                    matrix = torch.empty_like(layer.helper.grad_matrix())
+                    weight = layer.module.weight
+                    matrix = weight.grad.new_empty(layer.helper.g_dim, layer.helper.a_dim)
                     meta = matrix.new_zeros(2)
                 buffers.append(matrix)
                 if with_kl:

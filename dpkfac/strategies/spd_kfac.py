@@ -159,7 +159,7 @@ class SPDKFAC(DKFAC):
             return CommModel(float(alpha), float(beta))
         samples = []
         for numel in (256, 16384, 262144):
-            buf = torch.zeros(numel, dtype=torch.float32)
+            buf = torch.zeros(numel, dtype=torch.float32, device=self.comm.device)
             for _ in range(3):
                 start = time.perf_counter()
                 handle = Handle("setup")
