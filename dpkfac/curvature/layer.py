@@ -33,8 +33,10 @@ class KFACLayer:
         name: module name in ``model.named_modules()`` (no DDP prefix).
         module: the module itself.
         helper: the shape/gradient helper for its type.
-        owner: rank that preconditions the layer (d-kfac: the rank that
-            decomposes it, or -1 when A and G are placed separately).
+        owner: rank that preconditions the layer under dp-kfac; under
+            d-kfac/spd-kfac the rank that decomposes its A factor (its G
+            factor when A is decomposed locally), or -1 when every rank
+            decomposes both (spd-kfac's small factors).
         a_owner / g_owner: rank that decomposes A / G, or None when every
             rank decomposes it locally.
         a_factor / g_factor: running averages, or None where this rank holds none.
