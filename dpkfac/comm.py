@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dpkfac.fusion import size_cap_buckets
 from dpkfac.stats import PHASE_OF_CATEGORY, CommStats, PhaseTimer
 
 
@@ -63,26 +64,24 @@ def triangle_numel(dim: int) -> int:
     return dim * (dim + 1) // 2
 
 
-def _bucket_plan(
+def bucket_plan(
     tensors: Sequence[torch.Tensor], numels: Sequence[int], cap_bytes: int | None
 ) -> list[list[int]]:
-    """Group tensor indices into buckets of one dtype and device, split at ``cap_bytes``."""
+    """Group tensor indices into buckets of one dtype and device, split at ``cap_bytes``.
+
+    The cost model calls this too, so predicted and measured collectives agree.
+    """
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.dtype, t.device), []).append(i)
     buckets: list[list[int]] = []
     for indices in groups.values():
-        current: list[int] = []
-        size = 0
-        for i in indices:
-            nbytes = numels[i] * tensors[i].element_size()
-            if current and cap_bytes is not None and size + nbytes > cap_bytes:
-                buckets.append(current)
-                current, size = [], 0
-            current.append(i)
-            size += nbytes
-        if current:
-            buckets.append(current)
+        sizes = [numels[i] * tensors[i].element_size() for i in indices]
+        if cap_bytes is None:
+            buckets.append(list(indices))
+            continue
+        for run in size_cap_buckets(sizes, cap_bytes):
+            buckets.append([indices[j] for j in run])
     return buckets
 
 
@@ -203,7 +202,7 @@ class Communicator:
             return handle
         tensors = list(tensors)
         numels = [triangle_numel(t.shape[0]) if triangle else t.numel() for t in tensors]
-        for bucket in _bucket_plan(tensors, numels, cap_bytes):
+        for bucket in bucket_plan(tensors, numels, cap_bytes):
             parts = [
                 pack_triangle(tensors[i]) if triangle else tensors[i].reshape(-1) for i in bucket
             ]
@@ -244,21 +243,7 @@ class Communicator:
         async_op: bool = False,
     ) -> Handle:
         """Broadcast tensors from group rank ``src`` into the same-shaped tensors elsewhere."""
-        handle = Handle(category)
-        if not self.active or not tensors:
-            handle.done = True
-            return handle
-        tensors = list(tensors)
-        for bucket in _bucket_plan(tensors, [t.numel() for t in tensors], cap_bytes):
-            flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
-            self._launch(handle, dist.broadcast, flat, src=self.global_rank(src))
-            if self.rank != src:
-                handle.finish.append(
-                    self._unpacker(flat, [tensors[i] for i in bucket], False, scale=False)
-                )
-        if not async_op:
-            self.wait(handle)
-        return handle
+        return self._rooted(dist.broadcast, tensors, src, category, cap_bytes, async_op)
 
     def reduce_mean(
         self,
@@ -270,16 +255,33 @@ class Communicator:
         async_op: bool = False,
     ) -> Handle:
         """Average tensors onto group rank ``dst`` only; other ranks' copies are left as is."""
+        return self._rooted(dist.reduce, tensors, dst, category, cap_bytes, async_op)
+
+    def _rooted(
+        self,
+        fn: Callable[..., object],
+        tensors: Sequence[torch.Tensor],
+        root: int,
+        category: str,
+        cap_bytes: int | None,
+        async_op: bool,
+    ) -> Handle:
+        """A broadcast or reduce with one root: only the side that receives unpacks."""
         handle = Handle(category)
         if not self.active or not tensors:
             handle.done = True
             return handle
         tensors = list(tensors)
-        for bucket in _bucket_plan(tensors, [t.numel() for t in tensors], cap_bytes):
+        is_reduce = fn is dist.reduce
+        receives = self.rank == root if is_reduce else self.rank != root
+        root_kw = {"dst": self.global_rank(root)} if is_reduce else {"src": self.global_rank(root)}
+        for bucket in bucket_plan(tensors, [t.numel() for t in tensors], cap_bytes):
             flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
-            self._launch(handle, dist.reduce, flat, dst=self.global_rank(dst))
-            if self.rank == dst:
-                handle.finish.append(self._unpacker(flat, [tensors[i] for i in bucket], False))
+            self._launch(handle, fn, flat, **root_kw)
+            if receives:
+                handle.finish.append(
+                    self._unpacker(flat, [tensors[i] for i in bucket], False, scale=is_reduce)
+                )
         if not async_op:
             self.wait(handle)
         return handle

@@ -247,7 +247,7 @@ def test_strategies_agree_at_world_size_one(method: str, kl_clip: float | None) 
             loss_fn(model(x * (1 + 0.1 * step)), y).mean().backward()
             pre.step()
             opt.step()
-        assert all(v == {"bytes": 0, "calls": 0} for v in pre.comm_stats().values())
+        assert all(v == {"bytes": 0, "calls": 0, "wire_bytes": 0} for v in pre.comm_stats().values())
         results[strategy] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     start = torch.cat([p.detach().reshape(-1) for p in base.parameters()])
     for strategy in ("d-kfac", "spd-kfac"):

@@ -266,7 +266,7 @@ def test_inspection_api_at_world_size_one(method: str, dtype: torch.dtype) -> No
 
     stats = pre.comm_stats()
     assert set(stats) == CATEGORIES
-    assert all(v == {"bytes": 0, "calls": 0} for v in stats.values())
+    assert all(v == {"bytes": 0, "calls": 0, "wire_bytes": 0} for v in stats.values())
 
     times = pre.timings()
     assert set(times) == PHASES

@@ -66,6 +66,12 @@ class Decomposition(ABC):
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
+def _safe_diagonal(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The factor's diagonal with non-finite and negative entries zeroed (fallbacks only)."""
+    diag = torch.diagonal(factor).to(dtype)
+    return torch.nan_to_num(diag, nan=0.0, posinf=0.0, neginf=0.0).clamp(min=0.0)
+
+
 def _eigh(factor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``eigh`` in ``dtype``, retried in float64 before giving up."""
     try:
@@ -105,8 +111,7 @@ class EigenDecomposition(Decomposition):
     def fallback(
         cls, factor: torch.Tensor, *, damping: float, dtype: torch.dtype
     ) -> EigenDecomposition:
-        diag = torch.diagonal(factor).to(dtype)
-        diag = torch.nan_to_num(diag, nan=0.0, posinf=0.0, neginf=0.0).clamp(min=0.0)
+        diag = _safe_diagonal(factor, dtype)
         return cls(torch.eye(factor.shape[0], dtype=dtype, device=factor.device), diag)
 
     @classmethod
@@ -154,9 +159,7 @@ class InverseDecomposition(Decomposition):
     def fallback(
         cls, factor: torch.Tensor, *, damping: float, dtype: torch.dtype
     ) -> InverseDecomposition:
-        diag = torch.diagonal(factor).to(dtype)
-        diag = torch.nan_to_num(diag, nan=0.0, posinf=0.0, neginf=0.0).clamp(min=0.0)
-        return cls(torch.diag(1.0 / (diag + math.sqrt(damping))))
+        return cls(torch.diag(1.0 / (_safe_diagonal(factor, dtype) + math.sqrt(damping))))
 
     @classmethod
     def shapes(cls, dim: int) -> list[tuple[int, ...]]:

@@ -51,10 +51,10 @@ class DPKFAC(Strategy):
                 f"unknown grad_reduction {self.options['grad_reduction']!r}; "
                 f"expected one of {GRAD_REDUCTIONS}"
             )
-        if self.options["assignment"] not in ("lpt", "round_robin"):
+        if self.options["assignment"] not in ("lpt", "round_robin", "best"):
             raise ValueError(
                 f"unknown assignment {self.options['assignment']!r}; "
-                "expected 'lpt' or 'round_robin'"
+                "expected 'lpt', 'round_robin' or 'best'"
             )
         self.reduced_to_owner = False
 
