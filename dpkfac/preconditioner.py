@@ -90,6 +90,8 @@ class KFACPreconditioner:
             the layer weight's dtype).
         decomposition_dtype: dtype of decompositions (at least float32; a
             float64 factor is decomposed in float64).
+        pi_damping: with the inverse method, split the damping between the
+            factors by their mean eigenvalues (π-damping) instead of √γ each.
         bucket_cap_mb: size cap of fused gradient/factor buckets.
         collective_timeout: seconds before a collective is declared hung.
         **strategy_options: strategy-specific options, e.g. ``grad_reduction``
@@ -114,6 +116,7 @@ class KFACPreconditioner:
         *,
         factor_dtype: torch.dtype | None = None,
         decomposition_dtype: torch.dtype = torch.float32,
+        pi_damping: bool = False,
         bucket_cap_mb: float = 25.0,
         collective_timeout: float = 300.0,
         **strategy_options: Any,
@@ -152,6 +155,11 @@ class KFACPreconditioner:
                 f"decomposition_dtype {decomposition_dtype} is half precision; "
                 "decompositions need at least float32"
             )
+        if pi_damping and compute_method != "inverse":
+            raise ValueError(
+                f"pi_damping=True needs compute_method='inverse', got {compute_method!r} "
+                "(the eigen method damps the Kronecker product exactly)"
+            )
         if isinstance(skip_layers, str):
             skip_layers = (skip_layers,)
         try:
@@ -174,6 +182,7 @@ class KFACPreconditioner:
         self.weight_sharing = weight_sharing
         self.factor_dtype = factor_dtype
         self.decomposition_dtype = decomposition_dtype
+        self.pi_damping = pi_damping
         self.steps = 0
 
         self._stats = CommStats()
@@ -295,8 +304,14 @@ class KFACPreconditioner:
                 for name, which in sorted(due):
                     layer = self.layers[name]
                     if strat.decomposes(layer, which):
+                        factor_damping = (
+                            layer.pi_damping(which, damping) if self.pi_damping else damping
+                        )
                         layer.decompose(
-                            which, self.method, damping=damping, dtype=self.decomposition_dtype
+                            which,
+                            self.method,
+                            damping=factor_damping,
+                            dtype=self.decomposition_dtype,
                         )
             strat.share_decompositions(layers, due)
 

@@ -247,7 +247,9 @@ def test_strategies_agree_at_world_size_one(method: str, kl_clip: float | None) 
             loss_fn(model(x * (1 + 0.1 * step)), y).mean().backward()
             pre.step()
             opt.step()
-        assert all(v == {"bytes": 0, "calls": 0, "wire_bytes": 0} for v in pre.comm_stats().values())
+        assert all(
+            v == {"bytes": 0, "calls": 0, "wire_bytes": 0} for v in pre.comm_stats().values()
+        )
         results[strategy] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     start = torch.cat([p.detach().reshape(-1) for p in base.parameters()])
     for strategy in ("d-kfac", "spd-kfac"):
@@ -255,3 +257,36 @@ def test_strategies_agree_at_world_size_one(method: str, kl_clip: float | None) 
             f"strategies ws=1 {method}", results[strategy] - start, results["dp-kfac"] - start, 1e-6
         )
         assert err <= 1e-6
+
+
+def test_pi_damping_splits_damping_by_factor_traces() -> None:
+    """Inverse method with π-damping: (G + √γ/π I)⁻¹ ∇W (A + π√γ I)⁻¹ with the stored factors."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    model = model.double()
+    damping = 0.05
+    pre = dpkfac.KFACPreconditioner(
+        model, compute_method="inverse", pi_damping=True, damping=damping, kl_clip=None
+    )
+    x = torch.randn(7, 5, dtype=torch.float64)
+    model(x).pow(2).mean().backward()
+    raw = {n: p.grad.clone() for n, p in model.named_parameters()}
+    pre.step()
+    for name in ("0", "2"):
+        layer = pre.layers[name]
+        a, g = layer.a_factor, layer.g_factor
+        pi = math.sqrt((torch.trace(a) / a.shape[0]) / (torch.trace(g) / g.shape[0]))
+        grad = torch.cat([raw[f"{name}.weight"], raw[f"{name}.bias"][:, None]], dim=1)
+        eye_a, eye_g = torch.eye(a.shape[0], dtype=a.dtype), torch.eye(g.shape[0], dtype=g.dtype)
+        sq = math.sqrt(damping)
+        ref = torch.linalg.solve(g + sq / pi * eye_g, grad) @ torch.linalg.inv(a + pi * sq * eye_a)
+        got = torch.cat(
+            [model.get_submodule(name).weight.grad, model.get_submodule(name).bias.grad[:, None]],
+            dim=1,
+        )
+        assert float((got - ref).abs().max() / ref.abs().max()) < 1e-10
+
+
+def test_pi_damping_requires_inverse_method() -> None:
+    with pytest.raises(ValueError, match="pi_damping"):
+        dpkfac.KFACPreconditioner(torch.nn.Linear(2, 2), compute_method="eigen", pi_damping=True)

@@ -9,6 +9,7 @@ and folded into the running averages by :meth:`KFACLayer.update_factors`.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -197,6 +198,24 @@ class KFACLayer:
             if not keep:
                 self.set_decomposition(which, method.fallback(factor, damping=damping, dtype=work))
             return False
+
+    def pi_damping(self, which: str, damping: float) -> float:
+        """The damping of one factor under Martens & Grosse's π-split (inverse method).
+
+        With ``π = sqrt((tr A / d_A) / (tr G / d_G))`` the inverse method uses
+        ``(A + π√γ I)⁻¹`` and ``(G + √γ/π I)⁻¹``, i.e. damping ``π²γ`` for A
+        and ``γ/π²`` for G, which balances the two factors' scales. Falls back
+        to the plain split when either factor is missing or degenerate.
+        """
+        a, g = self.a_factor, self.g_factor
+        if a is None or g is None:
+            return damping
+        a_mean = float(torch.trace(a.double())) / a.shape[0]
+        g_mean = float(torch.trace(g.double())) / g.shape[0]
+        if not (a_mean > 0 and g_mean > 0 and math.isfinite(a_mean / g_mean)):
+            return damping
+        pi = math.sqrt(a_mean / g_mean)
+        return damping * pi**2 if which == "A" else damping / pi**2
 
     def has_decompositions(self) -> bool:
         return self.a_decomp is not None and self.g_decomp is not None
