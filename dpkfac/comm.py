@@ -286,6 +286,18 @@ class Communicator:
             self.wait(handle)
         return handle
 
+    def gather_objects(self, obj: object, dst: int = 0) -> list[object] | None:
+        """Pickle-gather ``obj`` from every rank onto group rank ``dst`` (checkpoints only).
+
+        Returns:
+            The per-rank objects on ``dst``; None elsewhere.
+        """
+        if not self.active:
+            return [obj]
+        out: list[object] | None = [None] * self.size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=self.global_rank(dst), group=self.group)
+        return out
+
     def allreduce_max(self, tensor: torch.Tensor, category: str = "setup") -> torch.Tensor:
         """Element-wise maximum across ranks (used once to agree on placement inputs)."""
         if not self.active:

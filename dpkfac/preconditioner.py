@@ -36,6 +36,7 @@ from dpkfac.comm import Communicator
 from dpkfac.curvature import COMPUTE_METHODS, KFACLayer, helper_for
 from dpkfac.curvature.factors import WEIGHT_SHARING
 from dpkfac.curvature.layer import FACTORS
+from dpkfac.curvature.state import layer_state, load_layer_state
 from dpkfac.stats import CommStats, PhaseTimer
 from dpkfac.strategies import STRATEGIES, Preconditioned, Strategy
 from dpkfac.strategies.base import layer_shape
@@ -408,40 +409,36 @@ class KFACPreconditioner:
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """Factors, decompositions, placement and step counters (tensors cloned)."""
+        """Factors, decompositions, placement and step counters (tensors cloned).
 
-        def clone(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.detach().clone()
-
-        layers = {}
-        for layer in self._layer_list:
-            layers[layer.name] = {
-                "A": clone(layer.a_factor),
-                "G": clone(layer.g_factor),
-                "A_decomp": [clone(t) for t in layer.a_decomp.tensors()]
-                if layer.a_decomp
-                else None,
-                "G_decomp": [clone(t) for t in layer.g_decomp.tensors()]
-                if layer.g_decomp
-                else None,
-                "owner": layer.owner,
-                "a_owner": layer.a_owner,
-                "g_owner": layer.g_owner,
-                "ever_captured": layer.ever_captured,
-            }
+        Under dp-kfac each rank holds only its own layers' factors, so this is a
+        collective there: every rank must call it, and rank 0 receives the
+        complete state (the usual "save on rank 0" pattern then loses nothing).
+        Other ranks return their own part. Under d-kfac/spd-kfac every rank's
+        state is already complete and no communication happens.
+        """
+        layers = {x.name: layer_state(x, held=self.strategy.captures(x)) for x in self._layer_list}
+        if self.comm.active and not self.strategy.replicated_state:
+            owned = {name: entry for name, entry in layers.items() if entry["A"] is not None}
+            parts = self.comm.gather_objects(owned, dst=0)
+            for part in parts or []:
+                layers.update(part)
         return {
             "steps": self.steps,
             "strategy": self.strategy_name,
             "compute_method": self.compute_method,
             "world_size": self.comm.size,
-            "rank": self.comm.rank,
             "placed": self.strategy.placed,
             "layers": layers,
             "strategy_state": self.strategy.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; the run then continues bitwise-identically."""
+        """Restore :meth:`state_dict` output; the run then continues bitwise-identically.
+
+        Every rank may load the same (rank 0) state: each keeps what its
+        strategy says it holds.
+        """
         for key, mine in (
             ("strategy", self.strategy_name),
             ("compute_method", self.compute_method),
@@ -455,32 +452,15 @@ class KFACPreconditioner:
         missing = sorted(set(state["layers"]) - set(self.layers))
         if missing:
             raise ValueError(f"checkpoint has K-FAC layers this model lacks: {missing}")
-        for name, layer in self.layers.items():
-            entry = state["layers"].get(name)
-            if entry is None:
-                continue
-            layer.a_factor = entry["A"].clone() if entry["A"] is not None else None
-            layer.g_factor = entry["G"].clone() if entry["G"] is not None else None
-            layer.a_decomp = (
-                self.method.from_tensors([t.clone() for t in entry["A_decomp"]])
-                if entry["A_decomp"] is not None
-                else None
-            )
-            layer.g_decomp = (
-                self.method.from_tensors([t.clone() for t in entry["G_decomp"]])
-                if entry["G_decomp"] is not None
-                else None
-            )
-            layer.owner, layer.a_owner, layer.g_owner = (
-                entry["owner"],
-                entry["a_owner"],
-                entry["g_owner"],
-            )
-            layer.ever_captured = entry.get("ever_captured", False)
-            layer.clear_pending()
         self.steps = int(state["steps"])
         self.strategy.placed = bool(state["placed"])
         self.strategy.load_state_dict(state.get("strategy_state", {}))
+        entries = {n: e for n, e in state["layers"].items() if n in self.layers}
+        for name, entry in entries.items():  # placement first: it decides what is held
+            load_layer_state(self.layers[name], entry, self.method, held=None)
+        for name, entry in entries.items():
+            layer = self.layers[name]
+            load_layer_state(layer, entry, self.method, held=self.strategy.captures(layer))
         self._capture = self._is_factor_step(self.steps)
 
     def __repr__(self) -> str:

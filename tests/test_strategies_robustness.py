@@ -185,3 +185,47 @@ def test_missing_rank_times_out_with_phase_and_rank_named() -> None:
     results = run_ranks(_hang, 2, timeout=60)
     assert results[1] == "skipped step"
     assert "grad_allreduce" in results[0] and "rank 0" in results[0], results[0]
+
+
+def _resume(rank: int, world_size: int, variant: str):
+    """4 steps straight vs 2 steps, rank 0's checkpoint loaded on every rank, 2 more."""
+
+    def fresh():
+        model = make_model()
+        return (
+            model,
+            make_preconditioner(model, variant),
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        )
+
+    def train(model, pre, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            x, y = batch(step, rank)
+            F.cross_entropy(model(x), y).backward()
+            pre.step()
+            opt.step()
+
+    model, pre, opt = fresh()
+    train(model, pre, opt, range(4))
+    straight = [p.detach().clone() for p in model.parameters()]
+
+    model, pre, opt = fresh()
+    train(model, pre, opt, range(2))
+    state = pre.state_dict()  # a collective under dp-kfac: every rank calls it
+    objs = [None] * world_size
+    dist.all_gather_object(objs, (state, model.state_dict(), opt.state_dict()))
+    saved = objs[0]  # rank 0's checkpoint, as a trainer would write it
+    model, pre, opt = fresh()
+    pre.load_state_dict(saved[0])
+    model.load_state_dict(saved[1])
+    opt.load_state_dict(saved[2])
+    train(model, pre, opt, range(2, 4))
+    resumed = [p.detach().clone() for p in model.parameters()]
+    return all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("variant", ["dp-kfac", "d-kfac", "spd-kfac"])
+def test_resume_from_rank_zero_state_is_bitwise(variant: str) -> None:
+    assert run_ranks(_resume, 2, variant) == [True, True]

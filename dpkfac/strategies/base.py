@@ -64,6 +64,8 @@ class Strategy(ABC):
     """
 
     name: ClassVar[str]
+    #: Whether every rank holds every layer's factors (False: they live on owners only).
+    replicated_state: ClassVar[bool] = True
     #: Option names (and defaults) this strategy accepts beyond the common ones.
     OPTIONS: ClassVar[dict[str, Any]] = {}
 

@@ -38,6 +38,7 @@ class DPKFAC(Strategy):
     """
 
     name = "dp-kfac"
+    replicated_state = False
     OPTIONS: ClassVar[dict[str, Any]] = {
         "grad_reduction": "allreduce",
         "assignment": "lpt",
