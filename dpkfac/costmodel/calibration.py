@@ -1,0 +1,229 @@
+"""Micro-benchmarks that calibrate a :class:`Hardware` model on this machine.
+
+Collectives are timed on ``world_size`` forked gloo ranks on localhost, each
+over a range of buffer sizes; compute kinds are timed by running the
+package's own kernels (:func:`dpkfac.curvature.a_factor`, the two
+decompositions, :func:`dpkfac.curvature.precondition`, a Linear layer's
+forward and backward) at several sizes, with the thread count one rank gets.
+:func:`dpkfac.costmodel.calibrate` then fits alpha/beta and rates/latencies.
+The benchmark may refine the result with phase timings from real runs
+(:meth:`dpkfac.costmodel.Prediction.samples`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dpkfac.costmodel.hardware import Hardware, Sample, calibrate
+
+__all__ = ["calibrate_local", "measure_collectives", "measure_compute"]
+
+SIZES = (256, 4096, 65536, 262144, 1048576, 4194304)  # float32 elements
+
+
+def _median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sync_time(op: Callable[[], object], repeats: int, inner: int = 5) -> float:
+    """Seconds per ``op``: ``inner`` back-to-back runs between two barriers, less one
+    barrier, best of ``repeats`` rounds (noise on a shared machine only adds time)."""
+    times = []
+    for _ in range(repeats + 1):  # the first round is a warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(inner):
+            op()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return min(times[1:]) / inner
+
+
+def _rank(rank: int, world_size: int, port: int, sizes: Sequence[int], repeats: int, q) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        out = []
+        barrier = _sync_time(lambda: None, 3 * repeats, inner=1)
+        for n in sizes:
+            buf = torch.zeros(n)
+            ops = {
+                "allreduce": lambda b=buf: dist.all_reduce(b),
+                "broadcast": lambda b=buf: dist.broadcast(b, src=0),
+                "reduce": lambda b=buf: dist.reduce(b, dst=0),
+            }
+            for kind, op in ops.items():
+                secs = _sync_time(op, repeats) - barrier / 5
+                out.append((kind, n * 4, secs))
+        q.put((rank, pickle.dumps(out)))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure_collectives(
+    world_size: int = 2, sizes: Sequence[int] = SIZES, repeats: int = 9
+) -> list[Sample]:
+    """Time all-reduce, broadcast and reduce on forked gloo ranks (median, barrier-corrected)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank, args=(r, world_size, port, sizes, repeats, q), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results = dict(q.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=10)
+    # The slowest rank's view: a collective is done when every rank has it.
+    per_rank = [pickle.loads(results[r]) for r in range(world_size)]
+    samples = [
+        Sample.collective(kind, nbytes, max(pr[i][2] for pr in per_rank), world_size)
+        for i, (kind, nbytes, _) in enumerate(per_rank[0])
+    ]
+    return [s for s in samples if s.seconds > 0]
+
+
+#: (in channels, out channels, kernel, output side, batch) of timed Conv2d layers,
+#: from CIFAR ResNets (tall, narrow patch matrices) to wide ones.
+_CONVS = (
+    (3, 16, 3, 32, 32),
+    (16, 16, 3, 32, 32),
+    (32, 32, 3, 16, 32),
+    (64, 64, 3, 8, 32),
+    (128, 128, 3, 8, 8),
+    (256, 256, 1, 8, 8),
+)
+#: (d_in, d_out, rows) of timed Linear layers.
+_LINEARS = ((64, 10, 32), (512, 512, 256), (1024, 1024, 1024), (256, 2048, 2048))
+
+
+def _factor_samples(gen: torch.Generator, repeats: int) -> list[Sample]:
+    """Time the capture path (``KFACLayer.accumulate_a/g``) of real layers."""
+    from torch import nn
+
+    from dpkfac.assignment import LayerShape
+    from dpkfac.costmodel.timing import factor_work
+    from dpkfac.curvature import KFACLayer, helper_for
+
+    cases = []
+    for c_in, c_out, k, side, n in _CONVS:
+        conv = nn.Conv2d(c_in, c_out, k, padding=k // 2, bias=False)
+        x = torch.randn(n, c_in, side, side, generator=gen)
+        shape = LayerShape.conv2d("c", c_in, c_out, (k, k), (side, side), batch_size=n)
+        cases.append((conv, x, torch.randn(n, c_out, side, side, generator=gen), shape))
+    for d_in, d_out, n in _LINEARS:
+        shape = LayerShape.linear("l", d_in, d_out, batch_size=n)
+        x, go = torch.randn(n, d_in, generator=gen), torch.randn(n, d_out, generator=gen)
+        cases.append((nn.Linear(d_in, d_out), x, go, shape))
+    out = []
+    for module, x, go, shape in cases:
+        layer = KFACLayer("layer", module, helper_for(module))
+        for which, t in (("A", x), ("G", go)):
+            capture = layer.accumulate_a if which == "A" else layer.accumulate_g
+
+            def fn(
+                capture: Callable = capture, t: torch.Tensor = t, layer: KFACLayer = layer
+            ) -> None:
+                layer.clear_pending()
+                capture(t, "expand", torch.float32)
+
+            seconds = _median_time(fn, repeats)
+            out.append(Sample(factor_work(shape, which, "expand", 4), seconds))
+    return out
+
+
+def measure_compute(threads: int = 1, repeats: int = 5) -> list[Sample]:
+    """Time the package's factor, decomposition and preconditioning kernels."""
+    from dpkfac.curvature import EigenDecomposition, InverseDecomposition, precondition
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    out: list[Sample] = []
+    try:
+        out += _factor_samples(gen, repeats)
+        for d in (32, 64, 128, 256, 512, 1024):
+            x = torch.randn(d, 2 * d, generator=gen)
+            factor = x @ x.t() / (2 * d)
+            t = _median_time(
+                lambda f=factor: EigenDecomposition.compute(f, damping=1e-3, dtype=torch.float32),
+                max(3, repeats // (1 + d // 256)),
+            )
+            out.append(Sample.compute("eigh", 9.0 * d**3, t))
+            t = _median_time(
+                lambda f=factor: InverseDecomposition.compute(f, damping=1e-3, dtype=torch.float32),
+                repeats,
+            )
+            out.append(Sample.compute("inverse", 2.0 * d**3, t))
+        for g, a in ((16, 64), (64, 128), (128, 256), (256, 512), (512, 1024)):
+            qa = EigenDecomposition(
+                torch.linalg.qr(torch.randn(a, a, generator=gen))[0], torch.rand(a)
+            )
+            qg = EigenDecomposition(
+                torch.linalg.qr(torch.randn(g, g, generator=gen))[0], torch.rand(g)
+            )
+            grad = torch.randn(g, a, generator=gen)
+            t = _median_time(
+                lambda grad=grad, qa=qa, qg=qg: precondition(grad, qa, qg, damping=1e-3), repeats
+            )
+            out.append(Sample.compute("precondition", 4.0 * g * a * (g + a), t))
+        for rows, d_in, d_out in (
+            (256, 64, 64),
+            (1024, 256, 128),
+            (4096, 512, 256),
+            (2048, 1024, 512),
+        ):
+            layer = torch.nn.Linear(d_in, d_out)
+            x = torch.randn(rows, d_in, generator=gen)
+
+            def fwd_bwd(layer: torch.nn.Module = layer, x: torch.Tensor = x) -> None:
+                layer.zero_grad()
+                layer(x.requires_grad_()).sum().backward()
+
+            t = _median_time(fwd_bwd, repeats)
+            out.append(Sample.compute("forward_backward", 6.0 * rows * (d_in + 1) * d_out, t))
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def calibrate_local(
+    world_size: int = 2, threads: int = 1, name: str = "cpu_gloo_local"
+) -> Hardware:
+    """Measure this machine (gloo on localhost, ``threads`` per rank) and fit a model."""
+    samples = measure_collectives(world_size) + measure_compute(threads)
+    hw = calibrate(samples, name=name)
+    stamp = time.strftime("%Y-%m-%d")
+    source = (
+        f"dpkfac.costmodel.calibrate_local(world_size={world_size}, threads={threads}) "
+        f"on {os.uname().nodename} ({os.cpu_count()} CPUs, torch {torch.__version__}), {stamp}"
+    )
+    return Hardware(hw.name, hw.links, hw.engines, (source, *hw.sources))

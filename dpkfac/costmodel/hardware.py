@@ -1,0 +1,363 @@
+"""Hardware models: alpha-beta links per collective kind and compute engines per kernel kind.
+
+Time is predicted from *work*, a mapping ``kind -> (calls, amount)``:
+
+* a **collective kind** (``"allreduce"``, ``"broadcast"``, ``"reduce"``) costs
+  ``calls * alpha(P) + beta * amount`` where ``amount`` is the *wire bytes*
+  one rank sends under the bandwidth-optimal algorithm (ring all-reduce:
+  ``2 (P-1)/P`` of the buffer; broadcast and reduce: ``(P-1)/P``), exactly
+  the ``wire_bytes`` that :meth:`dpkfac.KFACPreconditioner.comm_stats`
+  reports. With wire bytes, ``1/beta`` is what NCCL's tests call the *bus
+  bandwidth*, which is (nearly) independent of ``P``, so one beta serves every
+  world size; ``alpha(P) = alpha + alpha_log2p * log2(P)`` lets the start-up
+  latency grow like a tree with the number of ranks.
+* a **compute kind** (``"factor"``, ``"eigh"``, ``"inverse"``,
+  ``"precondition"``, ``"forward_backward"``, falling back to ``"matmul"``)
+  costs ``calls * latency + amount / rate`` with ``amount`` in flops;
+  ``"memory"`` is memory-bound traffic (``amount`` in bytes, ``rate`` in
+  bytes/s, free when not given).
+
+Both forms are linear in their parameters, so :func:`calibrate` fits them to
+measured ``(work, seconds)`` samples by non-negative least squares.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "COMPUTE_KINDS",
+    "Engine",
+    "Hardware",
+    "Link",
+    "Sample",
+    "Work",
+    "add_work",
+    "calibrate",
+    "nnls",
+    "scaled",
+    "wire_bytes",
+]
+
+#: Collective kinds; "reduce" falls back to "broadcast" when not given.
+COLLECTIVE_KINDS = ("allreduce", "broadcast", "reduce")
+#: Compute kinds; all but eigh and inverse fall back to "matmul".
+COMPUTE_KINDS = (
+    "matmul",
+    "factor",
+    "memory",
+    "eigh",
+    "inverse",
+    "precondition",
+    "forward_backward",
+)
+
+#: ``kind -> (calls, amount)``: amount is wire bytes for collectives, flops for compute.
+Work = dict[str, tuple[float, float]]
+
+
+def wire_bytes(kind: str, nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends for one collective over a buffer of ``nbytes``.
+
+    Mirrors :meth:`dpkfac.comm.Communicator.wire_bytes` (integer floor per
+    buffer) so predicted and measured ``wire_bytes`` agree exactly.
+    """
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}")
+    factor = 2 if kind == "allreduce" else 1
+    return factor * nbytes * (world_size - 1) // world_size
+
+
+def add_work(total: Work, kind: str, calls: float, amount: float) -> None:
+    """Accumulate ``calls`` and ``amount`` of ``kind`` into ``total`` in place."""
+    c, a = total.get(kind, (0.0, 0.0))
+    total[kind] = (c + calls, a + amount)
+
+
+@dataclass(frozen=True)
+class Link:
+    """Alpha-beta model of one collective kind.
+
+    Attributes:
+        alpha: start-up seconds per collective at ``P = 1`` (the constant part).
+        beta: seconds per wire byte (1 / bus bandwidth).
+        alpha_log2p: extra start-up seconds per doubling of the world size.
+    """
+
+    alpha: float
+    beta: float
+    alpha_log2p: float = 0.0
+
+    def latency(self, world_size: int) -> float:
+        """Start-up seconds of one collective over ``world_size`` ranks."""
+        return self.alpha + self.alpha_log2p * math.log2(max(world_size, 1))
+
+    def time(self, calls: float, wire: float, world_size: int) -> float:
+        """Seconds for ``calls`` collectives sending ``wire`` bytes in all."""
+        return calls * self.latency(world_size) + self.beta * wire
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Throughput model of one kind of kernel.
+
+    Attributes:
+        rate: achieved flop/s on the kernel's work (``inf``: free).
+        latency: fixed seconds per call (launch and Python overhead).
+    """
+
+    rate: float
+    latency: float = 0.0
+
+    def time(self, calls: float, flops: float) -> float:
+        """Seconds for ``calls`` kernels doing ``flops`` in all."""
+        return calls * self.latency + (0.0 if math.isinf(self.rate) else flops / self.rate)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One rank's device and the network between ranks.
+
+    Attributes:
+        name: preset name.
+        links: alpha-beta model per collective kind (at least "allreduce").
+        engines: compute model per kind (at least "matmul", "eigh", "inverse").
+        sources: where the numbers come from (citations or a calibration run).
+    """
+
+    name: str
+    links: Mapping[str, Link]
+    engines: Mapping[str, Engine]
+    sources: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if "allreduce" not in self.links:
+            raise ValueError("Hardware needs an 'allreduce' link")
+        missing = {"matmul", "eigh", "inverse"} - set(self.engines)
+        if missing:
+            raise ValueError(f"Hardware lacks engines {sorted(missing)}")
+
+    def link(self, kind: str) -> Link:
+        """The model of collective ``kind`` (reduce -> broadcast -> allreduce fallback)."""
+        chain = {"reduce": ("reduce", "broadcast"), "broadcast": ("broadcast",)}
+        for k in (*chain.get(kind, (kind,)), "allreduce"):
+            if k in self.links:
+                return self.links[k]
+        raise AssertionError("unreachable: allreduce is required")
+
+    def engine(self, kind: str) -> Engine:
+        """The model of compute ``kind`` (falling back to "matmul"; "memory" to free)."""
+        if kind == "memory":
+            return self.engines.get(kind, Engine(math.inf))
+        return self.engines.get(kind, self.engines["matmul"])
+
+    def time(self, work: Mapping[str, tuple[float, float]], world_size: int) -> float:
+        """Predicted seconds for ``work`` on ``world_size`` ranks."""
+        total = 0.0
+        for kind, (calls, amount) in work.items():
+            if kind in COLLECTIVE_KINDS:
+                total += self.link(kind).time(calls, amount, world_size)
+            else:
+                total += self.engine(kind).time(calls, amount)
+        return total
+
+    # ------------------------------------------------------------- persistence
+    def to_json(self, path: str | Path | None = None) -> str:
+        """JSON text of this model; also written to ``path`` when given."""
+        text = json.dumps(
+            {
+                "name": self.name,
+                "links": {k: asdict(v) for k, v in self.links.items()},
+                "engines": {k: asdict(v) for k, v in self.engines.items()},
+                "sources": list(self.sources),
+            },
+            indent=2,
+        )
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> Hardware:
+        """Inverse of :meth:`to_json`; accepts JSON text or a file path."""
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            text = Path(text_or_path).read_text()
+        data = json.loads(text)
+        return cls(
+            name=data["name"],
+            links={k: Link(**v) for k, v in data["links"].items()},
+            engines={k: Engine(**v) for k, v in data["engines"].items()},
+            sources=tuple(data.get("sources", ())),
+        )
+
+
+# ------------------------------------------------------------------ calibration
+@dataclass(frozen=True)
+class Sample:
+    """One measurement: ``seconds`` spent on ``work`` at ``world_size`` ranks."""
+
+    work: Mapping[str, tuple[float, float]]
+    seconds: float
+    world_size: int = 1
+
+    @classmethod
+    def collective(
+        cls, kind: str, nbytes: int, seconds: float, world_size: int, calls: int = 1
+    ) -> Sample:
+        """``calls`` collectives of ``kind``, each over a buffer of ``nbytes``."""
+        wire = calls * wire_bytes(kind, nbytes, world_size)
+        return cls({kind: (calls, wire)}, seconds, world_size)
+
+    @classmethod
+    def compute(cls, kind: str, flops: float, seconds: float, calls: int = 1) -> Sample:
+        """``calls`` kernels of ``kind`` doing ``flops`` in all."""
+        if kind not in COMPUTE_KINDS:
+            raise ValueError(f"unknown compute kind {kind!r}; expected one of {COMPUTE_KINDS}")
+        return cls({kind: (calls, flops)}, seconds)
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting; singular pivots give zeros."""
+    n = len(v)
+    a = [[*row, v[i]] for i, row in enumerate(m)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(a[r][c]))
+        a[c], a[p] = a[p], a[c]
+        if abs(a[c][c]) < 1e-12:
+            continue
+        for r in range(n):
+            if r != c and a[r][c] != 0.0:
+                f = a[r][c] / a[c][c]
+                a[r] = [x - f * y for x, y in zip(a[r], a[c], strict=True)]
+    return [a[i][n] / a[i][i] if abs(a[i][i]) >= 1e-12 else 0.0 for i in range(n)]
+
+
+def nnls(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+    """``argmin ||A x - y||`` subject to ``x >= 0`` (Lawson-Hanson active set).
+
+    Columns are scaled to unit norm first, because latency columns (calls)
+    and throughput columns (bytes, flops) differ by ten orders of magnitude.
+    A negative latency or rate would be meaningless, hence the constraint.
+    """
+    n = len(rows[0]) if rows else 0
+    norms = [math.sqrt(sum(r[j] ** 2 for r in rows)) or 1.0 for j in range(n)]
+    a = [[r[j] / norms[j] for j in range(n)] for r in rows]
+
+    def gradient(x: list[float]) -> list[float]:
+        res = [
+            yi - sum(aij * xj for aij, xj in zip(ai, x, strict=True))
+            for ai, yi in zip(a, y, strict=True)
+        ]
+        return [sum(a[i][j] * res[i] for i in range(len(a))) for j in range(n)]
+
+    def least_squares(cols: list[int]) -> list[float]:
+        gram = [[sum(r[i] * r[j] for r in a) for j in cols] for i in cols]
+        rhs = [sum(r[i] * yi for r, yi in zip(a, y, strict=True)) for i in cols]
+        s = [0.0] * n
+        for i, val in zip(cols, _solve(gram, rhs), strict=True):
+            s[i] = val
+        return s
+
+    x, active = [0.0] * n, set()
+    tol = 1e-12 * max(1.0, math.sqrt(sum(v * v for v in y)))
+    for _ in range(3 * n + 3):
+        w = gradient(x)
+        free = [j for j in range(n) if j not in active and w[j] > tol]
+        if not free:
+            break
+        active.add(max(free, key=lambda j: w[j]))
+        while True:
+            s = least_squares(sorted(active))
+            if all(s[j] > 0 for j in active):
+                x = s
+                break
+            step = min(x[j] / (x[j] - s[j]) for j in active if s[j] <= 0)
+            x = [xj + step * (sj - xj) for xj, sj in zip(x, s, strict=True)]
+            active -= {j for j in active if x[j] <= tol}
+            if not active:
+                break
+    return [max(xj, 0.0) / norms[j] for j, xj in enumerate(x)]
+
+
+def calibrate(
+    samples: Iterable[Sample],
+    *,
+    name: str = "calibrated",
+    base: Hardware | None = None,
+    relative: bool = True,
+) -> Hardware:
+    """Fit links and engines to measurements by non-negative least squares.
+
+    Every kind seen in the samples gets two unknowns (seconds per call and
+    seconds per byte or flop); samples may mix kinds (a measured phase that
+    ran several collective kinds), since the model is linear in all of them.
+
+    Args:
+        samples: measurements.
+        name: name of the result.
+        base: source of the kinds the samples do not cover. Without it, a
+            missing "reduce"/"broadcast" link copies the fitted all-reduce
+            link, and missing engines raise ValueError.
+        relative: minimise relative rather than absolute residuals, so short
+            phases weigh as much as long ones (the model should be within a
+            fixed percentage of every phase).
+
+    Returns:
+        The fitted hardware model.
+    """
+    samples = [s for s in samples if s.seconds > 0]
+    kinds = sorted({k for s in samples for k in s.work})
+    if not kinds:
+        raise ValueError("no samples with positive seconds")
+    rows, y = [], []
+    for s in samples:
+        weight = 1.0 / s.seconds if relative else 1.0
+        row = []
+        for k in kinds:
+            calls, amount = s.work.get(k, (0.0, 0.0))
+            row += [calls * weight, amount * weight]
+        rows.append(row)
+        y.append(s.seconds * weight)
+    x = nnls(rows, y)
+    links = dict(base.links) if base else {}
+    engines = dict(base.engines) if base else {}
+    for i, k in enumerate(kinds):
+        per_call, per_unit = x[2 * i], x[2 * i + 1]
+        if k in COLLECTIVE_KINDS:
+            links[k] = Link(alpha=per_call, beta=per_unit)
+        else:
+            engines[k] = Engine(
+                rate=math.inf if per_unit == 0 else 1.0 / per_unit, latency=per_call
+            )
+    if "allreduce" not in links:
+        raise ValueError("calibrate needs all-reduce samples (or a base hardware model)")
+    if "matmul" not in engines:
+        for k in ("factor", "precondition", "forward_backward"):
+            if k in engines:
+                engines["matmul"] = engines[k]
+                break
+    missing = {"matmul", "eigh", "inverse"} - set(engines)
+    if missing:
+        raise ValueError(f"no samples for {sorted(missing)} and no base hardware model")
+    sources = (f"calibrated from {len(samples)} samples of {', '.join(kinds)}",)
+    return Hardware(name, links, engines, sources + (base.sources if base else ()))
+
+
+def scaled(hardware: Hardware, *, network: float = 1.0, compute: float = 1.0) -> Hardware:
+    """A copy ``network``/``compute`` times faster (for what-if and monotonicity checks)."""
+    return replace(
+        hardware,
+        links={
+            k: Link(v.alpha / network, v.beta / network, v.alpha_log2p / network)
+            for k, v in hardware.links.items()
+        },
+        engines={
+            k: Engine(v.rate * compute, v.latency / compute) for k, v in hardware.engines.items()
+        },
+    )

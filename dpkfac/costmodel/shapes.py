@@ -1,0 +1,198 @@
+"""What the cost model needs to know about a model beyond its K-FAC layer shapes.
+
+A :class:`~dpkfac.assignment.LayerShape` carries a layer's factor sizes and
+batch statistics. Exact byte predictions need three more facts, because
+buffers are split between *tensors* at the bucket cap and a layer's factors
+only travel when its hooks fire:
+
+* whether each K-FAC layer has a bias (its gradient is a separate tensor);
+* whether each layer's capture hooks fire (``nn.MultiheadAttention.out_proj``
+  is called functionally: registered, broadcast under dp-kfac, but never has
+  factors);
+* the element counts of the other trainable parameters, in
+  ``model.parameters()`` order (their gradients are averaged too).
+
+:class:`ModelShapes` bundles them and is itself a sequence of ``LayerShape``,
+so every function taking layer shapes accepts it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, overload
+
+from dpkfac.assignment import LayerShape
+
+__all__ = ["ModelShapes", "as_model_shapes", "shapes_from_model"]
+
+
+@dataclass(frozen=True)
+class ModelShapes(Sequence[LayerShape]):
+    """K-FAC layers in registration order plus the facts exact accounting needs.
+
+    Attributes:
+        layers: shapes of the K-FAC layers, in ``named_modules()`` order. A
+            layer whose hooks never fire has ``positions = batch_size = 1``,
+            as the preconditioner's placement sees it.
+        bias: whether each layer has a bias (the last column of its A factor).
+        captured: whether each layer's hooks fire (it has factors).
+        other_params: element counts of the other trainable parameters.
+    """
+
+    layers: tuple[LayerShape, ...]
+    bias: tuple[bool, ...]
+    captured: tuple[bool, ...]
+    other_params: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.layers)
+        if len(self.bias) != n or len(self.captured) != n:
+            raise ValueError("bias and captured need one entry per layer")
+
+    @overload
+    def __getitem__(self, i: int) -> LayerShape: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[LayerShape]: ...
+    def __getitem__(self, i: int | slice) -> LayerShape | Sequence[LayerShape]:
+        return self.layers[i]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Iterator[LayerShape]:
+        return iter(self.layers)
+
+    def param_numels(self, i: int) -> list[int]:
+        """Element counts of layer ``i``'s parameter tensors: weight, then bias."""
+        s = self.layers[i]
+        if self.bias[i]:
+            return [s.g_dim * (s.a_dim - 1), s.g_dim]
+        return [s.g_dim * s.a_dim]
+
+    @property
+    def num_params(self) -> int:
+        """Trainable parameter elements (K-FAC layers and the rest)."""
+        return sum(s.a_dim * s.g_dim for s in self.layers) + sum(self.other_params)
+
+    def with_batch_size(self, batch_size: int) -> ModelShapes:
+        """The same model at another local batch size (captured layers only)."""
+        layers = tuple(
+            replace(s, batch_size=batch_size) if c else s
+            for s, c in zip(self.layers, self.captured, strict=True)
+        )
+        return replace(self, layers=layers)
+
+
+def as_model_shapes(
+    shapes: Sequence[LayerShape],
+    *,
+    bias: Sequence[bool] | None = None,
+    other_params: int | Sequence[int] = 0,
+) -> ModelShapes:
+    """Promote plain layer shapes to :class:`ModelShapes`.
+
+    Args:
+        shapes: layer shapes, or a ``ModelShapes`` (returned unchanged when no
+            other argument is given).
+        bias: per layer; default: Linear layers have a bias, Conv2d layers do
+            not (torchvision's and Hugging Face's convention). Only the split
+            of gradient buckets at the cap depends on it.
+        other_params: element count of the non-K-FAC parameters, as one
+            tensor (int) or per tensor.
+    """
+    if isinstance(shapes, ModelShapes) and bias is None and not other_params:
+        return shapes
+    layers = tuple(shapes)
+    if bias is None:
+        bias = [s.kind == "linear" for s in layers]
+    others = (other_params,) if isinstance(other_params, int) else tuple(other_params)
+    captured = shapes.captured if isinstance(shapes, ModelShapes) else (True,) * len(layers)
+    return ModelShapes(layers, tuple(bias), captured, tuple(n for n in others if n > 0))
+
+
+def shapes_from_model(
+    model: Any,
+    example_input: Any,
+    batch_size: int | None = None,
+    *,
+    skip_layers: str | Iterable[str] = (),
+    example_kwargs: dict[str, Any] | None = None,
+) -> ModelShapes:
+    """K-FAC layer shapes of a torch model, read from one forward pass.
+
+    Layers are selected exactly as :class:`dpkfac.KFACPreconditioner` selects
+    them (:func:`dpkfac.curvature.helper_for`, ``skip_layers`` regexes
+    searched in module names, all parameters trainable), in
+    ``named_modules()`` order. Forward hooks read each layer's input and
+    output sizes: ``N`` is dim 0 of the input, ``T`` the output positions of
+    a Conv2d or the product of a Linear input's middle dims. The model may
+    live on the ``meta`` device (nothing is computed then).
+
+    Args:
+        model: the model (a ``DistributedDataParallel`` wrapper is unwrapped).
+        example_input: positional input (a tensor, or a tuple of arguments).
+        batch_size: local batch size ``N`` to record instead of the example's.
+        skip_layers: regexes of layers the preconditioner will skip.
+        example_kwargs: keyword inputs of the forward call.
+
+    Returns:
+        The model's :class:`ModelShapes`.
+    """
+    import torch
+
+    from dpkfac.curvature import helper_for
+
+    inner = getattr(model, "module", model)
+    patterns = [
+        re.compile(p) for p in ((skip_layers,) if isinstance(skip_layers, str) else skip_layers)
+    ]
+    selected: dict[str, Any] = {}
+    for name, module in inner.named_modules():
+        helper = helper_for(module)
+        if helper is None or any(p.search(name) for p in patterns):
+            continue
+        if all(p.requires_grad for p in helper.parameters()):
+            selected[name] = helper
+    seen: dict[str, tuple[int, int]] = {}
+
+    def hook(name: str, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        x = args[0] if args else kwargs.get("input")
+        if name in seen or not isinstance(x, torch.Tensor):
+            return
+        if isinstance(module, torch.nn.Conv2d):
+            n = x.shape[0] if x.dim() == 4 else 1
+            t = output.shape[-1] * output.shape[-2]
+        elif x.dim() == 1:
+            n, t = 1, 1
+        else:
+            n, t = x.shape[0], math.prod(x.shape[1:-1])
+        seen[name] = (int(n), int(t))
+
+    handles = [
+        h.module.register_forward_hook(
+            lambda m, a, k, o, name=name: hook(name, m, a, k, o), with_kwargs=True
+        )
+        for name, h in selected.items()
+    ]
+    args = example_input if isinstance(example_input, tuple) else (example_input,)
+    try:
+        with torch.no_grad():
+            inner(*args, **(example_kwargs or {}))
+    finally:
+        for h in handles:
+            h.remove()
+    layers, bias, captured = [], [], []
+    for name, helper in selected.items():
+        n, t = seen.get(name, (1, 1))
+        if name in seen and batch_size is not None:
+            n = batch_size
+        kind = "conv2d" if isinstance(helper.module, torch.nn.Conv2d) else "linear"
+        layers.append(LayerShape(name, kind, helper.a_dim, helper.g_dim, t, n))
+        bias.append(helper.has_bias)
+        captured.append(name in seen)
+    kfac = {id(p) for h in selected.values() for p in h.parameters()}
+    others = tuple(p.numel() for p in inner.parameters() if p.requires_grad and id(p) not in kfac)
+    return ModelShapes(tuple(layers), tuple(bias), tuple(captured), others)

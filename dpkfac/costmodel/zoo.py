@@ -1,0 +1,166 @@
+"""Analytic K-FAC shapes of the papers' models, without building them.
+
+The 64-GPU table needs ResNet-50, BERT-large and the Transformer; building
+BERT-large just to read its shapes costs gigabytes, so these functions write
+the :class:`~dpkfac.costmodel.shapes.ModelShapes` down from the
+architectures. ``tests/test_costmodel.py`` checks them against
+:func:`~dpkfac.costmodel.shapes.shapes_from_model` on the real torchvision
+and Hugging Face modules.
+"""
+
+from __future__ import annotations
+
+from dpkfac.assignment import LayerShape
+from dpkfac.costmodel.shapes import ModelShapes
+
+__all__ = ["PAPER_MODELS", "bert_qa", "resnet50", "transformer"]
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.layers: list[LayerShape] = []
+        self.bias: list[bool] = []
+        self.others: list[int] = []
+
+    def linear(self, name: str, d_in: int, d_out: int, n: int, t: int, bias: bool = True) -> None:
+        self.layers.append(
+            LayerShape.linear(name, d_in, d_out, bias=bias, batch_size=n, positions=t)
+        )
+        self.bias.append(bias)
+
+    def conv(self, name: str, c_in: int, c_out: int, k: int, hw: int, n: int) -> None:
+        self.layers.append(LayerShape.conv2d(name, c_in, c_out, (k, k), (hw, hw), batch_size=n))
+        self.bias.append(False)
+
+    def build(self) -> ModelShapes:
+        n = len(self.layers)
+        return ModelShapes(tuple(self.layers), tuple(self.bias), (True,) * n, tuple(self.others))
+
+
+def _out(size: int, k: int, s: int, p: int) -> int:
+    return (size + 2 * p - k) // s + 1
+
+
+def resnet50(batch_size: int = 32, image_size: int = 224, num_classes: int = 1000) -> ModelShapes:
+    """torchvision ``resnet50()`` (v1.5: stride in the 3x3 conv), BatchNorm left to SGD."""
+    b = _Builder()
+    hw = _out(image_size, 7, 2, 3)
+    b.conv("conv1", 3, 64, 7, hw, batch_size)
+    b.others += [64, 64]
+    hw = _out(hw, 3, 2, 1)
+    inplanes = 64
+    for stage, (planes, blocks, stride) in enumerate(
+        [(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)], start=1
+    ):
+        for i in range(blocks):
+            s = stride if i == 0 else 1
+            out_hw = _out(hw, 3, s, 1)
+            p = f"layer{stage}.{i}."
+            b.conv(p + "conv1", inplanes, planes, 1, hw, batch_size)
+            b.others += [planes, planes]
+            b.conv(p + "conv2", planes, planes, 3, out_hw, batch_size)
+            b.others += [planes, planes]
+            b.conv(p + "conv3", planes, 4 * planes, 1, out_hw, batch_size)
+            b.others += [4 * planes, 4 * planes]
+            if i == 0 and (s != 1 or inplanes != 4 * planes):
+                b.conv(p + "downsample.0", inplanes, 4 * planes, 1, out_hw, batch_size)
+                b.others += [4 * planes, 4 * planes]
+            inplanes, hw = 4 * planes, out_hw
+    b.linear("fc", 2048, num_classes, batch_size, 1)
+    return b.build()
+
+
+def bert_qa(
+    batch_size: int = 4,
+    seq_len: int = 384,
+    hidden: int = 1024,
+    layers: int = 24,
+    intermediate: int = 4096,
+    vocab: int = 30522,
+    max_positions: int = 512,
+    type_vocab: int = 2,
+) -> ModelShapes:
+    """Hugging Face ``BertForQuestionAnswering`` (defaults: BERT-large, SQuAD's 384 tokens).
+
+    Every Linear is a K-FAC layer with ``T = seq_len``: Q, K, V and the
+    attention output (hidden²), the FFN (hidden x intermediate and back) and
+    the QA head (hidden x 2). Embeddings and LayerNorms stay with SGD.
+    """
+    b = _Builder()
+    b.others += [vocab * hidden, max_positions * hidden, type_vocab * hidden, hidden, hidden]
+    for i in range(layers):
+        p = f"bert.encoder.layer.{i}."
+        for m in ("query", "key", "value"):
+            b.linear(p + f"attention.self.{m}", hidden, hidden, batch_size, seq_len)
+        b.linear(p + "attention.output.dense", hidden, hidden, batch_size, seq_len)
+        b.others += [hidden, hidden]
+        b.linear(p + "intermediate.dense", hidden, intermediate, batch_size, seq_len)
+        b.linear(p + "output.dense", intermediate, hidden, batch_size, seq_len)
+        b.others += [hidden, hidden]
+    b.linear("qa_outputs", hidden, 2, batch_size, seq_len)
+    return b.build()
+
+
+def transformer(
+    batch_size: int = 128,
+    src_len: int = 32,
+    tgt_len: int = 32,
+    d_model: int = 512,
+    heads: int = 8,
+    d_inner: int = 2048,
+    encoder_layers: int = 6,
+    decoder_layers: int = 6,
+    vocab: int = 10000,
+) -> ModelShapes:
+    """The DP-KFAC paper's Transformer (jadore801120/attention-is-all-you-need-pytorch).
+
+    Its attention has separate bias-free Linear layers ``w_qs``, ``w_ks``,
+    ``w_vs`` and ``fc`` (``d_k = d_v = d_model / heads``); the FFN has
+    ``w_1``/``w_2`` with biases. Source and target embeddings and the output
+    projection share one ``vocab x d_model`` weight (the projection is the
+    skipped pre-softmax layer). Multi30K's padded sentence lengths are about
+    30 tokens (an estimate; ``src_len``/``tgt_len`` set ``T``).
+    """
+    b = _Builder()
+    b.others.append(vocab * d_model)
+
+    def attention(p: str, t_q: int, t_kv: int) -> None:
+        b.linear(p + "w_qs", d_model, d_model, batch_size, t_q, bias=False)
+        b.linear(p + "w_ks", d_model, d_model, batch_size, t_kv, bias=False)
+        b.linear(p + "w_vs", d_model, d_model, batch_size, t_kv, bias=False)
+        b.linear(p + "fc", d_model, d_model, batch_size, t_q, bias=False)
+        b.others += [d_model, d_model]
+
+    def ffn(p: str, t: int) -> None:
+        b.linear(p + "w_1", d_model, d_inner, batch_size, t)
+        b.linear(p + "w_2", d_inner, d_model, batch_size, t)
+        b.others += [d_model, d_model]
+
+    for i in range(encoder_layers):
+        attention(f"encoder.layer_stack.{i}.slf_attn.", src_len, src_len)
+        ffn(f"encoder.layer_stack.{i}.pos_ffn.", src_len)
+    b.others += [d_model, d_model]
+    for i in range(decoder_layers):
+        attention(f"decoder.layer_stack.{i}.slf_attn.", tgt_len, tgt_len)
+        attention(f"decoder.layer_stack.{i}.enc_attn.", tgt_len, src_len)
+        ffn(f"decoder.layer_stack.{i}.pos_ffn.", tgt_len)
+    b.others += [d_model, d_model]
+    return b.build()
+
+
+#: The 64-GPU table's models at the papers' per-rank batches, with the
+#: preconditioner options of their ``conf/experiment`` presets.
+PAPER_MODELS: dict[str, tuple[ModelShapes, dict[str, object]]] = {
+    "ResNet-50": (
+        resnet50(batch_size=32),
+        {"compute_method": "eigen", "kl_clip": True, "weight_sharing": "expand"},
+    ),
+    "BERT-large": (
+        bert_qa(batch_size=4),
+        {"compute_method": "eigen", "kl_clip": False, "weight_sharing": "reduce"},
+    ),
+    "Transformer": (
+        transformer(batch_size=128),
+        {"compute_method": "inverse", "kl_clip": True, "weight_sharing": "reduce"},
+    ),
+}

@@ -1,0 +1,490 @@
+"""The cost model: exact bytes and memory against real gloo runs, fitting, timing sanity.
+
+Byte predictions must equal what ``comm_stats()`` reports, buffer by buffer
+(calls and floor-rounded wire bytes included), and ``memory_usage()`` must
+equal the predicted memory of every rank. Timing is checked for structure
+(monotonicity, scaling, calibration round trips), never against a wall clock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_ranks
+from strategy_cases import batch, make_model
+from torch import nn
+
+import dpkfac
+from dpkfac.costmodel import (
+    PAPER_MODELS,
+    PRESETS,
+    Engine,
+    Hardware,
+    Link,
+    Sample,
+    bert_qa,
+    calibrate,
+    format_table,
+    nnls,
+    predict,
+    predict_sgd,
+    predicted_table,
+    resnet50,
+    scaled,
+    shapes_from_model,
+    transformer,
+)
+from dpkfac.costmodel.__main__ import main
+
+ITEM = 8  # TinyNet is float64
+HW = PRESETS["v100_ib100"]
+
+
+class AttnNet(nn.Module):
+    """Linear -> MultiheadAttention (out_proj registered but never captured) -> Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(2, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x.flatten(2).transpose(1, 2))  # (N, 16 positions, 8)
+        h, _ = self.attn(h, h, h)
+        return self.head(h.mean(1))
+
+
+def _model(kind: str) -> nn.Module:
+    if kind == "tiny":
+        return make_model()
+    torch.manual_seed(0)
+    return AttnNet().double()
+
+
+# name -> (model, preconditioner options, predict options); kl_clip None unless given.
+CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "dp-kl": ("tiny", {"kl_clip": 0.001}, {"strategy": "dp-kfac", "kl_clip": True}),
+    "dp-owner": (
+        "tiny",
+        {"grad_reduction": "owner"},
+        {"strategy": "dp-kfac", "kl_clip": False, "grad_reduction": "owner"},
+    ),
+    "dp-owner-kl-capped": (
+        "tiny",
+        {"grad_reduction": "owner", "kl_clip": 0.001, "bucket_cap_mb": 30 * ITEM / 2**20},
+        {"strategy": "dp-kfac", "grad_reduction": "owner", "bucket_cap_mb": 30 * ITEM / 2**20},
+    ),
+    "dp-attn": ("attn", {}, {"strategy": "dp-kfac", "kl_clip": False}),
+    "d-eigen": ("tiny", {}, {"strategy": "d-kfac"}),
+    "d-inverse-capped": (
+        "tiny",
+        {"compute_method": "inverse", "bucket_cap_mb": 100 * ITEM / 2**20},
+        {"strategy": "d-kfac", "compute_method": "inverse", "bucket_cap_mb": 100 * ITEM / 2**20},
+    ),
+    "d-attn": ("attn", {}, {"strategy": "d-kfac"}),
+    "spd-one-bucket": (
+        "tiny",
+        {"local_threshold": 0, "profile_steps": 1, "comm_alpha": 1e3, "comm_beta": 0.0},
+        {"strategy": "spd-kfac", "local_threshold": 0, "comm_alpha": 1e3, "comm_beta": 0.0},
+    ),
+    "spd-alone-inverse": (
+        "tiny",
+        {
+            "local_threshold": 0,
+            "profile_steps": 1,
+            "comm_alpha": 0.0,
+            "comm_beta": 0.0,
+            "compute_method": "inverse",
+        },
+        {
+            "strategy": "spd-kfac",
+            "local_threshold": 0,
+            "comm_alpha": 0.0,
+            "comm_beta": 0.0,
+            "compute_method": "inverse",
+        },
+    ),
+    "spd-measured": ("tiny", {"profile_steps": 1}, {"strategy": "spd-kfac"}),
+}
+
+
+def _run_cases(rank: int, world_size: int) -> dict[str, Any]:
+    """Steps 0..3 with factors and decompositions every 2 steps; stats of each step."""
+    out = {}
+    for name, (kind, case_options, predicted) in CASES.items():
+        model = _model(kind)
+        options = dict(case_options)
+        pre = dpkfac.KFACPreconditioner(
+            model,
+            strategy=predicted["strategy"],
+            damping=0.01,
+            factor_decay=0.9,
+            kl_clip=options.pop("kl_clip", None),
+            factor_update_steps=2,
+            inv_update_steps=2,
+            collective_timeout=60.0,
+            **options,
+        )
+        stats, memory = [], None
+        for step in range(4):
+            pre.reset_stats()
+            model.zero_grad()
+            x, y = batch(step, rank)
+            F.cross_entropy(model(x), y).backward()
+            pre.step()
+            stats.append(pre.comm_stats())
+            if step == 2:
+                memory = pre.memory_usage()
+        out[name] = (stats, memory, getattr(pre.strategy, "plan", None))
+    return out
+
+
+def _add(*stats: dict) -> dict:
+    total: dict[str, dict[str, int]] = {}
+    for s in stats:
+        for cat, v in s.items():
+            entry = total.setdefault(cat, {"bytes": 0, "calls": 0, "wire_bytes": 0})
+            for k in entry:
+                entry[k] += v[k]
+    return {c: v for c, v in total.items() if c != "setup" or v["calls"]}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_predicted_bytes_and_memory_equal_measured(world_size: int) -> None:
+    results = run_ranks(_run_cases, world_size)
+    x0 = batch(0, 0)[0]
+    for name, (kind, _, options) in CASES.items():
+        shapes = shapes_from_model(_model(kind), x0)
+        plan = results[0][name][2]
+        extra = {"fusion_plan": plan} if name == "spd-measured" else {}
+        pred = predict(
+            shapes, world_size=world_size, hardware=HW, param_itemsize=ITEM, **options, **extra
+        )
+        for rank, result in enumerate(results):
+            stats, memory, _ = result[name]
+            assert stats[2] == pred.update.comm, (name, rank)
+            assert stats[3] == pred.plain.comm, (name, rank)
+            assert memory == pred.memory[rank], (name, rank)
+            if options["strategy"] != "spd-kfac":
+                first = _add(pred.update.comm, pred.setup_comm)
+            else:  # step 0 profiles: every factor alone, then the plan is fixed
+                alone = predict(
+                    shapes,
+                    world_size=world_size,
+                    hardware=HW,
+                    param_itemsize=ITEM,
+                    **{**options, "fusion": "none"},
+                )
+                first = _add(alone.update.comm, pred.setup_comm)
+            assert _add(stats[0]) == first, (name, rank)
+        if options["strategy"] == "spd-kfac" and name != "spd-measured":
+            assert plan == pred.plan, name
+    # the cases exercise what they are meant to
+    tiny = results[0]
+    assert tiny["spd-one-bucket"][0][2]["factor_allreduce"]["calls"] == 1
+    assert tiny["spd-alone-inverse"][0][2]["factor_allreduce"]["calls"] == 6
+    assert tiny["d-inverse-capped"][0][2]["factor_allreduce"]["calls"] > 1
+    assert tiny["dp-owner-kl-capped"][0][2]["precond_broadcast"]["calls"] > world_size
+    assert tiny["spd-measured"][0][2]["decomposition_broadcast"]["calls"] == 0  # all local
+
+
+def test_world_size_one_has_no_traffic_and_exact_memory() -> None:
+    for strategy in ("dp-kfac", "d-kfac", "spd-kfac"):
+        model = make_model()
+        pre = dpkfac.KFACPreconditioner(model, strategy=strategy, kl_clip=None)
+        for step in range(2):
+            model.zero_grad()
+            x, y = batch(step, 0)
+            F.cross_entropy(model(x), y).backward()
+            pre.step()
+        pred = predict(
+            shapes_from_model(model, x),
+            strategy=strategy,
+            world_size=1,
+            hardware=HW,
+            param_itemsize=ITEM,
+        )
+        assert pre.comm_stats() == pred.update.comm
+        assert all(v["bytes"] == 0 for v in pred.update.comm.values())
+        assert pre.memory_usage() == pred.memory[0]
+        assert pred.update.phases["factor_comm"] == 0.0
+
+
+def test_ddp_flag_removes_gradient_traffic_but_not_its_time() -> None:
+    shapes = resnet50(batch_size=32)
+    plain = predict(shapes, strategy="d-kfac", world_size=8, hardware=HW)
+    ddp = predict(shapes, strategy="d-kfac", world_size=8, hardware=HW, ddp=True)
+    assert ddp.update.comm["grad_allreduce"]["bytes"] == 0
+    assert plain.update.comm["grad_allreduce"]["bytes"] == shapes.num_params * 4
+    assert ddp.update.breakdown["ddp_grad_comm"] == pytest.approx(plain.update.phases["grad_comm"])
+
+
+def test_byte_formulas_on_a_large_model() -> None:
+    shapes = resnet50(batch_size=32)
+    p = 64
+    d = predict(shapes, strategy="d-kfac", world_size=p, hardware=HW)
+    full = sum(s.a_dim**2 + s.g_dim**2 for s in shapes) * 4
+    assert d.update.comm["factor_allreduce"]["bytes"] == full
+    assert 1 < d.update.comm["factor_allreduce"]["calls"] < 2 * len(shapes)  # 25 MiB cap
+    eig = sum(x * x + x for s in shapes for x in (s.a_dim, s.g_dim)) * 4
+    assert d.update.comm["decomposition_broadcast"]["bytes"] == eig
+    spd = predict(shapes, strategy="spd-kfac", world_size=p, hardware=HW, local_threshold=0)
+    tri = sum(x * (x + 1) // 2 for s in shapes for x in (s.a_dim, s.g_dim)) * 4
+    assert spd.update.comm["factor_allreduce"]["bytes"] == tri
+    dp = predict(shapes, strategy="dp-kfac", world_size=p, hardware=HW, kl_clip=False)
+    layer_params = sum(s.a_dim * s.g_dim for s in shapes) * 4
+    assert dp.update.comm["precond_broadcast"]["bytes"] == layer_params
+    assert dp.update.comm["factor_allreduce"]["bytes"] == 0
+    # dp-kfac splits exactly what every d-kfac rank holds
+    assert sum(sum(m.values()) for m in dp.memory) == sum(d.memory[0].values())
+    owner = predict(
+        shapes, strategy="dp-kfac", world_size=p, hardware=HW, grad_reduction="owner", kl_clip=False
+    )
+    sgd = predict_sgd(shapes, world_size=p, hardware=HW)
+    colls = owner.update.collectives + sgd.update.collectives
+    wire = sum(c.wire_bytes for c in owner.update.collectives)
+    sgd_wire = sum(c.wire_bytes for c in sgd.update.collectives)
+    assert abs(wire - sgd_wire) <= len(colls)  # K-FAC at SGD's traffic, up to per-buffer floors
+
+
+# ------------------------------------------------------------------ shapes and zoo
+def test_shapes_from_model_reads_layers_biases_capture_and_other_params() -> None:
+    shapes = shapes_from_model(_model("attn"), batch(0, 0)[0], batch_size=32)
+    assert [s.name for s in shapes] == ["inp", "attn.out_proj", "head"]
+    assert shapes.captured == (True, False, True)
+    assert shapes.bias == (True, True, False)
+    assert (shapes[0].batch_size, shapes[0].positions) == (32, 16)
+    assert (shapes[1].batch_size, shapes[1].positions) == (1, 1)  # as the placement sees it
+    assert shapes.other_params == (24 * 8, 24)  # in_proj weight and bias
+    skipped = shapes_from_model(_model("attn"), batch(0, 0)[0], skip_layers=["out_proj"])
+    assert [s.name for s in skipped] == ["inp", "head"]
+    assert skipped.other_params == (24 * 8, 24, 8 * 8, 8)
+
+
+def test_zoo_resnet50_equals_torchvision() -> None:
+    torchvision = pytest.importorskip("torchvision")
+    with torch.device("meta"):
+        model = torchvision.models.resnet50()
+        x = torch.empty(2, 3, 64, 64)
+    assert shapes_from_model(model, x) == resnet50(batch_size=2, image_size=64)
+
+
+def test_zoo_bert_equals_hugging_face() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=100,
+        max_position_embeddings=64,
+    )
+    model = transformers.BertForQuestionAnswering(config)
+    ids = torch.randint(0, 100, (2, 16))
+    got = shapes_from_model(model, ids, skip_layers=["embeddings"])
+    assert got == bert_qa(2, 16, hidden=32, layers=2, intermediate=64, vocab=100, max_positions=64)
+
+
+def test_zoo_transformer_layout() -> None:
+    t = transformer(batch_size=8, encoder_layers=2, decoder_layers=1)
+    assert len(t) == 2 * 6 + 1 * 10  # encoder: q, k, v, fc, w_1, w_2; decoder: two attentions
+    assert t.bias.count(True) == 2 * 3  # only the FFN layers have biases
+    assert {s.a_dim for s in t} == {512, 513, 2049}
+
+
+# ---------------------------------------------------------------------- fitting
+def test_nnls_matches_least_squares_and_respects_the_bound() -> None:
+    rows = [[1.0, 1e6], [1.0, 2e6], [1.0, 4e6], [2.0, 1e6]]
+    truth = [3e-4, 2e-9]
+    y = [sum(a * b for a, b in zip(r, truth, strict=True)) for r in rows]
+    assert nnls(rows, y) == pytest.approx(truth, rel=1e-9)
+    # the unconstrained fit would need a negative intercept: it is clamped to 0
+    x = nnls([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]], [0.0, 2.0, 4.0])
+    assert x[0] == 0.0 and x[1] > 0
+
+
+def _truth() -> Hardware:
+    return Hardware(
+        "truth",
+        {
+            "allreduce": Link(2e-4, 1e-9),
+            "broadcast": Link(1e-4, 7e-10),
+            "reduce": Link(3e-4, 2e-9),
+        },
+        {
+            "matmul": Engine(5e10, 1e-5),
+            "factor": Engine(6e10, 2e-5),
+            "memory": Engine(8e9),
+            "eigh": Engine(3e10, 2e-4),
+            "inverse": Engine(2e10, 1e-4),
+            "precondition": Engine(7e10, 3e-5),
+            "forward_backward": Engine(4e10, 5e-5),
+        },
+    )
+
+
+def _synthetic(hw: Hardware, noise: float = 0.0) -> list[Sample]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for p in (2, 4):
+        for n in (1e3, 1e5, 1e6, 1e7):
+            for kind in ("allreduce", "broadcast", "reduce"):
+                out.append(Sample.collective(kind, int(n), 0.0, p, calls=3))
+        # a phase that mixes kinds, as dp-kfac's owner reduction does
+        out.append(Sample({"reduce": (2, 3e6), "allreduce": (1, 1e5)}, 0.0, p))
+    for flops in (1e6, 1e8, 1e10):
+        for kind in ("matmul", "eigh", "inverse", "precondition", "forward_backward"):
+            out.append(Sample.compute(kind, flops, 0.0, calls=4))
+        for nbytes in (1e5, 1e8):
+            out.append(Sample({"factor": (2, flops), "memory": (0, nbytes)}, 0.0))
+    return [
+        Sample(
+            s.work,
+            hw.time(s.work, s.world_size)
+            * (1 + noise * (2 * float(torch.rand(1, generator=gen)) - 1)),
+            s.world_size,
+        )
+        for s in out
+    ]
+
+
+def test_calibrate_recovers_known_parameters() -> None:
+    truth = _truth()
+    fit = calibrate(_synthetic(truth))
+    for kind, link in truth.links.items():
+        assert fit.link(kind).alpha == pytest.approx(link.alpha, rel=1e-6)
+        assert fit.link(kind).beta == pytest.approx(link.beta, rel=1e-6)
+    for kind, engine in truth.engines.items():
+        assert fit.engine(kind).rate == pytest.approx(engine.rate, rel=1e-6)
+        assert fit.engine(kind).latency == pytest.approx(engine.latency, rel=1e-6, abs=1e-12)
+    noisy = calibrate(_synthetic(truth, noise=0.02))
+    for kind, engine in truth.engines.items():
+        assert noisy.engine(kind).rate == pytest.approx(engine.rate, rel=0.1)
+    assert noisy.link("allreduce").beta == pytest.approx(1e-9, rel=0.1)
+
+
+def test_calibrate_from_predicted_phase_samples_round_trips() -> None:
+    """Timings that the model itself predicts give back the model (Prediction.samples)."""
+    truth = scaled(_truth(), compute=0.5)
+    shapes = resnet50(batch_size=8, image_size=64)
+    samples = []
+    for strategy in ("dp-kfac", "d-kfac"):
+        for method in ("eigen", "inverse"):
+            pred = predict(
+                shapes,
+                strategy=strategy,
+                world_size=4,
+                hardware=truth,
+                compute_method=method,
+                grad_reduction="owner" if method == "eigen" else "allreduce",
+            )
+            samples += pred.samples(pred.update.phases_per_rank, steps=1)
+    fit = calibrate(samples, base=HW)
+    again = predict(shapes, strategy="d-kfac", world_size=4, hardware=fit)
+    want = predict(shapes, strategy="d-kfac", world_size=4, hardware=truth)
+    for phase, seconds in want.update.phases.items():
+        assert again.update.phases[phase] == pytest.approx(seconds, rel=1e-3), phase
+
+
+def test_hardware_json_round_trip(tmp_path) -> None:
+    for hw in (*PRESETS.values(), _truth()):
+        assert Hardware.from_json(hw.to_json()) == hw
+    path = tmp_path / "hw.json"
+    HW.to_json(path)
+    assert Hardware.from_json(path) == HW
+
+
+# ----------------------------------------------------------------------- timing
+def test_timing_scales_sensibly() -> None:
+    shapes = resnet50(batch_size=32)
+    prev: dict[str, Any] = {}
+    for p in (2, 4, 8, 16, 64, 256):
+        dp = predict(shapes, strategy="dp-kfac", world_size=p, hardware=HW)
+        d = predict(shapes, strategy="d-kfac", world_size=p, hardware=HW)
+        if prev:
+            assert dp.computation <= prev["dp"].computation + 1e-12  # work is split
+            assert dp.memory_max <= prev["dp"].memory_max
+            assert d.memory_max == prev["d"].memory_max  # everyone holds everything
+            assert d.update.phases["factor_compute"] == prev["d"].update.phases["factor_compute"]
+            assert d.update.phases["factor_comm"] > prev["d"].update.phases["factor_comm"]
+        prev = {"dp": dp, "d": d}
+    base = predict(shapes, strategy="d-kfac", world_size=16, hardware=HW)
+    fast_net = predict(shapes, strategy="d-kfac", world_size=16, hardware=scaled(HW, network=2))
+    fast_gpu = predict(shapes, strategy="d-kfac", world_size=16, hardware=scaled(HW, compute=2))
+    assert fast_net.communication == pytest.approx(base.communication / 2)
+    assert fast_gpu.computation == pytest.approx(base.computation / 2)
+    assert fast_net.iteration < base.iteration and fast_gpu.iteration < base.iteration
+    base = predict(shapes, strategy="spd-kfac", world_size=16, hardware=HW)
+    fast_net = predict(shapes, strategy="spd-kfac", world_size=16, hardware=scaled(HW, network=2))
+    assert fast_net.communication < base.communication  # the fusion plan may change too
+    # spd-kfac overlaps factor traffic with the backward pass; d-kfac does not
+    assert base.update.phases["factor_comm"] <= base.update.comm_serial["factor_comm"]
+    # a bigger batch costs more factor work, never less
+    big = predict(shapes.with_batch_size(64), strategy="d-kfac", world_size=16, hardware=HW)
+    small = predict(shapes, strategy="d-kfac", world_size=16, hardware=HW)
+    assert big.update.phases["factor_compute"] > small.update.phases["factor_compute"]
+
+
+def test_iteration_composition_and_intervals() -> None:
+    shapes = resnet50(batch_size=32)
+    every = predict(shapes, strategy="d-kfac", world_size=8, hardware=HW)
+    assert every.iteration_avg == pytest.approx(every.iteration)
+    assert every.update.iteration == pytest.approx(sum(every.update.breakdown.values()))
+    sparse = predict(
+        shapes,
+        strategy="d-kfac",
+        world_size=8,
+        hardware=HW,
+        factor_update_steps=10,
+        inv_update_steps=100,
+    )
+    assert every.plain.iteration < sparse.iteration_avg < every.iteration
+    expected = (
+        every.steps[(True, True)].iteration
+        + 9 * every.steps[(True, False)].iteration
+        + 90 * every.plain.iteration
+    ) / 100
+    assert sparse.iteration_avg == pytest.approx(expected)
+    assert every.plain.comm["factor_allreduce"]["calls"] == 0
+    sgd = predict_sgd(shapes, world_size=8, hardware=HW)
+    assert sgd.iteration < every.iteration
+    assert set(sgd.update.comm) >= {"grad_allreduce"} and sgd.memory_max == 0
+
+
+def test_spd_plan_follows_the_fusion_rule() -> None:
+    shapes = shapes_from_model(make_model(), batch(0, 0)[0])
+    kw = {"strategy": "spd-kfac", "world_size": 2, "hardware": HW, "local_threshold": 0}
+    one = predict(shapes, comm_alpha=1e3, comm_beta=0.0, **kw)
+    assert len(one.plan) == 1
+    assert one.plan[0] == [
+        ("conv", "A"),
+        ("fc1", "A"),
+        ("fc2", "A"),
+        ("fc2", "G"),
+        ("fc1", "G"),
+        ("conv", "G"),
+    ]
+    alone = predict(shapes, comm_alpha=0.0, comm_beta=0.0, **kw)
+    assert len(alone.plan) == 6
+    assert predict(shapes, fusion="none", **kw).update.comm["factor_allreduce"]["calls"] == 6
+
+
+# ------------------------------------------------------------------------ table
+def test_predicted_table_and_printout(capsys) -> None:
+    rows = predicted_table(PAPER_MODELS, world_size=64)
+    assert {r["model"] for r in rows} == set(PAPER_MODELS)
+    assert len(rows) == 4 * len(PAPER_MODELS)
+    for r in rows:
+        if r["strategy"] == "dp-kfac":
+            # no factor traffic and a fraction of the factors per rank
+            assert r["communication_s_x_best"] > 1 and r["memory_mb_x_best"] > 1
+            assert r["computation_s_x_d-kfac"] > 1
+    text = format_table(rows)
+    assert "ResNet-50" in text and "spd-kfac" in text
+    main(["--world-size", "16"])
+    assert "BERT-large" in capsys.readouterr().out
