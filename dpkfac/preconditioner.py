@@ -333,7 +333,7 @@ class KFACPreconditioner:
                 grad = layer.helper.grad_matrix()
                 if grad is None:
                     continue
-                v = layer.preconditioned_grad(damping)
+                v = layer.preconditioned_grad(damping, grad)
                 if v is None:
                     results[layer.name] = Preconditioned(grad, 0.0, False)
                 else:

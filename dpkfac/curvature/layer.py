@@ -221,9 +221,16 @@ class KFACLayer:
         return self.a_decomp is not None and self.g_decomp is not None
 
     # ------------------------------------------------------------ preconditioning
-    def preconditioned_grad(self, damping: float) -> torch.Tensor | None:
-        """The preconditioned gradient matrix, or None when it cannot be computed here."""
-        grad = self.helper.grad_matrix()
+    def preconditioned_grad(
+        self, damping: float, grad: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """The preconditioned gradient matrix, or None when it cannot be computed here.
+
+        Args:
+            damping: γ (used by the eigen method at this point).
+            grad: the (d_out, a_dim) gradient matrix when the caller already built it.
+        """
+        grad = self.helper.grad_matrix() if grad is None else grad
         if grad is None or not self.has_decompositions():
             return None
         return precondition(grad, self.a_decomp, self.g_decomp, damping=damping)
