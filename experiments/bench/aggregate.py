@@ -1,0 +1,154 @@
+"""Per-rank step records to one benchmark row.
+
+Conventions (also in the README, "Reproducing the tables"):
+
+* **Busiest rank.** For every measured step each quantity is the maximum
+  over ranks (the step waits for the slowest rank); the row then holds the
+  median of those maxima over the measured steps. Memory is the K-FAC state
+  of the rank that holds the most.
+* **Forward/backward** excludes ``factor_compute``: the preconditioner builds
+  factors inside the forward and backward hooks, so the wall time of
+  ``loss.backward()`` contains it; reporting both separately keeps the
+  stacked bars additive.
+* **Other work in the step** (``step_other_s``) is ``pre.step()``'s wall time
+  minus the phases timed inside it: folding factors into running averages,
+  packing and unpacking fused buffers, the KL clip and writing gradients
+  back (for SGD: packing its fused gradient buffers).
+* **Amortisation.** A row is a per-step average at the setting's update
+  intervals F (factors) and I (decompositions): each quantity is
+  ``(1 - 1/F)·plain + (1/F - 1/I)·factor + (1/I)·decomp``, from the medians
+  of the step kinds measured. The paper setting (F = I = 1) is just the
+  decomposition-step median. Per-kind iteration times are kept as
+  ``iteration_<kind>_s``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from dpkfac.stats import COMM_CATEGORIES
+
+#: Phases timed by the preconditioner, in the order of an iteration.
+KFAC_PHASES = (
+    "factor_compute",
+    "factor_comm",
+    "decomposition",
+    "decomposition_comm",
+    "precondition",
+    "precond_comm",
+)
+#: Stacked-bar order of a whole iteration (they sum to ``iteration_s`` up to noise).
+ITERATION_PARTS = (
+    "fwd_bwd",
+    "grad_comm",
+    *KFAC_PHASES,
+    "step_other",
+    "optimizer",
+)
+COMPUTE_PHASES = ("factor_compute", "decomposition", "precondition")
+COMM_PHASES = ("factor_comm", "decomposition_comm", "precond_comm")
+SECOND_ORDER_CATEGORIES = ("factor_allreduce", "decomposition_broadcast", "precond_broadcast")
+
+
+def kind_weights(factor_every: int, inv_every: int) -> dict[str, float]:
+    """How often each step kind occurs at update intervals F and I."""
+    f, i = 1.0 / factor_every, 1.0 / inv_every
+    weights = {"decomp": i, "factor": max(f - i, 0.0), "plain": 1.0 - f}
+    return {k: w for k, w in weights.items() if w > 0}
+
+
+def _flatten(record: dict[str, Any]) -> dict[str, float]:
+    """One rank's step record as flat scalars."""
+    phases = record["phases"]
+    in_step = sum(phases.get(p, 0.0) for p in (*KFAC_PHASES[1:], "grad_comm"))
+    flat = {
+        "iteration": record["iteration"],
+        "fwd_bwd": max(record["fwd_bwd_wall"] - phases.get("factor_compute", 0.0), 0.0),
+        "optimizer": record["optimizer"],
+        "step_other": max(record["step_wall"] - in_step, 0.0),
+        "grad_comm": phases.get("grad_comm", 0.0),
+    }
+    for phase in KFAC_PHASES:
+        flat[phase] = phases.get(phase, 0.0)
+    for cat in COMM_CATEGORIES:
+        stats = record["comm"].get(cat, {})
+        flat[f"bytes_{cat}"] = stats.get("bytes", 0)
+        flat[f"calls_{cat}"] = stats.get("calls", 0)
+        flat[f"wire_{cat}"] = stats.get("wire_bytes", 0)
+    for key, value in record["memory"].items():
+        flat[f"mem_{key}"] = value
+    flat["mem_kfac"] = sum(record["memory"].values())
+    return flat
+
+
+def aggregate(
+    results: Sequence[dict[str, Any]], factor_every: int, inv_every: int
+) -> dict[str, Any]:
+    """Combine every rank's records into the row's measured columns.
+
+    Args:
+        results: one :func:`experiments.bench.measure.run_rank` result per rank.
+        factor_every: factor update interval F of the setting.
+        inv_every: decomposition interval I of the setting.
+
+    Returns:
+        Flat columns: ``<part>_s`` seconds (amortised per step), bytes, calls
+        and wire bytes per category, busiest-rank memory and derived sums.
+    """
+    steps = len(results[0]["records"])
+    if any(len(r["records"]) != steps for r in results):
+        raise ValueError("ranks measured different numbers of steps")
+    if steps == 0:
+        raise ValueError("no measured steps")
+    per_step: dict[str, list[dict[str, float]]] = {}
+    memory_peak = {"mem_kfac": -1.0}
+    for j in range(steps):
+        flats = [_flatten(r["records"][j]) for r in results]
+        kind = results[0]["records"][j]["kind"]
+        per_step.setdefault(kind, []).append({key: max(f[key] for f in flats) for key in flats[0]})
+        for rank, flat in enumerate(flats):
+            if flat["mem_kfac"] > memory_peak["mem_kfac"]:
+                memory_peak = {k: v for k, v in flat.items() if k.startswith("mem_")}
+                memory_peak["mem_rank"] = results[rank]["rank"]
+
+    weights = kind_weights(factor_every, inv_every)
+    if set(weights) - set(per_step) and set(per_step) != {"decomp"}:
+        missing = sorted(set(weights) - set(per_step))
+        raise ValueError(f"step kinds {missing} were not measured; use more steps")
+    if set(per_step) == {"decomp"}:  # SGD, or the paper setting: every step is alike
+        weights = {"decomp": 1.0}
+    medians = {
+        kind: {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+        for kind, samples in per_step.items()
+    }
+    keys = medians["decomp"].keys()
+    row: dict[str, Any] = {}
+    for key in keys:
+        if key.startswith("mem_"):
+            continue
+        value = sum(w * medians[kind][key] for kind, w in weights.items())
+        row[key if key.startswith(("bytes_", "calls_", "wire_")) else f"{key}_s"] = value
+    for kind in per_step:
+        row[f"iteration_{kind}_s"] = medians[kind]["iteration"]
+    row.update(memory_peak)
+    row["compute_s"] = sum(row[f"{p}_s"] for p in COMPUTE_PHASES)
+    row["comm_s"] = sum(row[f"{p}_s"] for p in COMM_PHASES)
+    row["second_order_s"] = row["compute_s"] + row["comm_s"] + row["step_other_s"]
+    row["bytes_second_order"] = sum(row[f"bytes_{c}"] for c in SECOND_ORDER_CATEGORIES)
+    row["wire_second_order"] = sum(row[f"wire_{c}"] for c in SECOND_ORDER_CATEGORIES)
+    row["measured_steps"] = steps
+    row["rank_timings"] = [
+        {
+            phase: statistics.median(
+                r["records"][j]["phases"].get(phase, 0.0)
+                for j in range(steps)
+                if r["records"][j]["kind"] == "decomp"
+            )
+            for phase in (*KFAC_PHASES, "grad_comm")
+        }
+        for r in results
+    ]
+    row["loss_last"] = results[0]["records"][-1]["loss"]
+    return row

@@ -1,0 +1,252 @@
+"""The per-rank timing loop of ``python -m experiments.benchmark``.
+
+Each rank builds, for every strategy of the job, the model (identical
+weights everywhere), a fixed synthetic batch of its own and the
+preconditioner, runs ``warmup`` untimed steps (the first step places layers
+and, for spd-kfac, profiles and fixes the fusion plan) and then ``steps``
+measured ones. Before every step the ranks meet at a barrier, so each step is
+timed from a common start and waiting caused by the previous step does not
+leak into the next one.
+
+Per step and rank this records wall-clock seconds of forward+backward,
+``pre.step()``, ``optimizer.step()`` and the whole iteration, the
+preconditioner's own per-phase timings, bytes and calls per collective
+category and the K-FAC memory, all after ``reset_stats()`` at the start of the
+step. The first-order baseline (``strategy=sgd``) averages gradients with the
+same fused, accounted all-reduce the preconditioner uses, so "K-FAC minus SGD"
+isolates the second-order work instead of comparing against DDP's overlap.
+
+In the practical setting (factors every F steps, decompositions every I) the
+update schedule is replaced by a cycle of step kinds (decomposition step,
+factor-only step, plain step) so that every kind is measured within a few
+steps; :mod:`experiments.bench.aggregate` weights the per-kind medians by how
+often each kind occurs at F and I.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+STEP_KINDS = ("decomp", "factor", "plain")
+
+
+def step_kinds(factor_every: int, inv_every: int) -> list[str]:
+    """The cycle of step kinds measured for update intervals F and I.
+
+    A decomposition step is always also a factor step (the step loop folds
+    fresh factors in before decomposing), as step 0 of a real schedule is.
+    """
+    if factor_every < 1 or inv_every < 1:
+        raise ValueError(f"update intervals must be >= 1, got {factor_every}, {inv_every}")
+    kinds = ["decomp"]
+    if inv_every > factor_every:
+        kinds.append("factor")
+    if factor_every > 1:
+        kinds.append("plain")
+    return kinds
+
+
+def _schedule(kinds: list[str], due: tuple[str, ...]) -> Callable[[int], int]:
+    """An interval callable for KFACPreconditioner that fires on the chosen kinds.
+
+    The preconditioner updates at step ``s`` when ``s % interval(s) == 0``;
+    returning 1 fires, returning ``s + 1`` (which never divides ``s >= 1``)
+    does not.
+    """
+
+    def interval(step: int) -> int:
+        return 1 if kinds[step % len(kinds)] in due else step + 1
+
+    return interval
+
+
+@contextlib.contextmanager
+def process_group(device: str, timeout_s: float) -> Iterator[tuple[int, int, torch.device]]:
+    """Join the group described by the launcher's environment (none: single process)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        yield (
+            (dist.get_rank(), dist.get_world_size(), dev) if dist.is_initialized() else (0, 1, dev)
+        )
+        return
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield dist.get_rank(), dist.get_world_size(), dev
+    finally:
+        dist.destroy_process_group()
+
+
+class _Stepper:
+    """One rank's model, batch, optimizer and preconditioner (or SGD's all-reduce)."""
+
+    def __init__(
+        self, spec: dict[str, Any], strategy: dict[str, Any], rank: int, device: torch.device
+    ) -> None:
+        from dpkfac import KFACPreconditioner
+        from dpkfac.comm import Communicator
+        from dpkfac.stats import CommStats, PhaseTimer
+        from experiments.bench.models import build
+
+        self.name = str(strategy["name"])
+        model_spec = spec["model"]
+        self.bench = build(model_spec["kind"], seed=spec["seed"], **model_spec["kwargs"])
+        self.model = self.bench.model.to(device)
+        batch = self.bench.make_batch(spec["seed"] * 1000 + 17 * (rank + 1))
+        self.batch = {k: v.to(device) for k, v in batch.items()}
+        self.device = device
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=spec["lr"], momentum=0.9)
+        self.kinds = step_kinds(spec["factor_every"], spec["inv_every"])
+        kfac = strategy.get("kfac")
+        self.pre = None
+        if kfac is not None:
+            common = dict(spec["kfac"])
+            self.pre = KFACPreconditioner(
+                self.model,
+                factor_update_steps=_schedule(self.kinds, ("decomp", "factor")),
+                inv_update_steps=_schedule(self.kinds, ("decomp",)),
+                skip_layers=self.bench.skip_layers,
+                weight_sharing=self.bench.weight_sharing,
+                lr=spec["lr"],
+                **common,
+                **kfac,
+            )
+        else:
+            self.stats, self.timer = CommStats(), PhaseTimer(synchronize=device.type == "cuda")
+            self.comm = Communicator(stats=self.stats, timer=self.timer)
+            self.bucket_cap = int(spec["kfac"].get("bucket_cap_mb", 25.0) * 2**20)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step(self, index: int) -> dict[str, Any]:
+        """Run and time one training step; everything is read after a fresh reset."""
+        if dist.is_initialized():
+            dist.barrier()
+        self._sync()
+        if self.pre is not None:
+            self.pre.reset_stats()
+        else:
+            self.stats.reset()
+            self.timer.reset()
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.bench.loss(self.model, self.batch)
+        loss.backward()
+        self._sync()
+        t1 = time.perf_counter()
+        if self.pre is not None:
+            self.pre.step()
+        else:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            self.comm.allreduce_mean(grads, "grad_allreduce", cap_bytes=self.bucket_cap)
+        self._sync()
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        self._sync()
+        t3 = time.perf_counter()
+        if self.pre is not None:
+            phases, comm = self.pre.timings(), self.pre.comm_stats()
+            memory = self.pre.memory_usage()
+        else:
+            phases, comm = self.timer.as_dict(), self.stats.as_dict()
+            memory = {"factors": 0, "decompositions": 0, "buffers": 0}
+        return {
+            "step": index,
+            "kind": self.kinds[index % len(self.kinds)] if self.pre is not None else "decomp",
+            "loss": float(loss.detach()),
+            "fwd_bwd_wall": t1 - t0,
+            "step_wall": t2 - t1,
+            "optimizer": t3 - t2,
+            "iteration": t3 - t0,
+            "phases": phases,
+            "comm": comm,
+            "memory": memory,
+        }
+
+
+def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+    """Benchmark one rank; the entry point handed to the elastic launcher.
+
+    With several strategies (``spec["strategies"]``) every rank builds one
+    model copy (identical initial weights, the same batch) and one
+    preconditioner per strategy, and the strategies take turns step by step,
+    the order rotating every step. A burst of load from other processes on a
+    shared machine then hits every strategy alike, so ratios between them
+    stay meaningful where absolute times do not.
+
+    Args:
+        spec: plain-dict job description (see ``experiments.benchmark.job_spec``).
+
+    Returns:
+        This rank's result: ``rank``, ``world_size``, ``device``, ``backend``
+        and, per strategy name, the measured step ``records``, the number of
+        K-FAC layers, parameters, placement and spd-kfac's fusion plan. With
+        ``spec["gather"]`` (ranks started by torchrun rather than by the
+        benchmark itself) every rank's result, in rank order, on every rank.
+    """
+    torch.set_num_threads(int(spec.get("threads", 1)))
+    strategies = spec.get("strategies") or [spec["strategy"]]
+    warmup = int(spec["warmup"])
+    with process_group(spec.get("device", "auto"), float(spec.get("timeout_s", 300))) as (
+        rank,
+        size,
+        device,
+    ):
+        steppers = [_Stepper(spec, strategy, rank, device) for strategy in strategies]
+        records: dict[str, list[dict[str, Any]]] = {s.name: [] for s in steppers}
+        for index in range(warmup + int(spec["steps"])):
+            for k in range(len(steppers)):
+                stepper = steppers[(index + k) % len(steppers)]
+                record = stepper.step(index)
+                if index >= warmup:
+                    records[stepper.name].append(record)
+        result = {
+            "rank": rank,
+            "world_size": size,
+            "device": str(device),
+            "backend": dist.get_backend() if dist.is_initialized() else "none",
+            "strategies": {
+                s.name: {
+                    "records": records[s.name],
+                    "kfac_layers": len(s.pre.layers) if s.pre is not None else 0,
+                    "params": sum(p.numel() for p in s.model.parameters()),
+                    "placement": _placement(s.pre),
+                    "fusion_plan": _fusion_plan(s.pre),
+                }
+                for s in steppers
+            },
+        }
+        if spec.get("gather") and dist.is_initialized():
+            everyone: list[Any] = [None] * size
+            dist.all_gather_object(everyone, result)
+            return everyone
+        return result
+
+
+def _placement(pre: Any) -> dict[str, list[Any]]:
+    """Owner of every K-FAC layer (and of each factor's decomposition), for the report."""
+    if pre is None:
+        return {}
+    return {name: [layer.owner, layer.a_owner, layer.g_owner] for name, layer in pre.layers.items()}
+
+
+def _fusion_plan(pre: Any) -> list[list[list[str]]] | None:
+    """spd-kfac's fusion buckets as fixed after profiling (the cost model replays them)."""
+    plan = getattr(getattr(pre, "strategy", None), "plan", None)
+    return [[list(key) for key in bucket] for bucket in plan] if plan else None

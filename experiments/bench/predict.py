@@ -1,0 +1,367 @@
+"""Benchmark rows meet the cost model (:mod:`dpkfac.costmodel`).
+
+Three uses, all through the cost model's public functions:
+
+* **Exact bytes.** :func:`predict_row` replays a measured job (same shapes,
+  strategy, options and, for spd-kfac, the fusion plan the run fixed) and
+  :func:`byte_mismatches` compares every category's bytes, calls and wire
+  bytes with what the run counted.
+* **Calibration.** :func:`calibrate_rows` fits a ``Hardware`` to the
+  measured per-rank phase timings (``Prediction.samples``), starting from
+  the ``cpu_gloo_local`` preset for kinds the rows do not cover. The
+  forward/backward rate is then rescaled per model, because the model
+  derives it from the K-FAC layers' flops alone and a real network's
+  normalisation and attention kernels run at a very different rate.
+* **Scaling.** :func:`scaling_frames` puts measured rows beside
+  predictions at P = 1..256 on (a) the calibrated model with the measured
+  (CPU-sized) shapes and (b) the ``v100_ib100`` preset with the paper's
+  shapes, and reports measured-vs-predicted error per phase.
+
+Measured phase seconds are compared the way the cost model defines them:
+compute phases on the busiest rank, communication phases on the rank that
+waited least (the others also wait for slower ranks, which the model books
+to those ranks' compute).
+
+**Shared cores.** The model gives every rank a device of its own. Here P
+single-threaded CPU ranks share C cores, so above P = C each rank runs at
+C/P of a core's speed, its gloo collectives included (they are CPU work:
+copies, reductions, the TCP stack): measured seconds are multiplied by
+``min(1, C/P)`` before fitting, and predictions for the measured rows use
+the fitted hardware ``scaled`` (compute and network) by the same factor.
+Predictions beyond the measured world sizes keep one core per rank (a
+cluster of such machines).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import pandas as pd
+
+COMPUTE = ("factor_compute", "decomposition", "precondition")
+COMM = ("grad_comm", "factor_comm", "decomposition_comm", "precond_comm")
+PREDICTED_P = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CATEGORIES = ("grad_allreduce", "factor_allreduce", "decomposition_broadcast", "precond_broadcast")
+#: Rows of the scaling table predicted with the paper's shapes on this preset.
+PAPER_PRESET = "v100_ib100"
+#: The base of calibration: kinds the measurements do not cover come from here.
+BASE_PRESET = "cpu_gloo_local"
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def row_shapes(row: Mapping[str, Any], *, paper: bool = False) -> tuple[Any, str]:
+    """K-FAC shapes of a row's model (or of its paper-sized version) and its weight sharing.
+
+    The model is built on the ``meta`` device when that works (no memory,
+    no compute: BERT-large at full size costs nothing), else on the CPU.
+    """
+    import torch
+
+    from dpkfac.costmodel import shapes_from_model
+    from experiments.bench.models import build
+
+    kwargs = dict(_json(row["model_kwargs"]))
+    if paper:
+        kwargs.update(_json(row.get("model_paper") or "{}"))
+    batch = int(kwargs.get("batch_size", 1))
+    for device in ("meta", "cpu"):
+        try:
+            with torch.device(device):
+                bench = build(row["model_kind"], **kwargs)
+                return (
+                    shapes_from_model(
+                        bench.model, bench.example_input, batch, skip_layers=bench.skip_layers
+                    ),
+                    bench.weight_sharing,
+                )
+        except (NotImplementedError, RuntimeError, TypeError, ValueError):
+            if device == "cpu":
+                raise
+    raise AssertionError("unreachable")
+
+
+def predict_row(
+    row: Mapping[str, Any],
+    hardware: Any,
+    *,
+    world_size: int | None = None,
+    shapes: Any = None,
+    weight_sharing: str | None = None,
+    replay_plan: bool = True,
+) -> Any:
+    """The cost model's prediction of a row's job (optionally at another P or shapes)."""
+    from dpkfac.costmodel import predict, predict_sgd
+
+    if shapes is None:
+        shapes, weight_sharing = row_shapes(row)
+    p = int(world_size or row["world_size"])
+    common = {"world_size": p, "hardware": hardware, "bucket_cap_mb": 25.0}
+    if row["strategy"] == "sgd":
+        return predict_sgd(shapes, **common)
+    options = dict(_json(row["kfac_options"]))
+    strategy = options.pop("strategy")
+    options.pop("profile_steps", None)
+    plan = _json(row.get("fusion_plan"))
+    if strategy == "spd-kfac" and replay_plan and plan and p == int(row["world_size"]):
+        options["fusion_plan"] = [[tuple(k) for k in bucket] for bucket in plan]
+    return predict(
+        shapes,
+        strategy=strategy,
+        compute_method=row.get("compute_method", "eigen"),
+        kl_clip=True,
+        weight_sharing=weight_sharing or "expand",
+        factor_update_steps=int(row.get("factor_every", 1)),
+        inv_update_steps=int(row.get("inv_every", 1)),
+        **common,
+        **options,
+    )
+
+
+def predicted_counts(row: Mapping[str, Any], prediction: Any) -> dict[str, dict[str, float]]:
+    """Bytes, calls and wire bytes per category per step, weighted like the row.
+
+    The paper setting is the update step itself; the practical setting
+    weights the decomposition, factor-only and plain steps exactly as
+    :func:`experiments.bench.aggregate.kind_weights` does.
+    """
+    from experiments.bench.aggregate import kind_weights
+
+    steps = {"decomp": (True, True), "factor": (True, False), "plain": (False, False)}
+    weights = kind_weights(int(row.get("factor_every", 1)), int(row.get("inv_every", 1)))
+    out: dict[str, dict[str, float]] = {}
+    for kind, weight in weights.items():
+        for cat, counts in prediction.steps[steps[kind]].comm.items():
+            entry = out.setdefault(cat, {"bytes": 0.0, "calls": 0.0, "wire_bytes": 0.0})
+            for key in entry:
+                entry[key] += weight * counts[key]
+    return out
+
+
+def byte_mismatches(row: Mapping[str, Any], prediction: Any) -> list[str]:
+    """Categories whose measured bytes, calls or wire bytes differ from the prediction."""
+    predicted = predicted_counts(row, prediction)
+    out = []
+    for cat in CATEGORIES:
+        for key, col in (("bytes", "bytes"), ("calls", "calls"), ("wire_bytes", "wire")):
+            want, got = predicted[cat][key], float(row[f"{col}_{cat}"])
+            if abs(want - got) > 1e-9 * max(1.0, abs(want)):
+                out.append(f"{cat}.{key}: measured {got:g}, predicted {want:g}")
+    return out
+
+
+def core_share(row: Mapping[str, Any]) -> float:
+    """Fraction of a core each rank of a CPU row had: ``min(1, cores / P)``."""
+    if not str(row.get("device", "cpu")).startswith("cpu"):
+        return 1.0
+    cores = int(row.get("cpus") or os.cpu_count() or 1)
+    return min(1.0, cores / max(int(row["world_size"]), 1))
+
+
+def hardware_for(row: Mapping[str, Any], hardware: Any) -> Any:
+    """``hardware`` slowed to the core share the row's ranks had (see the module docstring)."""
+    from dpkfac.costmodel import scaled
+
+    share = core_share(row)
+    return hardware if share >= 1.0 else scaled(hardware, compute=share, network=share)
+
+
+def measured_phases(row: Mapping[str, Any]) -> dict[str, float]:
+    """Seconds per phase as the cost model defines them (see the module docstring)."""
+    ranks = _json(row["rank_timings"])
+    out = {p: max(r[p] for r in ranks) for p in COMPUTE}
+    out.update({p: min(r[p] for r in ranks) for p in COMM})
+    return out
+
+
+def calibrate_rows(rows: Iterable[Mapping[str, Any]], name: str = "calibrated") -> Any:
+    """A ``Hardware`` fitted to the rows' phase timings (paper-setting rows only)."""
+    from dpkfac.costmodel import PRESETS, Sample, calibrate
+
+    base = PRESETS[BASE_PRESET]
+    samples = []
+    for row in rows:
+        if row.get("setting", "paper") != "paper":
+            continue
+        share = core_share(row)
+        pred = predict_row(row, base)
+        for s in pred.samples(_json(row["rank_timings"]), steps=1):
+            if share < 1.0:
+                s = Sample(s.work, s.seconds * share, s.world_size)
+            samples.append(s)
+    return calibrate(samples, name=name, base=base)
+
+
+def with_forward_backward(hardware: Any, rows: list[Mapping[str, Any]], shapes: Any) -> Any:
+    """``hardware`` with the forward/backward rate that reproduces the rows' measured median.
+
+    Rows whose ranks shared cores are scaled to one core per rank first.
+    """
+    from dpkfac.costmodel import Engine, predict_sgd
+
+    measured = statistics.median(float(r["fwd_bwd_s"]) * core_share(r) for r in rows)
+    predicted = predict_sgd(shapes, world_size=1, hardware=hardware).update.breakdown[
+        "forward_backward"
+    ]
+    if measured <= 0 or predicted <= 0:
+        return hardware
+    engine = hardware.engine("forward_backward")
+    scale = predicted / measured
+    engines = dict(hardware.engines)
+    engines["forward_backward"] = Engine(rate=engine.rate * scale, latency=engine.latency * scale)
+    return replace(hardware, engines=engines)
+
+
+def _prediction_row(model: str, strategy: str, source: str, p: int, pred: Any) -> dict[str, Any]:
+    step = pred.update
+    phases = step.phases
+    entry = {"model": model, "strategy": strategy, "source": source, "world_size": p}
+    entry["iteration_ms"] = 1e3 * step.iteration
+    entry["fwd_bwd_ms"] = 1e3 * step.breakdown.get("forward_backward", 0.0)
+    for phase in (*COMPUTE, *COMM):
+        entry[f"{phase}_ms"] = 1e3 * phases.get(phase, 0.0)
+    entry["bytes_per_rank"] = sum(c.nbytes for c in step.collectives)
+    entry["wire_bytes_per_rank"] = sum(c.wire_bytes for c in step.collectives)
+    entry["memory_MiB"] = pred.memory_max / 2**20
+    return entry
+
+
+def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+    """Measured and predicted rows against P, the per-phase error table and notes.
+
+    Returns:
+        ``frame``: one row per (model, strategy, source, P) with iteration
+        and phase milliseconds; ``errors``: measured vs predicted per phase
+        for every measured row at P > 1, in-sample (calibrated on all rows)
+        and held out (calibrated without the rows of that P); ``notes``:
+        markdown lines describing the sources.
+    """
+    from dpkfac.costmodel import PRESETS
+
+    if df.empty:
+        return pd.DataFrame(), pd.DataFrame(), ["No measured rows."]
+    rows = [r for r in df.to_dict("records") if r.get("setting", "paper") == "paper"]
+    records = []
+    for r in rows:
+        entry = {"model": r["model"], "strategy": r["strategy"], "source": "measured"}
+        entry["world_size"] = int(r["world_size"])
+        entry["iteration_ms"] = 1e3 * r["iteration_s"]
+        entry["fwd_bwd_ms"] = 1e3 * r["fwd_bwd_s"]
+        entry.update({f"{k}_ms": 1e3 * v for k, v in measured_phases(r).items()})
+        entry["bytes_per_rank"] = sum(int(r[f"bytes_{c}"]) for c in CATEGORIES)
+        entry["wire_bytes_per_rank"] = sum(int(r[f"wire_{c}"]) for c in CATEGORIES)
+        entry["memory_MiB"] = r["mem_kfac"] / 2**20
+        records.append(entry)
+
+    calibrated = calibrate_rows(rows)
+    sizes = sorted({int(r["world_size"]) for r in rows})
+    held_out = {
+        p: calibrate_rows([r for r in rows if int(r["world_size"]) != p], f"without P={p}")
+        for p in sizes
+        if p > 1 and len({int(r["world_size"]) for r in rows} - {p}) > 0
+    }
+    errors = []
+    paper_hw = PRESETS[PAPER_PRESET]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        shapes, ws = row_shapes(mine[0])
+        paper_shapes, paper_ws = row_shapes(mine[0], paper=True)
+        hw = with_forward_backward(calibrated, mine, shapes)
+        for r in mine:
+            if int(r["world_size"]) == 1:
+                continue
+            fit_hw = hardware_for(r, hw)
+            fit = predict_row(r, fit_hw, shapes=shapes, weight_sharing=ws).update.phases
+            hold_hw = held_out.get(int(r["world_size"]))
+            hold = (
+                predict_row(
+                    r,
+                    hardware_for(r, with_forward_backward(hold_hw, mine, shapes)),
+                    shapes=shapes,
+                    weight_sharing=ws,
+                ).update.phases
+                if hold_hw
+                else {}
+            )
+            for phase, seconds in measured_phases(r).items():
+                if seconds <= 0 and fit.get(phase, 0.0) <= 0:
+                    continue
+                overlapped = phase == "factor_comm" and r["strategy"] == "spd-kfac"
+                errors.append(
+                    {
+                        "model": model,
+                        "strategy": r["strategy"],
+                        "world_size": int(r["world_size"]),
+                        "phase": phase + (" (overlapped)" if overlapped else ""),
+                        "measured_ms": 1e3 * seconds,
+                        "predicted_ms": 1e3 * fit.get(phase, 0.0),
+                        "error_%": _err(fit.get(phase, 0.0), seconds),
+                        "held_out_ms": 1e3 * hold[phase] if phase in hold else float("nan"),
+                        "held_out_error_%": _err(hold[phase], seconds)
+                        if phase in hold
+                        else float("nan"),
+                    }
+                )
+        for strategy in dict.fromkeys(r["strategy"] for r in mine):
+            ref = next(r for r in mine if r["strategy"] == strategy)
+            for p in PREDICTED_P:
+                pred = predict_row(ref, hw, world_size=p, shapes=shapes, weight_sharing=ws)
+                records.append(_prediction_row(model, strategy, "calibrated", p, pred))
+                measured_here = [r for r in mine if r["strategy"] == strategy]
+                here = next((r for r in measured_here if int(r["world_size"]) == p), None)
+                if here is not None and core_share(here) < 1.0:
+                    pred = predict_row(
+                        here, hardware_for(here, hw), shapes=shapes, weight_sharing=ws
+                    )
+                    records.append(
+                        _prediction_row(model, strategy, "calibrated, shared cores", p, pred)
+                    )
+                if p >= 8:
+                    pred = predict_row(
+                        ref,
+                        paper_hw,
+                        world_size=p,
+                        shapes=paper_shapes,
+                        weight_sharing=paper_ws,
+                    )
+                    records.append(
+                        _prediction_row(model, strategy, f"{PAPER_PRESET}, paper size", p, pred)
+                    )
+    notes = [
+        "Sources: `measured` here (2 CPU cores, gloo; P=4 oversubscribes the cores);",
+        "`calibrated`: dpkfac.costmodel fitted to these rows' phase timings (base preset "
+        f"`{BASE_PRESET}`, forward/backward rate rescaled per model), same shapes as measured, "
+        "one core per rank; `calibrated, shared cores`: the same at the measured P where "
+        "ranks outnumber cores (compute and collectives slowed by cores/P);",
+        f"`{PAPER_PRESET}, paper size`: the preset for the papers' 64-GPU V100 cluster with "
+        "each model's paper-size shapes (`paper:` in conf/bench/model).",
+        "Errors: `error_%` in-sample; `held_out_error_%` calibrated without that P's rows; "
+        "both with the shared-core slowdown where P exceeds the cores.",
+    ]
+    return pd.DataFrame(records), pd.DataFrame(errors), notes
+
+
+def _err(predicted: float, measured: float) -> float:
+    return 100.0 * (predicted - measured) / measured if measured > 0 else float("nan")
+
+
+def error_summary(errors: pd.DataFrame) -> pd.DataFrame:
+    """Median absolute error per phase and world size (the number the issue asks for)."""
+    if errors.empty:
+        return errors
+    e = errors.assign(
+        abs_error=errors["error_%"].abs(), abs_held_out=errors["held_out_error_%"].abs()
+    )
+    return (
+        e.groupby(["phase", "world_size"])[["abs_error", "abs_held_out"]]
+        .median()
+        .reset_index()
+        .rename(columns={"abs_error": "median |error| %", "abs_held_out": "held out %"})
+    )

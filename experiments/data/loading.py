@@ -1,0 +1,248 @@
+"""The data-module interface and the loaders that make runs resumable bitwise.
+
+Every dataset family implements :class:`DataModule`: where the files must be,
+how to write a tiny fake copy in the same on-disk format (``data.fake=true``),
+how to load them, which task scores the model and which sizes the model needs.
+The rest is shared here:
+
+- The training order is a pure function of (seed, epoch): an
+  :class:`EpochSampler` shards a seeded permutation like ``DistributedSampler``
+  and can start mid-epoch, so a resumed run sees exactly the batches the
+  uninterrupted run would have seen.
+- Random augmentation is a pure function of (seed, epoch, index):
+  :class:`SeededDataset` seeds torch's RNG per sample, so results do not depend
+  on the number of loader workers or on where a run was resumed.
+- Evaluation shards the held-out split over ranks without padding, so every
+  example is scored exactly once.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
+
+from experiments.config import ExperimentError
+from experiments.distributed import DistEnv
+from experiments.tasks.base import Task
+
+_SEED_MASK = (1 << 63) - 1
+
+
+class EpochSampler(Sampler[tuple[int, int]]):
+    """This rank's share of a seeded per-epoch permutation, as (sample seed, index) keys.
+
+    Like ``DistributedSampler(drop_last=True)``: the permutation is cut to a
+    multiple of the world size and rank r takes every world_size-th entry from r.
+
+    Args:
+        size: Dataset length.
+        rank: This rank.
+        world_size: Number of ranks.
+        seed: Run seed; the permutation of epoch e uses seed + e.
+    """
+
+    def __init__(self, size: int, rank: int, world_size: int, seed: int) -> None:
+        self.size = size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.per_rank = size // world_size
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Select the epoch and skip its first ``start`` samples of this rank."""
+        self.epoch = epoch
+        self.start = start
+
+    def __len__(self) -> int:
+        return self.per_rank - self.start
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.size, generator=generator)[: self.per_rank * self.world_size]
+        mine = order[self.rank :: self.world_size].tolist()
+        for index in mine[self.start :]:
+            yield hash((self.seed, self.epoch, index)) & _SEED_MASK, index
+
+
+class SeededDataset(Dataset):
+    """Wraps a dataset so each sample's random transforms use a seed of its own.
+
+    Keys are the (sample seed, index) pairs an :class:`EpochSampler` yields. The
+    global RNG is forked, so augmentation neither consumes nor depends on the
+    training process's random stream.
+    """
+
+    def __init__(self, dataset: Dataset, seeded: bool = True) -> None:
+        self.dataset = dataset
+        self.seeded = seeded
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        sample_seed, index = key
+        if not self.seeded:  # nothing random: skip the cost of forking the RNG
+            return self.dataset[index]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed)
+            return self.dataset[index]
+
+
+class DataModule(abc.ABC):
+    """One dataset family: files, fake twin, loaders, task and model sizes.
+
+    Args:
+        root: Folder holding the real dataset (ignored with ``fake``).
+        fake: Write a tiny dataset in the real format to a scratch folder and
+            load that instead, through the same code path.
+        batch_size: Training examples per rank and step.
+        eval_batch_size: Evaluation examples per rank and batch.
+        num_workers: Loader worker processes.
+    """
+
+    #: Human-readable dataset name, for messages.
+    name: ClassVar[str]
+    #: Where the real data comes from, for the missing-data message.
+    source: ClassVar[str] = ""
+    #: Whether training samples go through random transforms (augmentation).
+    random_transforms: bool = False
+
+    def __init__(
+        self,
+        root: str | None,
+        fake: bool,
+        batch_size: int,
+        eval_batch_size: int,
+        num_workers: int,
+    ) -> None:
+        self.root = root
+        self.fake = fake
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.num_workers = num_workers
+        self.train_dataset: Dataset | None = None
+        self.eval_dataset: Dataset | None = None
+
+    # -- to implement ---------------------------------------------------------------
+
+    def required_paths(self) -> list[str]:
+        """Files or folders under the root that must exist (relative paths)."""
+        return []
+
+    def find(self, root: Path, rel: str) -> Path | None:
+        """Where ``rel`` is under ``root``, or None (override to accept variants)."""
+        path = root / rel
+        return path if path.exists() else None
+
+    def write_fake(self, root: Path) -> None:
+        """Write a tiny dataset in the real on-disk format under ``root``."""
+
+    @abc.abstractmethod
+    def load(self, root: Path | None, env: DistEnv) -> tuple[Dataset, Dataset]:
+        """Build the training and evaluation datasets from the files under ``root``."""
+
+    @abc.abstractmethod
+    def build_task(self) -> Task:
+        """The task that computes this data's loss and scores predictions."""
+
+    @abc.abstractmethod
+    def model_kwargs(self) -> dict[str, Any]:
+        """Sizes the model needs from the data (classes, vocabulary, ...)."""
+
+    def collate(self, train: bool) -> Callable[[list[Any]], Any] | None:
+        """How samples become a batch (None: torch's default)."""
+        del train
+        return None
+
+    # -- shared ---------------------------------------------------------------------
+
+    def setup(self, env: DistEnv, scratch: Path) -> None:
+        """Find (or fake) the files, then load the datasets.
+
+        Args:
+            env: This process's place in the run.
+            scratch: A private temporary folder for fake data and caches.
+
+        Raises:
+            ExperimentError: The real data is missing; the message names the path.
+        """
+        root: Path | None
+        if self.fake:
+            root = scratch / "fake_data"
+            self.write_fake(root)
+        else:
+            root = self._check_root()
+        self.train_dataset, self.eval_dataset = self.load(root, env)
+
+    def not_found(self, path: Path) -> ExperimentError:
+        """The error for a missing dataset file: the path, the source, the fake option."""
+        return ExperimentError(
+            f"{self.name} not found: {path} does not exist (data.root={self.root}). "
+            f"{self.source} Or run with data.fake=true for a tiny synthetic copy."
+        )
+
+    def _check_root(self) -> Path | None:
+        needed = self.required_paths()
+        if not needed:
+            return None
+        if self.root is None:
+            raise ExperimentError(f"{self.name}: data.root is not set. {self.source}")
+        root = Path(self.root).expanduser()
+        for rel in needed:
+            if self.find(root, rel) is None:
+                raise self.not_found(root / rel)
+        return root
+
+    def steps_per_epoch(self, env: DistEnv) -> int:
+        """Optimizer steps in one epoch (full batches of this rank's share)."""
+        assert self.train_dataset is not None, "call setup() first"
+        return (len(self.train_dataset) // env.world_size) // self.batch_size  # type: ignore[arg-type]
+
+    def train_loader(self, env: DistEnv, seed: int) -> DataLoader:
+        """Loader over this rank's share of the training set; see :class:`EpochSampler`."""
+        assert self.train_dataset is not None, "call setup() first"
+        size = len(self.train_dataset)  # type: ignore[arg-type]
+        if self.steps_per_epoch(env) == 0:
+            raise ExperimentError(
+                f"{self.name}: the training set has {size} examples, fewer than "
+                f"data.batch_size={self.batch_size} x {env.world_size} rank(s)"
+            )
+        sampler = EpochSampler(size, env.rank, env.world_size, seed)
+        return DataLoader(
+            SeededDataset(self.train_dataset, seeded=self.random_transforms),
+            batch_sampler=BatchSampler(sampler, self.batch_size, drop_last=True),
+            num_workers=self.num_workers,
+            collate_fn=self.collate(train=True),
+            pin_memory=env.device.type == "cuda",
+            # A private generator: creating an iterator must not draw from the global
+            # RNG, or a resumed run's random stream would shift by one draw.
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+    def eval_loader(self, env: DistEnv) -> DataLoader:
+        """Loader over this rank's unpadded shard of the evaluation set."""
+        assert self.eval_dataset is not None, "call setup() first"
+        shard = list(range(env.rank, len(self.eval_dataset), env.world_size))  # type: ignore[arg-type]
+        return DataLoader(
+            self.eval_dataset,
+            batch_size=self.eval_batch_size,
+            sampler=shard,
+            num_workers=self.num_workers,
+            collate_fn=self.collate(train=False),
+            pin_memory=env.device.type == "cuda",
+            generator=torch.Generator(),
+        )
+
+
+def epoch_sampler(loader: DataLoader) -> EpochSampler:
+    """The :class:`EpochSampler` inside a loader built by :meth:`DataModule.train_loader`."""
+    sampler = loader.batch_sampler.sampler  # type: ignore[union-attr]
+    assert isinstance(sampler, EpochSampler)
+    return sampler

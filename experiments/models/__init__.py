@@ -1,0 +1,1 @@
+"""Models of the presets that are not taken ready-made from torchvision or transformers."""

@@ -1,0 +1,445 @@
+"""Benchmark rows to the papers' tables: ``results/<table>.{csv,md,png}``.
+
+A table sweep (``python -m experiments.benchmark -m table=NAME``) ends in
+:class:`TableCallback`, which collects the sweep's ``rows.json`` files, keeps
+them as ``results/raw/NAME.csv`` and writes the table. The table alone can be
+redrawn from saved rows without measuring again::
+
+    python -m experiments.tables second_order_update              # from results/raw
+    python -m experiments.tables scaling --rows multirun/benchmark/scaling/<stamp>
+
+Tables (see the README, "Reproducing the tables", for what each column means):
+
+* ``second_order_update``: computation, communication (seconds and bytes)
+  and K-FAC memory of one second-order update, d-kfac and spd-kfac relative
+  to dp-kfac (the DP-KFAC paper's headline), and iteration time relative to SGD;
+* ``time_breakdown``: per-phase milliseconds of one iteration per strategy
+  and model (the SPD-KFAC paper's stacked bars);
+* ``scaling``: measured iteration and phase times against P, with the cost
+  model's predictions (:mod:`experiments.bench.predict`);
+* ``convergence``: digits test accuracy per epoch, and the presets' smoke status.
+
+Ratios are only formed between rows of the same sweep (one machine, one
+load), which is what makes them meaningful on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from experiments.bench import plots, smoke
+from experiments.bench.aggregate import ITERATION_PARTS
+
+log = logging.getLogger(__name__)
+
+KFAC_STRATEGIES = ("dp-kfac", "d-kfac", "spd-kfac")
+MiB = 2**20
+
+
+# ------------------------------------------------------------------ rows in
+def _natural(path: Path) -> list[Any]:
+    """Sort key that puts job folder 10 after 9 (Hydra numbers jobs 0, 1, ..., 10)."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
+
+
+def _json_rows(path: Path) -> list[dict[str, Any]]:
+    data = json.loads(path.read_text())
+    return data if isinstance(data, list) else [data]
+
+
+def load_rows(sources: Iterable[str | Path]) -> pd.DataFrame:
+    """Rows from sweep folders (every ``rows.json`` below, in job order), JSON or CSV files."""
+    records: list[dict[str, Any]] = []
+    frames = []
+    for source in sources:
+        path = Path(source)
+        if path.is_dir():
+            found = [*path.rglob("rows.json"), *path.rglob("row.json")]
+            for p in sorted(found, key=_natural):
+                records += _json_rows(p)
+        elif path.suffix == ".json":
+            records += _json_rows(path)
+        elif path.suffix == ".csv":
+            frames.append(pd.read_csv(path, keep_default_na=False, na_values=[""]))
+        else:
+            raise FileNotFoundError(f"no benchmark rows at {path} (a folder, .json or .csv)")
+    if records:
+        frames.append(pd.DataFrame(records))
+    if not frames:
+        return pd.DataFrame()
+    df = pd.concat(frames, ignore_index=True)
+    if "error" not in df.columns:
+        df["error"] = ""
+    df["error"] = ["" if pd.isna(e) else str(e) for e in df["error"]]
+    return df
+
+
+def ok_rows(df: pd.DataFrame, task: str = "timing") -> pd.DataFrame:
+    """Successful rows of one task."""
+    if df.empty:
+        return df
+    keep = (df["error"] == "") & (df.get("task", task) == task)
+    return df[keep].copy()
+
+
+def failures(df: pd.DataFrame) -> list[str]:
+    """One line per failed job, for the table's footer."""
+    if df.empty:
+        return []
+    bad = df[df["error"] != ""]
+    return [
+        f"{r.model} {r.strategy} P={r.world_size} {r.setting}: {r.error}" for r in bad.itertuples()
+    ]
+
+
+# ----------------------------------------------------------------- markdown
+def _fmt(value: Any, digits: int) -> str:
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "–"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def to_markdown(df: pd.DataFrame, digits: int | dict[str, int] = 2) -> str:
+    """A GitHub markdown table (numbers right-aligned), without extra dependencies."""
+    cols = list(df.columns)
+    width = {c: digits.get(c, 2) if isinstance(digits, dict) else digits for c in cols}
+    numeric = {c: pd.api.types.is_numeric_dtype(df[c]) for c in cols}
+    lines = [
+        "| " + " | ".join(str(c) for c in cols) + " |",
+        "|" + "|".join("---:" if numeric[c] else "---" for c in cols) + "|",
+    ]
+    for row in df.itertuples(index=False):
+        lines.append(
+            "| " + " | ".join(_fmt(v, width[c]) for v, c in zip(row, cols, strict=True)) + " |"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------- second_order_update
+def second_order_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per (model, P, setting, strategy) costs with ratios to dp-kfac, and the headline.
+
+    Returns:
+        ``long``: one row per strategy with milliseconds of K-FAC computation
+        (factor compute + decomposition + preconditioning on the busiest
+        rank) and communication (factor, decomposition and
+        preconditioned-gradient collectives), bytes and wire bytes of those
+        collectives per rank, K-FAC memory of the busiest rank, iteration
+        time and its ratio to SGD, and each cost's ratio to dp-kfac's.
+        ``headline``: one row per model with ``<cost>_<strategy>/dp`` ratios
+        and ``<cost>_best/dp`` against the cheaper of d-kfac and spd-kfac.
+    """
+    df = ok_rows(df)
+    long_rows, head_rows = [], []
+    for (model, p, setting), group in df.groupby(["model", "world_size", "setting"], sort=False):
+        by = {r["strategy"]: r for r in group.to_dict("records")}
+        sgd = by.get("sgd")
+        dp = by.get("dp-kfac")
+        for strategy in plots.ordered(list(by)):
+            r = by[strategy]
+            costs = _costs(r)
+            entry = {"model": model, "label": r["label"], "P": p, "setting": setting}
+            entry["strategy"] = strategy
+            entry.update(costs)
+            entry["iteration_vs_sgd"] = (
+                r["iteration_s"] / sgd["iteration_s"] if sgd is not None else float("nan")
+            )
+            for key in ("compute", "comm", "MB", "memory"):
+                base = _costs(dp)[key] if dp is not None else float("nan")
+                entry[f"{key}/dp"] = costs[key] / base if base else float("nan")
+            long_rows.append(entry)
+        if dp is None:
+            continue
+        head = {"model": model, "P": p, "setting": setting}
+        base = _costs(dp)
+        for key in ("compute", "comm", "MB", "memory"):
+            ratios = {}
+            for strategy in ("d-kfac", "spd-kfac"):
+                if strategy in by:
+                    ratio = _costs(by[strategy])[key] / base[key] if base[key] else float("nan")
+                    head[f"{key}_{strategy}/dp"] = ratio
+                    ratios[strategy] = ratio
+            head[f"{key}_best/dp"] = min(ratios.values()) if ratios else float("nan")
+        head_rows.append(head)
+    return pd.DataFrame(long_rows), pd.DataFrame(head_rows)
+
+
+def _costs(r: dict[str, Any]) -> dict[str, float]:
+    return {
+        "iteration_ms": 1e3 * r["iteration_s"],
+        "compute": 1e3 * r["compute_s"],
+        "comm": 1e3 * r["comm_s"],
+        "MB": r["bytes_second_order"] / 1e6,
+        "wire_MB": r["wire_second_order"] / 1e6,
+        "memory": r["mem_kfac"] / MiB,
+    }
+
+
+def write_second_order_update(df: pd.DataFrame, out: Path) -> dict[str, Path]:
+    """``results/second_order_update.*``: the headline ratios and the absolute costs."""
+    long, head = second_order_frames(df)
+    long = long.rename(columns={"compute": "compute_ms", "comm": "comm_ms", "memory": "memory_MiB"})
+    paths = {"csv": out / "second_order_update.csv"}
+    long.to_csv(paths["csv"], index=False)
+    show = head.copy()
+    md = [
+        "# Cost of one second-order update (factors and decompositions every step)",
+        "",
+        "Ratios > 1 mean DP-KFAC is cheaper. `best` is the cheaper of d-kfac and spd-kfac.",
+        "computation = factor compute + decomposition + preconditioning (busiest rank);",
+        "communication = factor, decomposition and preconditioned-gradient collectives",
+        "(seconds waited and MB per rank); memory = K-FAC state of the busiest rank.",
+        "",
+        to_markdown(show),
+        "",
+        "## Absolute values (medians over measured steps, busiest rank)",
+        "",
+        to_markdown(long.drop(columns=["label"]), {"P": 0}),
+    ]
+    md += _footer(df)
+    paths["md"] = _write(out / "second_order_update.md", md)
+    if not head.empty:
+        paths["png"] = plots.save(plots.ratio_bars(head), out / "second_order_update.png")
+    return paths
+
+
+# ------------------------------------------------------------ time_breakdown
+def breakdown_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (model, setting, P, strategy): milliseconds of every iteration part."""
+    df = ok_rows(df)
+    rows = []
+    for r in df.to_dict("records"):
+        entry = {k: r[k] for k in ("model", "label", "setting", "world_size", "strategy")}
+        for part in ITERATION_PARTS:
+            entry[f"{part}_ms"] = 1e3 * float(r.get(f"{part}_s", 0.0) or 0.0)
+        entry["sum_ms"] = sum(entry[f"{p}_ms"] for p in ITERATION_PARTS)
+        entry["iteration_ms"] = 1e3 * r["iteration_s"]
+        rows.append(entry)
+    wide = pd.DataFrame(rows)
+    if wide.empty:
+        return wide
+    sgd = wide[wide["strategy"] == "sgd"].set_index(["model", "setting", "world_size"])
+    wide["vs_sgd"] = [
+        r.iteration_ms / sgd.loc[(r.model, r.setting, r.world_size), "iteration_ms"]
+        if (r.model, r.setting, r.world_size) in sgd.index
+        else float("nan")
+        for r in wide.itertuples()
+    ]
+    order = {s: i for i, s in enumerate(plots.ordered(wide["strategy"]))}
+    return wide.sort_values(
+        ["setting", "model", "world_size", "strategy"],
+        key=lambda c: c.map(order).fillna(c) if c.name == "strategy" else c,
+    ).reset_index(drop=True)
+
+
+def write_time_breakdown(df: pd.DataFrame, out: Path) -> dict[str, Path]:
+    """``results/time_breakdown.*``: per-phase milliseconds and the stacked bars."""
+    wide = breakdown_frame(df)
+    paths = {"csv": out / "time_breakdown.csv"}
+    wide.to_csv(paths["csv"], index=False)
+    md = [
+        "# Time breakdown of one iteration (ms, medians over steps, busiest rank per phase)",
+        "",
+        "forward/backward excludes factor computation (timed inside the hooks);",
+        "`practical` is amortised per step at factors every 10 and decompositions every 100 steps.",
+        "`sum` adds the parts; `iteration` is the measured wall time per step.",
+    ]
+    for (setting, _), frame in wide.groupby(["setting", "model"], sort=False):
+        cols = ["strategy", *[f"{p}_ms" for p in ITERATION_PARTS], "sum_ms", "iteration_ms"]
+        show = frame[[*cols, "vs_sgd"]].rename(
+            columns={f"{p}_ms": p for p in (*ITERATION_PARTS, "sum", "iteration")}
+        )
+        p = int(frame["world_size"].iloc[0])
+        md += ["", f"## {frame['label'].iloc[0]}, {setting} setting, P={p}", ""]
+        md.append(to_markdown(show, 1))
+    md += _footer(df)
+    paths["md"] = _write(out / "time_breakdown.md", md)
+    if not wide.empty:
+        fig = plots.stacked_breakdown(wide, list(ITERATION_PARTS))
+        paths["png"] = plots.save(fig, out / "time_breakdown.png")
+    return paths
+
+
+# ------------------------------------------------------------------- scaling
+def write_scaling(df: pd.DataFrame, out: Path) -> dict[str, Path]:
+    """``results/scaling.*``: measured and predicted times against P, and the model's error."""
+    from experiments.bench import predict
+
+    frame, errors, notes = predict.scaling_frames(ok_rows(df))
+    paths = {"csv": out / "scaling.csv"}
+    frame.to_csv(paths["csv"], index=False)
+    md = ["# Scaling with the number of ranks", "", *notes, ""]
+    if not frame.empty:
+        pivot = frame.pivot_table(
+            index=["model", "strategy", "source"], columns="world_size", values="iteration_ms"
+        ).reset_index()
+        pivot.columns = [c if isinstance(c, str) else f"P={c}" for c in pivot.columns]
+        md += ["## Iteration time (ms)", "", to_markdown(pivot, 1)]
+    if not errors.empty:
+        paths["errors"] = out / "scaling_errors.csv"
+        errors.to_csv(paths["errors"], index=False)
+        md += ["", "## Cost model: measured vs predicted per phase (calibrated model)", ""]
+        md += ["Median absolute error over models and strategies:", ""]
+        md.append(to_markdown(predict.error_summary(errors), {"world_size": 0, "P": 0}))
+        md += ["", "<details><summary>Every measured row</summary>", ""]
+        md += [to_markdown(errors, {"world_size": 0}), "", "</details>"]
+    md += _footer(df)
+    paths["md"] = _write(out / "scaling.md", md)
+    if not frame.empty:
+        paths["png"] = plots.save(plots.scaling_lines(frame), out / "scaling.png")
+    return paths
+
+
+# --------------------------------------------------------------- convergence
+def convergence_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per-epoch accuracy (long) and final/best accuracy per strategy and P."""
+    df = ok_rows(df, "convergence")
+    curves = []
+    for r in df.to_dict("records"):
+        for point in json.loads(r["curve"]):
+            curves.append({"strategy": r["strategy"], "world_size": r["world_size"], **point})
+    curves_df = pd.DataFrame(curves)
+    if df.empty:
+        return curves_df, pd.DataFrame()
+    final = df[
+        [
+            "strategy",
+            "world_size",
+            "epochs",
+            "steps_per_epoch",
+            "final_acc",
+            "best_acc",
+            "seconds",
+            "replicas_identical",
+        ]
+    ].copy()
+    order = {s: i for i, s in enumerate(plots.ordered(final["strategy"]))}
+    final = final.sort_values(
+        ["strategy", "world_size"],
+        key=lambda c: c.map(order).fillna(c) if c.name == "strategy" else c,
+    )
+    return curves_df, final.reset_index(drop=True)
+
+
+def write_convergence(df: pd.DataFrame, out: Path) -> dict[str, Path]:
+    """``results/convergence.*``: accuracy per epoch, final accuracy and smoke status."""
+    curves, final = convergence_frames(df)
+    paths = {"csv": out / "convergence.csv"}
+    curves.to_csv(paths["csv"], index=False)
+    md = ["# Convergence on scikit-learn digits (DigitsCNN, test accuracy)", ""]
+    if not final.empty:
+        pivot = final.pivot_table(index="strategy", columns="world_size", values="final_acc")
+        pivot = pivot.loc[plots.ordered(final["strategy"])]
+        pivot.columns = [f"P={c}" for c in pivot.columns]
+        md += ["## Final test accuracy", "", to_markdown(pivot.reset_index(), 4), ""]
+        md += ["## Runs", "", to_markdown(final, {"final_acc": 4, "best_acc": 4, "seconds": 1})]
+    cases = smoke.smoke_cases(out / "raw" / "smoke_junit.xml")
+    md += ["", "## Training presets: smoke status (2 steps on fake data)", ""]
+    if cases.empty:
+        md.append(
+            "No smoke report: run the training smoke tests with "
+            "`--junitxml=results/raw/smoke_junit.xml` to fill this section."
+        )
+    else:
+        cases.to_csv(out / "convergence_smoke.csv", index=False)
+        matrix = smoke.smoke_matrix(cases)
+        md.append(to_markdown(matrix if not matrix.empty else cases, 1))
+        counts = cases["status"].value_counts().to_dict()
+        md += ["", "Cases: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))]
+    md += _footer(df)
+    paths["md"] = _write(out / "convergence.md", md)
+    if not curves.empty:
+        paths["png"] = plots.save(plots.accuracy_curves(curves), out / "convergence.png")
+    return paths
+
+
+# -------------------------------------------------------------------- common
+def _footer(df: pd.DataFrame) -> list[str]:
+    lines = failures(df)
+    return ["", "## Failed jobs", "", *[f"- {x}" for x in lines]] if lines else []
+
+
+def _write(path: Path, lines: Sequence[str]) -> Path:
+    path.write_text("\n".join(lines).rstrip() + "\n")
+    return path
+
+
+WRITERS: dict[str, Callable[[pd.DataFrame, Path], dict[str, Path]]] = {
+    "second_order_update": write_second_order_update,
+    "time_breakdown": write_time_breakdown,
+    "scaling": write_scaling,
+    "convergence": write_convergence,
+}
+
+
+def write_table(name: str, rows: pd.DataFrame, results_dir: str | Path = "results") -> dict:
+    """Keep ``rows`` as ``results/raw/<name>.csv`` and write the table's files."""
+    if name not in WRITERS:
+        raise ValueError(f"unknown table {name!r}; expected one of {sorted(WRITERS)}")
+    out = Path(results_dir)
+    (out / "raw").mkdir(parents=True, exist_ok=True)
+    raw = out / "raw" / f"{name}.csv"
+    rows.to_csv(raw, index=False)
+    paths = WRITERS[name](rows, out)
+    paths["raw"] = raw
+    return paths
+
+
+class TableCallback(Callback):
+    """Hydra callback of a table sweep: the finished sweep's rows become the table.
+
+    Args:
+        table: which table to write.
+        smoke_tests: a pytest target to run first (JUnit report in
+            ``results/raw/smoke_junit.xml``), for the convergence table's
+            preset status; None: use an existing report, if any.
+    """
+
+    def __init__(self, table: str, smoke_tests: str | None = None) -> None:
+        self.table = table
+        self.smoke_tests = smoke_tests
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Collect ``rows.json`` from the sweep folder and write ``results/<table>.*``."""
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = load_rows([sweep_dir])
+        if rows.empty:
+            log.error("no rows under %s; table %s not written", sweep_dir, self.table)
+            return
+        results = Path(config.get("results_dir", "results"))
+        if self.smoke_tests:
+            log.info("running the smoke tests %s", self.smoke_tests)
+            code = smoke.run_smoke_tests(self.smoke_tests, results / "raw" / "smoke_junit.xml")
+            log.info("smoke tests finished with exit code %s", code)
+        paths = write_table(self.table, rows, results)
+        log.info("table %s: %s", self.table, ", ".join(str(p) for p in paths.values()))
+        for line in failures(rows):
+            log.warning("failed job: %s", line)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Rewrite one table from saved rows (default: ``results/raw/<table>.csv``)."""
+    parser = argparse.ArgumentParser(description="Write a table from benchmark rows.")
+    parser.add_argument("table", choices=sorted(WRITERS))
+    parser.add_argument("--rows", nargs="*", help="sweep folders, rows.json or CSV files")
+    parser.add_argument("--results", default="results", help="output folder")
+    args = parser.parse_args(argv)
+    sources = args.rows or [Path(args.results) / "raw" / f"{args.table}.csv"]
+    paths = write_table(args.table, load_rows(sources), args.results)
+    print("\n".join(str(p) for p in paths.values()))
+
+
+if __name__ == "__main__":
+    main()

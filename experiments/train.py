@@ -1,0 +1,176 @@
+"""Hydra entry point: ``python -m experiments.train [overrides]``.
+
+Composes ``conf/config.yaml`` (default ``experiment=digits_cnn``), validates it,
+joins the process group torchrun describes (if any), builds data, model,
+optimizer, LR schedule and K-FAC preconditioner from the config's ``_target_``
+nodes and hands them to the :class:`~experiments.trainer.Trainer`.
+
+Under ``torchrun --nproc_per_node=N -m experiments.train ...`` every rank runs
+this; logging, the progress bar, W&B and checkpoints are rank 0's.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from experiments.config import ExperimentError, uses_preconditioner, validate
+from experiments.data.loading import DataModule
+from experiments.distributed import DistEnv, distributed_context
+from experiments.loggers import NullLogger
+from experiments.trainer import Trainer, total_steps
+
+log = logging.getLogger(__name__)
+
+
+def _instantiate(node: DictConfig, group: str, *call_args: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` (then a call of the partial) with the group named in errors.
+
+    A constructor's ``TypeError`` (e.g. ``optimizer=adamw`` left with an SGD-only
+    key by a preset) would otherwise surface as a long Hydra traceback; this keeps
+    its first line and says which config group to look at.
+
+    Args:
+        node: The group's config node.
+        group: The group name, for the message.
+        *call_args: When given, the instantiated ``_partial_`` is called with them.
+        **kwargs: Extra keyword arguments for ``instantiate``.
+    """
+    try:
+        built = instantiate(node, **kwargs)
+        return built(*call_args) if call_args else built
+    except (InstantiationException, TypeError, ValueError) as exc:
+        cause = exc.__cause__ if isinstance(exc, InstantiationException) and exc.__cause__ else exc
+        if isinstance(cause, ExperimentError):
+            raise cause from None
+        log.debug("building %s failed", group, exc_info=True)
+        text = str(cause).strip()
+        first = text.splitlines()[0] if text else type(cause).__name__
+        raise ExperimentError(f"cannot build {group} ({node.get('_target_')}): {first}") from None
+
+
+def _wrap_model(model: nn.Module, cfg: DictConfig, env: DistEnv) -> nn.Module:
+    """DistributedDataParallel when gradients need averaging by it.
+
+    A K-FAC preconditioner averages gradients itself (and accounts for the traffic)
+    unless ``trainer.ddp`` asks for DDP; the first-order baseline has nobody else
+    to do it, so it always gets DDP when there is more than one rank.
+    """
+    if not env.distributed or (uses_preconditioner(cfg) and not cfg.trainer.ddp):
+        return model
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def _output_dir(cfg: DictConfig, env: DistEnv) -> Path:
+    """Rank 0's run folder, shared with every rank.
+
+    Each rank's Hydra picks a time-stamped folder of its own; ranks that start in
+    different seconds would disagree, so rank 0's choice is the one used.
+    """
+    return Path(env.broadcast_object(str(cfg.output_dir) if env.is_main else None))
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Run one experiment from a composed config; returns the final metrics.
+
+    Tests call this with a config from ``hydra.compose``; the command line goes
+    through :func:`main`.
+
+    Raises:
+        ExperimentError: A bad value, missing data or an unusable checkpoint.
+    """
+    validate(cfg)
+    with (
+        distributed_context(cfg.trainer.device, cfg.trainer.dist_timeout_s) as env,
+        tempfile.TemporaryDirectory(prefix="dpkfac-") as scratch,
+    ):
+        if not env.is_main:
+            logging.getLogger().setLevel(logging.WARNING)
+        output_dir = _output_dir(cfg, env)
+        _seed(cfg.seed)
+
+        data: DataModule = _instantiate(cfg.data, "data")
+        data.setup(env, Path(scratch))
+        steps_per_epoch = data.steps_per_epoch(env)
+
+        # Same seed on every rank: identical initial replicas without a broadcast.
+        model = _instantiate(cfg.model, "model", **data.model_kwargs()).to(env.device)
+        model = _wrap_model(model, cfg, env)
+        lr = cfg.optimizer.lr * (env.world_size if cfg.trainer.scale_lr else 1)
+        optimizer = _instantiate(cfg.optimizer, "optimizer", model.parameters(), lr=lr)
+        scheduler = _instantiate(
+            cfg.scheduler,
+            "scheduler",
+            optimizer,
+            steps_per_epoch=steps_per_epoch,
+            total_steps=total_steps(cfg.trainer, steps_per_epoch),
+        )
+        preconditioner = None
+        if uses_preconditioner(cfg):
+            # kl_clip needs the lr actually applied, which the schedule changes.
+            preconditioner = _instantiate(
+                cfg.strategy,
+                "strategy",
+                model=model,
+                lr=lambda _step: optimizer.param_groups[0]["lr"],
+            )
+        # From here on, ranks draw from streams of their own (dropout, ...).
+        _seed(cfg.seed + env.rank)
+
+        logger = NullLogger()
+        if env.is_main:
+            # A partial, so the resolved config is not itself searched for `_target_`s.
+            logger = _instantiate(cfg.logger, "logger", _partial_=True)(
+                name=cfg.name,
+                dir=str(output_dir),
+                run_config=OmegaConf.to_container(cfg, resolve=True),
+            )
+        try:
+            trainer = Trainer(
+                cfg=cfg,
+                env=env,
+                data=data,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                preconditioner=preconditioner,
+                logger=logger,
+                output_dir=output_dir,
+            )
+            return trainer.fit()
+        finally:
+            logger.finish()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> float:
+    """Command-line entry; returns the primary metric (for Hydra sweepers)."""
+    try:
+        result = run(cfg)
+    except ExperimentError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    return float(result[result["primary_metric"]])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""Table writers, aggregation and the results notebook, on synthetic benchmark rows.
+
+No test here measures anything or asserts a wall time: rows are written by
+hand with known numbers, so ratios, amortisation and file outputs can be
+checked exactly, and the notebook is executed on them so it cannot rot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from experiments import tables
+from experiments.bench.aggregate import aggregate, kind_weights
+from experiments.bench.measure import step_kinds
+
+ROOT = Path(__file__).resolve().parents[1]
+CATS = ("grad_allreduce", "factor_allreduce", "decomposition_broadcast", "precond_broadcast")
+PHASES = (
+    "factor_compute",
+    "factor_comm",
+    "decomposition",
+    "decomposition_comm",
+    "precondition",
+    "precond_comm",
+    "grad_comm",
+)
+
+
+def fake_row(
+    strategy: str,
+    p: int = 2,
+    *,
+    model: str = "mlp",
+    scale: float = 1.0,
+    setting: str = "paper",
+    **over: float,
+) -> dict:
+    """A timing row as ``experiments.benchmark`` writes it, with round numbers."""
+    kfac = {
+        "sgd": None,
+        "dp-kfac": {"strategy": "dp-kfac", "grad_reduction": "allreduce", "assignment": "lpt"},
+        "d-kfac": {"strategy": "d-kfac"},
+        "spd-kfac": {"strategy": "spd-kfac", "local_threshold": 1024, "fusion": "dynamic"},
+    }[strategy]
+    k = 0.0 if strategy == "sgd" else scale
+    row = {
+        "task": "timing",
+        "model": model,
+        "label": f"{model} label",
+        "strategy": strategy,
+        "world_size": p,
+        "setting": setting,
+        "factor_every": 1,
+        "inv_every": 1,
+        "iteration_s": 0.010 + 0.010 * k,
+        "fwd_bwd_s": 0.004,
+        "optimizer_s": 0.001,
+        "step_other_s": 0.001 * k,
+        "grad_comm_s": 0.002,
+        "factor_compute_s": 0.001 * k,
+        "factor_comm_s": 0.002 * k,
+        "decomposition_s": 0.003 * k,
+        "decomposition_comm_s": 0.001 * k,
+        "precondition_s": 0.0005 * k,
+        "precond_comm_s": 0.0005 * k,
+        "mem_kfac": int(2**20 * k),
+        "mem_rank": 0,
+        "model_kind": "mlp",
+        "model_kwargs": json.dumps({"batch_size": 8}),
+        "model_paper": "{}",
+        "kfac_options": json.dumps(kfac),
+        "fusion_plan": "null",
+        "compute_method": "eigen",
+        "error": "",
+        "rank_timings": json.dumps([{ph: 1e-3 * (i + 1) * k for ph in PHASES} for i in range(p)]),
+    }
+    for cat in CATS:
+        row[f"bytes_{cat}"] = row[f"wire_{cat}"] = 0
+        row[f"calls_{cat}"] = 0
+    row["bytes_grad_allreduce"] = 4000
+    row["bytes_second_order"] = int(1e6 * k)
+    row["wire_second_order"] = int(1e6 * k)
+    row["compute_s"] = row["factor_compute_s"] + row["decomposition_s"] + row["precondition_s"]
+    row["comm_s"] = row["factor_comm_s"] + row["decomposition_comm_s"] + row["precond_comm_s"]
+    row.update(over)
+    return row
+
+
+def timing_rows() -> pd.DataFrame:
+    rows = [
+        fake_row("sgd"),
+        fake_row("dp-kfac"),
+        fake_row("d-kfac", scale=2.0),
+        fake_row("spd-kfac", scale=1.5),
+    ]
+    failed = {
+        "task": "timing",
+        "model": "mlp",
+        "strategy": "d-kfac",
+        "world_size": 4,
+        "setting": "paper",
+        "error": "ChildFailedError: rank 1 died",
+    }
+    return pd.DataFrame([*rows, failed])
+
+
+def convergence_rows() -> pd.DataFrame:
+    rows = []
+    for strategy in ("sgd", "dp-kfac"):
+        for p in (1, 2):
+            curve = [
+                {"epoch": e, "test_acc": 0.8 + 0.05 * e, "train_loss": 1.0 / e, "seconds": float(e)}
+                for e in (1, 2, 3)
+            ]
+            rows.append(
+                {
+                    "task": "convergence",
+                    "model": "digits_cnn",
+                    "strategy": strategy,
+                    "world_size": p,
+                    "setting": "paper",
+                    "epochs": 3,
+                    "steps_per_epoch": 10,
+                    "final_acc": 0.95,
+                    "best_acc": 0.95,
+                    "seconds": 3.0,
+                    "curve": json.dumps(curve),
+                    "replicas_identical": True,
+                    "error": "",
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+# ------------------------------------------------------------------ aggregation
+def test_step_kinds_and_weights() -> None:
+    assert step_kinds(1, 1) == ["decomp"]
+    assert step_kinds(10, 100) == ["decomp", "factor", "plain"]
+    assert step_kinds(1, 5) == ["decomp", "factor"]
+    w = kind_weights(10, 100)
+    assert w == pytest.approx({"decomp": 0.01, "factor": 0.09, "plain": 0.9})
+    assert sum(w.values()) == pytest.approx(1.0)
+
+
+def _record(kind: str, seconds: float, nbytes: int) -> dict:
+    phases = {p: 0.0 for p in PHASES}
+    phases["decomposition"] = seconds if kind == "decomp" else 0.0
+    phases["factor_compute"] = seconds / 10
+    return {
+        "step": 0,
+        "kind": kind,
+        "loss": 1.0,
+        "fwd_bwd_wall": 0.5 + seconds / 10,
+        "step_wall": seconds + 0.1,
+        "optimizer": 0.01,
+        "iteration": 1.0 + seconds,
+        "phases": phases,
+        "comm": {c: {"bytes": nbytes, "calls": 1, "wire_bytes": nbytes} for c in CATS},
+        "memory": {"factors": 100, "decompositions": 50, "buffers": 10},
+    }
+
+
+def test_aggregate_takes_busiest_rank_median_and_amortises() -> None:
+    kinds = ["decomp", "factor", "plain"] * 2
+    fast = [_record(k, {"decomp": 2.0, "factor": 0.5, "plain": 0.0}[k], 300) for k in kinds]
+    slow = [_record(k, {"decomp": 4.0, "factor": 0.5, "plain": 0.0}[k], 300) for k in kinds]
+    slow[0]["memory"]["factors"] = 1000
+    results = [{"rank": 0, "records": fast}, {"rank": 1, "records": slow}]
+    row = aggregate(results, 10, 100)
+    # Decomposition only on decomp steps (busiest rank: 4 s) -> amortised 4/100.
+    assert row["decomposition_s"] == pytest.approx(0.04)
+    assert row["iteration_decomp_s"] == pytest.approx(5.0)
+    assert row["iteration_plain_s"] == pytest.approx(1.0)
+    assert row["iteration_s"] == pytest.approx(0.01 * 5.0 + 0.09 * 1.5 + 0.9 * 1.0)
+    # Forward/backward excludes the factor computation timed inside the hooks.
+    assert row["fwd_bwd_s"] == pytest.approx(0.5)
+    assert row["bytes_factor_allreduce"] == pytest.approx(300)
+    assert (row["mem_kfac"], row["mem_rank"]) == (1060, 1)
+    paper = aggregate([{"rank": 0, "records": [_record("decomp", 2.0, 8)] * 3}], 1, 1)
+    assert paper["decomposition_s"] == pytest.approx(2.0)
+    assert paper["compute_s"] == pytest.approx(2.0 + 0.2)
+
+
+# ---------------------------------------------------------------- table writers
+def test_second_order_update_ratios_and_files(tmp_path: Path) -> None:
+    paths = tables.write_table("second_order_update", timing_rows(), tmp_path)
+    for key in ("csv", "md", "png", "raw"):
+        assert paths[key].exists() and paths[key].stat().st_size > 0
+    long, head = tables.second_order_frames(timing_rows())
+    h = head.iloc[0]
+    assert h["compute_d-kfac/dp"] == pytest.approx(2.0)
+    assert h["compute_spd-kfac/dp"] == pytest.approx(1.5)
+    assert h["compute_best/dp"] == pytest.approx(1.5)
+    assert h["comm_best/dp"] == pytest.approx(1.5)
+    assert h["MB_d-kfac/dp"] == pytest.approx(2.0)
+    assert h["memory_d-kfac/dp"] == pytest.approx(2.0)
+    by = long.set_index("strategy")
+    assert by.loc["dp-kfac", "iteration_vs_sgd"] == pytest.approx(2.0)
+    assert by.loc["d-kfac", "compute/dp"] == pytest.approx(2.0)
+    md = paths["md"].read_text()
+    assert "ChildFailedError" in md and "| mlp |" in md
+    csv = pd.read_csv(paths["csv"])
+    assert set(csv["strategy"]) == {"sgd", "dp-kfac", "d-kfac", "spd-kfac"}
+
+
+def test_time_breakdown_parts_add_up(tmp_path: Path) -> None:
+    paths = tables.write_table("time_breakdown", timing_rows(), tmp_path)
+    assert paths["png"].exists()
+    wide = pd.read_csv(paths["csv"]).set_index("strategy")
+    parts = [f"{p}_ms" for p in tables.ITERATION_PARTS]
+    assert wide.loc["d-kfac", parts].sum() == pytest.approx(wide.loc["d-kfac", "sum_ms"])
+    assert wide.loc["d-kfac", "factor_comm_ms"] == pytest.approx(4.0)
+    assert wide.loc["dp-kfac", "vs_sgd"] == pytest.approx(2.0)
+    assert "## mlp label, paper setting, P=2" in paths["md"].read_text()
+
+
+def test_scaling_predicts_to_256_and_reports_errors(tmp_path: Path) -> None:
+    rows = pd.DataFrame([fake_row(s, p) for s in ("sgd", "dp-kfac", "d-kfac") for p in (1, 2)])
+    paths = tables.write_table("scaling", rows, tmp_path)
+    frame = pd.read_csv(paths["csv"])
+    calibrated = frame[frame["source"] == "calibrated"]
+    assert sorted(calibrated["world_size"].unique()) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert (frame["source"] == "v100_ib100, paper size").any()
+    errors = pd.read_csv(paths["errors"])
+    assert set(errors["world_size"]) == {2}
+    assert {"decomposition", "grad_comm"} <= set(errors["phase"])
+    assert "median |error| %" in paths["md"].read_text()
+
+
+def test_convergence_table_and_smoke_status(tmp_path: Path) -> None:
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "smoke_junit.xml").write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="t" name="test_smoke[digits_cnn-dp_kfac]" time="1.5"/>'
+        '<testcase classname="t" name="test_smoke[squad_bert_adamw-d_kfac]" time="2.0">'
+        '<failure message="boom"/></testcase>'
+        '<testcase classname="t" name="test_wandb" time="0.5"/></testsuite></testsuites>'
+    )
+    paths = tables.write_table("convergence", convergence_rows(), tmp_path)
+    curves = pd.read_csv(paths["csv"])
+    assert len(curves) == 4 * 3 and curves["test_acc"].max() == pytest.approx(0.95)
+    md = paths["md"].read_text()
+    assert "| P=1 | P=2 |" in md.replace("strategy | ", "")
+    assert "| digits_cnn | passed (1.5 s) |" in md.replace(" – |", " |")
+    assert "| squad_bert_adamw |" in md and "failed (2.0 s)" in md
+    assert "Cases: 1 failed, 2 passed" in md
+    assert paths["png"].exists()
+
+
+def test_load_rows_reads_sweep_folders_and_csv(tmp_path: Path) -> None:
+    for num, strategy in ((2, "sgd"), (10, "dp-kfac")):  # job 10 comes after job 2
+        job = tmp_path / "sweep" / str(num)
+        job.mkdir(parents=True)
+        (job / "rows.json").write_text(json.dumps([fake_row(strategy)]))
+    rows = tables.load_rows([tmp_path / "sweep"])
+    assert list(rows["strategy"]) == ["sgd", "dp-kfac"]
+    rows.to_csv(tmp_path / "rows.csv", index=False)
+    again = tables.load_rows([tmp_path / "rows.csv"])
+    assert again["error"].tolist() == ["", ""]
+    with pytest.raises(FileNotFoundError):
+        tables.load_rows([tmp_path / "missing.txt"])
+
+
+# ------------------------------------------------------------------- notebook
+def test_results_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    results = tmp_path / "results"
+    tables.write_table("second_order_update", timing_rows(), results)
+    tables.write_table("time_breakdown", timing_rows(), results)
+    tables.write_table("convergence", convergence_rows(), results)
+    rows = pd.DataFrame([fake_row(s, p) for s in ("sgd", "dp-kfac") for p in (1, 2)])
+    tables.write_table("scaling", rows, results)
+    monkeypatch.setenv("RESULTS_DIR", str(results))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    nb = nbformat.read(ROOT / "notebooks" / "results.ipynb", as_version=4)
+    client = nbclient.NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    client.execute()
+    text = "\n".join(
+        out.get("text", "")
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+    )
+    assert str(results.resolve()) in text and "not generated yet" not in text
+    images = [
+        out
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if "image/png" in out.get("data", {})
+    ]
+    assert len(images) == 4
+    assert os.environ["RESULTS_DIR"] == str(results)

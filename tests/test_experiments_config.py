@@ -1,0 +1,207 @@
+"""Every config composes and every group option instantiates; bad input fails clearly."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from experiments.config import ExperimentError, uses_preconditioner, validate
+
+CONF = Path(__file__).parents[1] / "conf"
+REPO = CONF.parent
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+PRESETS = options("experiment")
+# Sizes a data module would hand to each model.
+MODEL_KWARGS = {
+    "digits_cnn": {"num_classes": 10},
+    "cifar_resnet": {"num_classes": 10},
+    "resnet50": {"num_classes": 5},
+    "bert_qa": {"vocab_size": 100, "tiny": True},
+    "transformer": {"vocab_size": 100, "d_model": 32, "nhead": 2, "dim_feedforward": 64},
+}
+
+
+def test_all_groups_and_presets_exist():
+    for group in ("model", "data", "optimizer", "scheduler", "strategy", "logger", "trainer"):
+        assert options(group), group
+    assert set(options("strategy")) == {"dp_kfac", "d_kfac", "spd_kfac", "none"}
+    assert {"sgd", "adamw"} <= set(options("optimizer"))
+    assert {"wandb", "none"} <= set(options("logger"))
+    assert {
+        "digits_cnn",
+        "cifar10_resnet32",
+        "cifar10_resnet110",
+        "imagenet_resnet50",
+        "squad_bert",
+        "multi30k_transformer",
+    } <= set(PRESETS)
+
+
+def test_default_is_digits_with_dp_kfac(compose):
+    cfg = compose()
+    assert cfg.name == "digits_cnn"
+    assert cfg.strategy.strategy == "dp-kfac"
+    assert cfg.strategy._target_ == "dpkfac.KFACPreconditioner"
+    assert cfg.logger.mode == "offline"
+
+
+@pytest.mark.parametrize("strategy", options("strategy"))
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_composes_with_every_strategy(compose, preset, strategy):
+    cfg = compose(f"experiment={preset}", f"strategy={strategy}", "output_dir=/tmp/x")
+    validate(cfg)
+    assert uses_preconditioner(cfg) == (strategy != "none")
+    OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+
+
+def test_published_hyperparameters(compose):
+    cifar = compose("experiment=cifar10_resnet110")
+    assert (cifar.model.depth, cifar.data.batch_size, cifar.optimizer.lr) == (110, 128, 0.1)
+    assert cifar.trainer.scale_lr and cifar.trainer.max_epochs == 100
+    assert list(cifar.scheduler.milestones) == [35, 75, 90] and cifar.scheduler.warmup_epochs == 1
+    assert (cifar.optimizer.weight_decay, cifar.strategy.damping) == (5e-4, 0.03)
+    assert (cifar.strategy.factor_decay, cifar.strategy.kl_clip) == (0.95, 0.001)
+    imagenet = compose("experiment=imagenet_resnet50")
+    assert (imagenet.data.batch_size, imagenet.optimizer.lr, imagenet.scheduler.warmup_epochs) == (
+        32,
+        0.0125,
+        5,
+    )
+    assert list(imagenet.scheduler.milestones) == [25, 35, 40, 45, 50]
+    assert imagenet.trainer.max_epochs == 55 and imagenet.data.label_smoothing == 0.1
+    assert (imagenet.optimizer.weight_decay, imagenet.strategy.damping) == (5e-5, 0.002)
+    squad = compose("experiment=squad_bert")
+    assert (squad.data.max_seq_length, squad.data.doc_stride, squad.data.batch_size) == (
+        384,
+        128,
+        4,
+    )
+    assert (squad.trainer.max_epochs, squad.optimizer.lr, squad.strategy.kl_clip) == (3, 5e-6, None)
+    assert squad.optimizer._target_ == "torch.optim.SGD"
+    assert compose("experiment=squad_bert_adamw").optimizer._target_ == "torch.optim.AdamW"
+    m30k = compose("experiment=multi30k_transformer")
+    assert (m30k.model.d_model, m30k.model.nhead, m30k.model.num_encoder_layers) == (512, 8, 2)
+    assert m30k.data.batch_size == 128 and m30k.scheduler.warmup_steps == 4000
+    assert "generator" in m30k.strategy.skip_layers and "embed" in m30k.strategy.skip_layers
+
+
+@pytest.mark.parametrize("option", options("model"))
+def test_every_model_instantiates(compose, option):
+    cfg = compose("~experiment", f"model={option}")
+    model = instantiate(cfg.model, **MODEL_KWARGS[option])
+    assert isinstance(model, torch.nn.Module)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.parametrize("option", options("data"))
+def test_every_data_module_instantiates(compose, option):
+    from experiments.data.loading import DataModule
+
+    assert isinstance(instantiate(compose("~experiment", f"data={option}").data), DataModule)
+
+
+@pytest.mark.parametrize("option", options("optimizer"))
+@pytest.mark.parametrize("schedule", options("scheduler"))
+def test_every_optimizer_and_schedule_instantiates(compose, option, schedule):
+    # Without a preset, whose schedule keys belong to the preset's own schedule.
+    cfg = compose("~experiment", f"optimizer={option}", f"scheduler={schedule}")
+    model = torch.nn.Linear(3, 2)
+    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    scheduler = instantiate(cfg.scheduler)(optimizer, steps_per_epoch=10, total_steps=100)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] > 0
+
+
+@pytest.mark.parametrize("option", options("strategy"))
+def test_every_strategy_instantiates(compose, option):
+    cfg = compose("~experiment", f"strategy={option}")
+    if not uses_preconditioner(cfg):
+        assert option == "none"
+        return
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    pre = instantiate(cfg.strategy, model=model, lr=lambda _step: 0.1)
+    assert set(pre.layers) == {"0", "2"}
+    model(torch.randn(5, 4)).square().mean().backward()
+    pre.step()
+
+
+def test_every_logger_instantiates(compose, tmp_path):
+    for option in options("logger"):
+        cfg = compose(f"logger={option}")
+        logger = instantiate(cfg.logger, _partial_=True)(name="t", dir=str(tmp_path), run_config={})
+        logger.log({"x": 1.0}, step=1)
+        logger.finish()
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("trainer.max_steps=-3", "trainer.max_steps=-3"),
+        ("trainer.max_epochs=0", "trainer.max_epochs=0"),
+        ("strategy.damping=0", "strategy.damping=0"),
+        ("strategy.compute_method=cholesky", "strategy.compute_method='cholesky'"),
+        ("strategy.factor_decay=1.0", "strategy.factor_decay=1.0"),
+        ("strategy.weight_sharing=sum", "strategy.weight_sharing='sum'"),
+        ("optimizer.lr=-0.1", "optimizer.lr=-0.1"),
+        ("data.batch_size=0", "data.batch_size=0"),
+        ("++strategy.skip_layers=fc", "strategy.skip_layers='fc'"),
+    ],
+)
+def test_bad_values_are_named(compose, override, named):
+    with pytest.raises(
+        ExperimentError, match=f"invalid value {named.replace('[', '.').replace('(', '.')}"
+    ):
+        validate(compose(override))
+
+
+def test_missing_dataset_names_the_path(train, tmp_path):
+    root = tmp_path / "nowhere"
+    missing = re.escape(f"{root}/cifar-10-batches-py/data_batch_1 does not exist")
+    with pytest.raises(ExperimentError, match=missing):
+        train("experiment=cifar10_resnet32", "data.fake=false", f"data.root={root}")
+    with pytest.raises(ExperimentError, match=r"train-v1\.1\.json does not exist.*rajpurkar"):
+        train("experiment=squad_bert", "data.fake=false", f"data.root={root}")
+
+
+def test_optimizer_mismatch_is_named(train):
+    with pytest.raises(ExperimentError, match=r"cannot build optimizer .*momentum"):
+        train("optimizer=adamw", "+optimizer.momentum=0.9", "trainer.max_steps=1")
+
+
+def _cli(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.train", *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("strategy=nope", "Could not find 'strategy/nope'"),
+        ("trainer.max_steps=-3", "invalid value trainer.max_steps=-3"),
+        ("trainer.no_such_key=1", "trainer.no_such_key"),
+    ],
+)
+def test_cli_rejects_bad_overrides_without_traceback(override, message, tmp_path):
+    proc = _cli(override, "logger=none", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
