@@ -40,7 +40,7 @@ def test_fake_cifar_is_in_the_official_pickle_format(tmp_path):
 def test_fake_imagenet_is_jpeg_class_folders(tmp_path):
     data = ImageNetData(root=None, fake=True, image_size=32, **LOADER)
     data.setup(DistEnv(), tmp_path)
-    assert len(list((tmp_path / "fake_data" / "train").glob("n*/*.JPEG"))) == 32
+    assert len(list((tmp_path / "fake_data" / "train").glob("n*/*.JPEG"))) == 64
     assert data.model_kwargs() == {"num_classes": 4}
     assert data.eval_dataset[0][0].shape == (3, 32, 32)
 
@@ -99,7 +99,7 @@ def test_multi30k_bpe_roundtrip_and_bleu(tmp_path):
     data = Multi30KData(root=None, fake=True, **LOADER)
     data.setup(DistEnv(), tmp_path)
     lines = (tmp_path / "fake_data" / "train.en").read_text().splitlines()
-    assert len(lines) == 96
+    assert len(lines) == 300
     assert data.tokenizer.decode(data.tokenizer.encode(lines[0]).ids) == lines[0]
     task = data.build_task()
     perfect = task.score(list(enumerate(data.references)))

@@ -20,7 +20,7 @@ from experiments.tasks.classification import ClassificationTask
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 FAKE_CLASSES = 4
-FAKE_TRAIN_PER_CLASS = 8
+FAKE_TRAIN_PER_CLASS = 16  # 64 images: two full batches of the preset
 FAKE_VAL_PER_CLASS = 2
 FAKE_SIDE = 40
 
@@ -70,7 +70,7 @@ class ImageNetData(DataModule):
         return ["train", "val"]
 
     def write_fake(self, root: Path) -> None:
-        """Four classes of small random JPEGs (8 training and 2 validation images each)."""
+        """Four classes of small random JPEGs (16 training and 2 validation images each)."""
         splits = {"train": FAKE_TRAIN_PER_CLASS, "val": FAKE_VAL_PER_CLASS}
         write_image_folders(root, splits, FAKE_CLASSES, FAKE_SIDE)
 

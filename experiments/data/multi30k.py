@@ -113,8 +113,8 @@ class Multi30KData(DataModule):
         return None
 
     def write_fake(self, root: Path) -> None:
-        """96 training pairs and 16 for each evaluation split."""
-        splits = {"train": 96, "val": 16, "test_2016_flickr": 16}
+        """300 training pairs (two full batches of the preset) and 16 per evaluation split."""
+        splits = {"train": 300, "val": 16, "test_2016_flickr": 16}
         write_parallel_files(root, splits, self.langs)
         self.vocab_size = FAKE_VOCAB_SIZE
 
