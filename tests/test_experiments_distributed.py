@@ -69,3 +69,34 @@ def test_preset_under_torchrun(preset, strategy, extra, tiny, tmp_path):
     ckpt = torch.load(tmp_path / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
     assert ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2
     assert "replicas diverged" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_resume_under_torchrun_is_bitwise(tiny, tmp_path):
+    """dp-kfac keeps factors on owner ranks only: a 2-rank checkpoint must still hold them all."""
+    common = ["experiment=digits_cnn", "strategy=dp_kfac", *tiny["digits_cnn"]]
+    straight = torchrun(tmp_path / "straight", *common, "trainer.max_steps=4")
+    assert straight.returncode == 0, straight.stderr[-4000:]
+    first = torchrun(tmp_path / "first", *common, "trainer.max_steps=2")
+    assert first.returncode == 0, first.stderr[-4000:]
+    resumed = torchrun(
+        tmp_path / "resumed",
+        *common,
+        "trainer.max_steps=4",
+        f"trainer.resume={tmp_path / 'first' / 'checkpoints' / 'last.pt'}",
+    )
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+
+    def load(run: str) -> dict:
+        path = tmp_path / run / "checkpoints" / "last.pt"
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    a, b = load("straight"), load("resumed")
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    layers_a, layers_b = a["preconditioner"]["layers"], b["preconditioner"]["layers"]
+    assert all(entry["A"] is not None for entry in layers_a.values())  # every owner's factors
+    for name, entry in layers_a.items():
+        assert torch.equal(entry["A"], layers_b[name]["A"]), name
+        assert torch.equal(entry["G"], layers_b[name]["G"]), name
