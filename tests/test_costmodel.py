@@ -488,3 +488,22 @@ def test_predicted_table_and_printout(capsys) -> None:
     assert "ResNet-50" in text and "spd-kfac" in text
     main(["--world-size", "16"])
     assert "BERT-large" in capsys.readouterr().out
+
+
+def test_overlap_interpolates_spd_factor_wait_between_hidden_and_serial() -> None:
+    from dataclasses import replace
+
+    shapes = resnet50(batch_size=32)
+    waits = {
+        o: predict(
+            shapes, strategy="spd-kfac", world_size=16, hardware=replace(HW, overlap=o)
+        ).update
+        for o in (0.0, 0.5, 1.0)
+    }
+    serial = waits[0.0].comm_serial["factor_comm"]
+    assert waits[0.0].phases["factor_comm"] == pytest.approx(serial)
+    hidden = waits[1.0].phases["factor_comm"]
+    assert hidden < serial
+    assert waits[0.5].phases["factor_comm"] == pytest.approx((hidden + serial) / 2)
+    with pytest.raises(ValueError, match="overlap"):
+        replace(HW, overlap=1.5)

@@ -226,4 +226,5 @@ def calibrate_local(
         f"dpkfac.costmodel.calibrate_local(world_size={world_size}, threads={threads}) "
         f"on {os.uname().nodename} ({os.cpu_count()} CPUs, torch {torch.__version__}), {stamp}"
     )
-    return Hardware(hw.name, hw.links, hw.engines, (source, *hw.sources))
+    # CPU ranks: the pipelined collectives share the cores with the compute.
+    return Hardware(hw.name, hw.links, hw.engines, (source, *hw.sources), overlap=0.0)

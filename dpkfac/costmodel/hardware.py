@@ -128,12 +128,18 @@ class Hardware:
         links: alpha-beta model per collective kind (at least "allreduce").
         engines: compute model per kind (at least "matmul", "eigh", "inverse").
         sources: where the numbers come from (citations or a calibration run).
+        overlap: fraction of a collective launched during the forward/backward
+            pass that runs concurrently with it (spd-kfac's pipelined factor
+            all-reduces). 1 on GPUs, whose copy engines and NCCL kernels run
+            beside compute; about 0 on a CPU whose cores the compute already
+            fills, where gloo's transfer thread only takes turns with it.
     """
 
     name: str
     links: Mapping[str, Link]
     engines: Mapping[str, Engine]
     sources: tuple[str, ...] = field(default=())
+    overlap: float = 1.0
 
     def __post_init__(self) -> None:
         if "allreduce" not in self.links:
@@ -141,6 +147,8 @@ class Hardware:
         missing = {"matmul", "eigh", "inverse"} - set(self.engines)
         if missing:
             raise ValueError(f"Hardware lacks engines {sorted(missing)}")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"overlap must be in [0, 1], got {self.overlap}")
 
     def link(self, kind: str) -> Link:
         """The model of collective ``kind`` (reduce -> broadcast -> allreduce fallback)."""
@@ -175,6 +183,7 @@ class Hardware:
                 "links": {k: asdict(v) for k, v in self.links.items()},
                 "engines": {k: asdict(v) for k, v in self.engines.items()},
                 "sources": list(self.sources),
+                "overlap": self.overlap,
             },
             indent=2,
         )
@@ -194,6 +203,7 @@ class Hardware:
             links={k: Link(**v) for k, v in data["links"].items()},
             engines={k: Engine(**v) for k, v in data["engines"].items()},
             sources=tuple(data.get("sources", ())),
+            overlap=float(data.get("overlap", 1.0)),
         )
 
 
@@ -346,7 +356,8 @@ def calibrate(
     if missing:
         raise ValueError(f"no samples for {sorted(missing)} and no base hardware model")
     sources = (f"calibrated from {len(samples)} samples of {', '.join(kinds)}",)
-    return Hardware(name, links, engines, sources + (base.sources if base else ()))
+    overlap = base.overlap if base else 1.0
+    return Hardware(name, links, engines, sources + (base.sources if base else ()), overlap)
 
 
 def scaled(hardware: Hardware, *, network: float = 1.0, compute: float = 1.0) -> Hardware:

@@ -100,6 +100,10 @@ CPU_GLOO_LOCAL = Hardware(
         "(2 CPUs, torch 2.14.1+cu130), 2026-11-29",
         "fitted by dpkfac.costmodel.calibrate (non-negative least squares, relative error)",
     ),
+    # Two vCPUs that the forward/backward pass keeps busy: gloo's transfers of
+    # spd-kfac's pipelined factors do not run beside it (measured: the wait
+    # after backward is the whole serial transfer time, not the predicted tail).
+    overlap=0.0,
 )
 
 #: Hardware presets by name.

@@ -23,7 +23,8 @@ The iteration is a critical path through the step's synchronisation points
 rank's forward/backward with factor construction, the gradient collectives,
 then per strategy the rest. spd-kfac's factor all-reduces overlap the
 forward and backward passes: only what the fusion schedule leaves after the
-backward pass is counted (the serial time stays in ``comm_serial``).
+backward pass is counted (the serial time stays in ``comm_serial``), to the
+extent the hardware overlaps them (``Hardware.overlap``; the rest is serial).
 """
 
 from __future__ import annotations
@@ -235,8 +236,9 @@ def step_prediction(
         for c, bucket in zip(factor_colls, plan, strict=True):
             start = max(finish, max(ready[k] for k in bucket))
             finish = start + link.time(1, c.wire_bytes, p)
+        hidden = hw.overlap * max(0.0, finish - backward_end)
         for t in seconds:
-            t["factor_comm"] = max(0.0, finish - backward_end)
+            t["factor_comm"] = hidden + (1.0 - hw.overlap) * t["factor_comm"]
 
     def critical(phases: Sequence[str]) -> dict[str, float]:
         r = max(range(p), key=lambda r: sum(seconds[r][ph] for ph in phases))
