@@ -192,6 +192,9 @@ class Trainer:
         """
         if self.settings.resume:
             self.restore(self.settings.resume)
+        # from_pretrained() returns a model in eval mode: without this, dropout
+        # and K-FAC's capture hooks (which skip eval-mode forwards) stay off.
+        self.model.train()
         sampler = epoch_sampler(self.train_loader)
         start, started_at = self.step, time.perf_counter()
         final: dict[str, float] | None = None
