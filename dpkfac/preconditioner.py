@@ -242,6 +242,8 @@ class KFACPreconditioner:
         output: Any,
     ) -> None:
         if not (self._capture and module.training and torch.is_grad_enabled()):
+            if self._capture and torch.is_grad_enabled():
+                layer.seen_in_eval_mode = True  # explains a missing capture in the warning
             return
         if not self.strategy.captures(layer):
             return
@@ -372,10 +374,16 @@ class KFACPreconditioner:
             ):
                 continue
             layer.warned_no_capture = True
+            reason = (
+                "its forward ran in eval mode during training steps (call model.train(); "
+                "from_pretrained() returns eval-mode models)"
+                if layer.seen_in_eval_mode
+                else "its forward hook never fired (it is probably called functionally, like "
+                "nn.MultiheadAttention.out_proj)"
+            )
             warnings.warn(
                 f"dpkfac: layer {layer.name!r} ({type(layer.module).__name__}) received a gradient "
-                "but its forward hook never fired (it is probably called functionally, like "
-                "nn.MultiheadAttention.out_proj); it keeps its averaged gradient",
+                f"but was never captured: {reason}; it keeps its averaged gradient",
                 RuntimeWarning,
                 stacklevel=3,
             )

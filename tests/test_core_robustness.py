@@ -297,3 +297,13 @@ def test_eigh_failure_without_previous_uses_diagonal(monkeypatch) -> None:
         assert torch.equal(layer.a_decomp.q, torch.eye(layer.a_factor.shape[0]).double())
     for p in model.parameters():
         assert torch.isfinite(p.grad).all()
+
+
+def test_eval_mode_forward_during_training_is_named_in_the_warning() -> None:
+    """A model left in eval mode (as from_pretrained returns it) is never captured: say why."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2)).double().eval()
+    pre = dpkfac.KFACPreconditioner(model, kl_clip=None)
+    model(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
+    with pytest.warns(RuntimeWarning, match=r"eval mode.*model\.train\(\)"):
+        pre.step()
+    assert pre.layers["0"].a_factor is None

@@ -63,5 +63,5 @@ def test_squad_preset_trains_from_a_pretrained_directory(train, tiny, tmp_path) 
     assert result["steps"] == 2 and any("f1" in k for k in result), result
     # from_pretrained() hands back an eval-mode model: training must switch it to
     # train mode, or K-FAC's hooks never capture (and warn about every layer).
-    never_fired = [str(w.message) for w in caught if "never fired" in str(w.message)]
+    never_fired = [str(w.message) for w in caught if "never captured" in str(w.message)]
     assert never_fired == []

@@ -64,6 +64,7 @@ class KFACLayer:
         self.batch_size = 0
         self.ever_captured = False
         self.warned_no_capture = False
+        self.seen_in_eval_mode = False
 
     # ------------------------------------------------------------------ capture
     def accumulate_a(
