@@ -28,17 +28,10 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from dpkfac.stats import COMM_CATEGORIES
+from dpkfac.stats import COMM_CATEGORIES, PHASES
 
 #: Phases timed by the preconditioner, in the order of an iteration.
-KFAC_PHASES = (
-    "factor_compute",
-    "factor_comm",
-    "decomposition",
-    "decomposition_comm",
-    "precondition",
-    "precond_comm",
-)
+KFAC_PHASES = tuple(p for p in PHASES if p != "grad_comm")
 #: Stacked-bar order of a whole iteration (they sum to ``iteration_s`` up to noise).
 ITERATION_PARTS = (
     "fwd_bwd",
