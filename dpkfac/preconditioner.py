@@ -293,7 +293,7 @@ class KFACPreconditioner:
         if not self.ddp:
             strat.reduce_gradients(layers, self._other_params)
 
-        if any(x.pending(w) is not None for x in layers for w in FACTORS) or self._capture:
+        if any(x.has_pending(w) for x in layers for w in FACTORS) or self._capture:
             strat.reduce_factors(layers)
             decay = float(_value(self.factor_decay, step))
             for layer in layers:

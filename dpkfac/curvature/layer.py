@@ -91,6 +91,10 @@ class KFACLayer:
         self.g_count += 1
         return self.g_batch
 
+    def has_pending(self, which: str) -> bool:
+        """Whether a batch factor waits to be folded in (cheap: no averaging)."""
+        return (self.a_batch if which == "A" else self.g_batch) is not None
+
     def pending(self, which: str) -> torch.Tensor | None:
         """The batch factor waiting to be folded in, averaged over micro-batches."""
         batch, count = (

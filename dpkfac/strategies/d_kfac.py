@@ -44,7 +44,7 @@ class DKFAC(Strategy):
         return True
 
     def reduce_factors(self, layers: Sequence[KFACLayer]) -> None:
-        items = [(layer, w) for layer in layers for w in FACTORS if layer.pending(w) is not None]
+        items = [(layer, w) for layer in layers for w in FACTORS if layer.has_pending(w)]
         tensors = [layer.pending(w) for layer, w in items]
         self.comm.allreduce_mean(tensors, "factor_allreduce", cap_bytes=self.bucket_cap_bytes)
         for (layer, which), tensor in zip(items, tensors, strict=True):

@@ -137,7 +137,7 @@ class SPDKFAC(DKFAC):
             (layer, w)
             for layer in layers
             for w in FACTORS
-            if layer.pending(w) is not None
+            if layer.has_pending(w)
             and ((layer.name, w) in self._stale or (layer.name, w) not in self._launched)
         ]
         if redo:
