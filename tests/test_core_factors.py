@@ -54,13 +54,9 @@ def assert_rel_close(
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _report_errors() -> Iterator[None]:
-    # Tiny tensors: intra-op threads only add wake-up latency (~20 ms per conv
-    # on a busy 2-core machine), so run this module single-threaded.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _report_errors(single_thread: None) -> Iterator[None]:
+    """Single-threaded (see conftest); prints the largest errors after the module."""
     yield
-    torch.set_num_threads(threads)
     for key, err in sorted(MAX_REL_ERR.items()):
         print(f"[max rel err] {key}: {err:.3e}")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,11 +23,8 @@ import dpkfac
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _single_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _single_thread(single_thread: None) -> None:
+    """Run this module with one intra-op thread (see conftest)."""
 
 
 def mlp(dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Sequential:

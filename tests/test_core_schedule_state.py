@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import io
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -35,11 +34,8 @@ CATEGORIES = {"grad_allreduce", "factor_allreduce", "decomposition_broadcast", "
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _single_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _single_thread(single_thread: None) -> None:
+    """Run this module with one intra-op thread (see conftest)."""
 
 
 def make_net(seed: int = 0, dtype: torch.dtype = torch.float64) -> nn.Module:
