@@ -10,7 +10,10 @@ Every collective of the package goes through :class:`Communicator`, which
   and times waiting on it in the category's phase;
 * launches every collective asynchronously and waits with a timeout, so a
   hang becomes an error that names the phase and the rank instead of a
-  silent deadlock.
+  silent deadlock;
+* optionally (``isolate``, for measurements) meets the other ranks at a
+  barrier before a phase's first collective, timed as ``comm_sync``, so a
+  phase's time is its transfers alone and not also the wait for slower ranks.
 
 With no initialised process group (or a group of one rank) every call is a
 no-op that records nothing, which is what makes world size 1 communication-free.
@@ -93,6 +96,7 @@ class Handle:
     works: list = field(default_factory=list)
     finish: list[Callable[[], None]] = field(default_factory=list)
     done: bool = False
+    overlapped: bool = False
 
 
 class Communicator:
@@ -104,6 +108,17 @@ class Communicator:
             :class:`CollectiveTimeout`.
         stats: where bytes and calls are recorded.
         timer: where waiting time is recorded, per category's phase.
+
+    Attributes:
+        isolate: when True, a collective launched while no other (non-overlapped)
+            collective is in flight is preceded by a barrier, timed in phase
+            ``comm_sync``. Waiting on a collective otherwise also waits for the
+            slowest rank to arrive, and transfers from early ranks partly hide
+            behind late ranks' compute; with the barrier a communication
+            phase measures the transfers alone, which is what an alpha-beta
+            model predicts. Costs one barrier per phase; for benchmarks only.
+            Collectives launched with ``overlapped=True`` (spd-kfac's
+            pipelined factor all-reduces) are never isolated.
     """
 
     def __init__(
@@ -129,6 +144,8 @@ class Communicator:
         )
         self.stats = stats if stats is not None else CommStats()
         self.timer = timer if timer is not None else PhaseTimer()
+        self.isolate = False
+        self._in_flight: set[int] = set()
 
     @property
     def active(self) -> bool:
@@ -157,7 +174,23 @@ class Communicator:
     ) -> None:
         kind = "allreduce" if fn is dist.all_reduce else "rooted"
         self.record(handle.category, kind, flat.numel() * flat.element_size())
+        if not handle.overlapped:
+            if self.isolate and not self._in_flight:
+                self._barrier()
+            self._in_flight.add(id(handle))
         handle.works.append(fn(flat, group=self.group, async_op=True, **kwargs))
+
+    def _barrier(self) -> None:
+        """Meet every rank (timed as ``comm_sync``), with the collective timeout."""
+        with self.timer.phase("comm_sync"):
+            work = dist.barrier(group=self.group, async_op=True)
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            except Exception as err:
+                raise CollectiveTimeout(
+                    f"dpkfac: barrier before a collective did not complete within "
+                    f"{self.timeout:g}s on rank {self.rank}: {err}"
+                ) from err
 
     def wait(self, handle: Handle) -> None:
         """Block until ``handle`` completes (timed in its category's phase), then unpack."""
@@ -176,6 +209,7 @@ class Communicator:
             for finish in handle.finish:
                 finish()
         handle.done = True
+        self._in_flight.discard(id(handle))
 
     # ------------------------------------------------------------- collectives
     def allreduce_mean(
@@ -186,6 +220,7 @@ class Communicator:
         triangle: bool = False,
         cap_bytes: int | None = None,
         async_op: bool = False,
+        overlapped: bool = False,
     ) -> Handle:
         """Average tensors across ranks in place, fused into buckets.
 
@@ -195,8 +230,9 @@ class Communicator:
             triangle: send only upper triangles of the (symmetric) tensors.
             cap_bytes: split buckets at this size (None: one bucket per dtype).
             async_op: return before completion; call :meth:`wait` later.
+            overlapped: launched to run beside computation (never isolated).
         """
-        handle = Handle(category)
+        handle = Handle(category, overlapped=overlapped)
         if not self.active or not tensors:
             handle.done = True
             return handle

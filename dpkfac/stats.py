@@ -28,6 +28,7 @@ PHASES = (
     "precondition",
     "precond_comm",
     "grad_comm",
+    "comm_sync",
 )
 #: The phase in which waiting on a collective of each category is counted.
 PHASE_OF_CATEGORY = {

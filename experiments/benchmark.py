@@ -110,6 +110,7 @@ def _identity(spec: dict[str, Any]) -> dict[str, Any]:
         "warmup": spec["warmup"],
         "steps": spec["steps"],
         "threads": spec["threads"],
+        "isolate_comm": bool(spec.get("isolate_comm", False)),
         "cpus": os.cpu_count(),
         "compute_method": spec["kfac"]["compute_method"],
         "torch": torch.__version__,
@@ -153,6 +154,7 @@ def _timing_row(
         model_paper=json.dumps(spec["model"].get("paper") or {}),
         kfac_options=json.dumps(strategy["kfac"]),
         rank_timings=json.dumps(row["rank_timings"]),
+        least_wait=json.dumps(row["least_wait"]),
         fusion_plan=json.dumps(first.get("fusion_plan")),
     )
     for key, value in list(row.items()):

@@ -256,10 +256,16 @@ def write_time_breakdown(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         "`practical` is amortised per step at factors every 10 and decompositions every 100 steps.",
         "`sum` adds the parts; `iteration` is the measured wall time per step.",
     ]
+    # Barriers before collectives exist only in isolated runs (``isolate_comm``).
+    parts = [
+        p
+        for p in ITERATION_PARTS
+        if p != "comm_sync" or (f"{p}_ms" in wide and bool(wide[f"{p}_ms"].any()))
+    ]
     for (setting, _), frame in wide.groupby(["setting", "model"], sort=False):
-        cols = ["strategy", *[f"{p}_ms" for p in ITERATION_PARTS], "sum_ms", "iteration_ms"]
+        cols = ["strategy", *[f"{p}_ms" for p in parts], "sum_ms", "iteration_ms"]
         show = frame[[*cols, "vs_sgd"]].rename(
-            columns={f"{p}_ms": p for p in (*ITERATION_PARTS, "sum", "iteration")}
+            columns={f"{p}_ms": p for p in (*parts, "sum", "iteration")}
         )
         p = int(frame["world_size"].iloc[0])
         md += ["", f"## {frame['label'].iloc[0]}, {setting} setting, P={p}", ""]
@@ -267,7 +273,7 @@ def write_time_breakdown(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     md += _footer(df)
     paths["md"] = _write(out / "time_breakdown.md", md)
     if not wide.empty:
-        fig = plots.stacked_breakdown(wide, list(ITERATION_PARTS))
+        fig = plots.stacked_breakdown(wide, parts)
         paths["png"] = plots.save(fig, out / "time_breakdown.png")
     return paths
 

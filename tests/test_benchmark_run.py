@@ -9,6 +9,7 @@ prediction, which must be exact. No wall time is asserted.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -77,6 +78,7 @@ def test_tiny_sweep_at_world_size_2_matches_cost_model_bytes(tmp_path: Path) -> 
         "world_size=2",
         "warmup=3",
         "steps=3",
+        "isolate_comm=true",
         f"hydra.sweep.dir={sweep}",
         f"results_dir={results}",
         "+hydra.callbacks.table={_target_:experiments.tables.TableCallback,"
@@ -94,6 +96,9 @@ def test_tiny_sweep_at_world_size_2_matches_cost_model_bytes(tmp_path: Path) -> 
         prediction = predict_row(row, PRESETS["cpu_gloo_local"])
         assert byte_mismatches(row, prediction) == []
         assert prediction.memory_max == row["mem_kfac"]
+        # Isolated communication: a timed barrier before each phase's collectives.
+        assert row["isolate_comm"] and row["comm_sync_s"] > 0
+        assert set(json.loads(row["least_wait"])) >= {"grad_comm", "precond_comm"}
     by = rows.set_index("strategy")
     assert by.loc["dp-kfac", "bytes_factor_allreduce"] == 0
     assert by.loc["spd-kfac", "bytes_factor_allreduce"] > 0

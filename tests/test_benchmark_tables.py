@@ -17,6 +17,7 @@ import pytest
 from experiments import tables
 from experiments.bench.aggregate import aggregate, kind_weights
 from experiments.bench.measure import step_kinds
+from experiments.bench.predict import measured_phases
 
 ROOT = Path(__file__).resolve().parents[1]
 CATS = ("grad_allreduce", "factor_allreduce", "decomposition_broadcast", "precond_broadcast")
@@ -184,6 +185,27 @@ def test_aggregate_takes_busiest_rank_median_and_amortises() -> None:
     paper = aggregate([{"rank": 0, "records": [_record("decomp", 2.0, 8)] * 3}], 1, 1)
     assert paper["decomposition_s"] == pytest.approx(2.0)
     assert paper["compute_s"] == pytest.approx(2.0 + 0.2)
+
+
+def test_least_wait_is_the_per_step_minimum_over_ranks() -> None:
+    """Whichever rank arrives last waits only for the transfer, and that rank changes."""
+    waits = [[9.0, 1.0, 9.0], [1.0, 9.0, 9.0], [9.0, 9.0, 1.0]]  # per rank, per step
+    results = []
+    for rank, per_step in enumerate(waits):
+        records = [_record("decomp", 1.0, 8) for _ in per_step]
+        for rec, wait in zip(records, per_step, strict=True):
+            rec["phases"] = {**rec["phases"], "grad_comm": wait, "precond_comm": 2 * wait}
+        results.append({"rank": rank, "records": records})
+    row = aggregate(results, 1, 1)
+    assert row["least_wait"]["grad_comm"] == pytest.approx(1.0)
+    assert row["least_wait"]["precond_comm"] == pytest.approx(2.0)
+    # Each rank's own median is 9: the per-rank view would report nine times the transfer.
+    assert min(r["grad_comm"] for r in row["rank_timings"]) == pytest.approx(9.0)
+    measured = measured_phases({**row, "least_wait": json.dumps(row["least_wait"])})
+    assert measured["grad_comm"] == pytest.approx(1.0)
+    assert measured["decomposition"] == pytest.approx(1.0)  # compute: busiest rank
+    # Rows from before least_wait existed fall back to the per-rank minimum.
+    assert measured_phases({"rank_timings": row["rank_timings"]})["grad_comm"] == 9.0
 
 
 # ---------------------------------------------------------------- table writers

@@ -29,6 +29,7 @@ PHASES = {
     "precondition",
     "precond_comm",
     "grad_comm",
+    "comm_sync",
 }
 CATEGORIES = {"grad_allreduce", "factor_allreduce", "decomposition_broadcast", "precond_broadcast"}
 

@@ -8,6 +8,7 @@ equal the predicted memory of every rank. Timing is checked for structure
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -366,6 +367,29 @@ def test_calibrate_recovers_known_parameters() -> None:
     for kind, engine in truth.engines.items():
         assert noisy.engine(kind).rate == pytest.approx(engine.rate, rel=0.1)
     assert noisy.link("allreduce").beta == pytest.approx(1e-9, rel=0.1)
+
+
+def test_calibrate_fits_latency_per_doubling_only_across_world_sizes() -> None:
+    """alpha_log2p is identifiable from two world sizes above 1, and fitted only then."""
+    truth = _truth()
+    truth = replace(
+        truth,
+        links={k: Link(v.alpha, v.beta, alpha_log2p=0.5 * v.alpha) for k, v in truth.links.items()},
+    )
+    samples = _synthetic(truth)
+    fit = calibrate(samples)
+    for kind, link in truth.links.items():
+        assert fit.link(kind).alpha == pytest.approx(link.alpha, rel=1e-6)
+        assert fit.link(kind).alpha_log2p == pytest.approx(link.alpha_log2p, rel=1e-6)
+        assert fit.link(kind).beta == pytest.approx(link.beta, rel=1e-6)
+    # Forced off, the growth is folded into alpha and the fit no longer reproduces P=4.
+    flat = calibrate(samples, log2p=False)
+    assert all(link.alpha_log2p == 0.0 for link in flat.links.values())
+    p4 = [s for s in samples if s.world_size == 4 and "allreduce" in s.work]
+    assert any(abs(flat.time(s.work, 4) - s.seconds) > 1e-3 * s.seconds for s in p4)
+    # One world size: alpha and alpha_log2p are indistinguishable, so it is not fitted.
+    only2 = calibrate([s for s in samples if s.world_size in (1, 2)])
+    assert all(link.alpha_log2p == 0.0 for link in only2.links.values())
 
 
 def test_calibrate_from_predicted_phase_samples_round_trips() -> None:

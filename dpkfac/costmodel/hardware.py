@@ -301,12 +301,16 @@ def calibrate(
     name: str = "calibrated",
     base: Hardware | None = None,
     relative: bool = True,
+    log2p: bool | None = None,
 ) -> Hardware:
     """Fit links and engines to measurements by non-negative least squares.
 
     Every kind seen in the samples gets two unknowns (seconds per call and
     seconds per byte or flop); samples may mix kinds (a measured phase that
     ran several collective kinds), since the model is linear in all of them.
+    Collective kinds get a third, ``alpha_log2p`` (start-up seconds per
+    doubling of the world size), when the samples span more than one world
+    size above 1: with a single one it cannot be told apart from ``alpha``.
 
     Args:
         samples: measurements.
@@ -317,6 +321,8 @@ def calibrate(
         relative: minimise relative rather than absolute residuals, so short
             phases weigh as much as long ones (the model should be within a
             fixed percentage of every phase).
+        log2p: fit ``alpha_log2p`` (None: when the collective samples span
+            several world sizes above 1).
 
     Returns:
         The fitted hardware model.
@@ -325,6 +331,9 @@ def calibrate(
     kinds = sorted({k for s in samples for k in s.work})
     if not kinds:
         raise ValueError("no samples with positive seconds")
+    if log2p is None:
+        sizes = {s.world_size for s in samples if set(s.work) & set(COLLECTIVE_KINDS)}
+        log2p = len(sizes - {1}) > 1
     rows, y = [], []
     for s in samples:
         weight = 1.0 / s.seconds if relative else 1.0
@@ -332,15 +341,18 @@ def calibrate(
         for k in kinds:
             calls, amount = s.work.get(k, (0.0, 0.0))
             row += [calls * weight, amount * weight]
+            if log2p and k in COLLECTIVE_KINDS:
+                row.append(calls * math.log2(max(s.world_size, 1)) * weight)
         rows.append(row)
         y.append(s.seconds * weight)
-    x = nnls(rows, y)
+    x = iter(nnls(rows, y))
     links = dict(base.links) if base else {}
     engines = dict(base.engines) if base else {}
-    for i, k in enumerate(kinds):
-        per_call, per_unit = x[2 * i], x[2 * i + 1]
+    for k in kinds:
+        per_call, per_unit = next(x), next(x)
         if k in COLLECTIVE_KINDS:
-            links[k] = Link(alpha=per_call, beta=per_unit)
+            per_doubling = next(x) if log2p else 0.0
+            links[k] = Link(alpha=per_call, beta=per_unit, alpha_log2p=per_doubling)
         else:
             engines[k] = Engine(
                 rate=math.inf if per_unit == 0 else 1.0 / per_unit, latency=per_call

@@ -123,13 +123,21 @@ class Prediction:
         """Wire bytes per step and rank, averaged over the intervals."""
         return self._average(lambda s: sum(c.wire_bytes for c in s.collectives))
 
-    def samples(self, timings: Sequence[Mapping[str, float]], steps: int = 1) -> list[Sample]:
+    def samples(
+        self,
+        timings: Sequence[Mapping[str, float]],
+        steps: int = 1,
+        comm_seconds: Mapping[str, float] | None = None,
+    ) -> list[Sample]:
         """Calibration samples pairing measured ``timings()`` of each rank with this work.
 
         Args:
             timings: ``pre.timings()`` of every rank, summed over ``steps``
                 update steps (factors and decompositions every step).
             steps: how many steps the timings cover.
+            comm_seconds: measured seconds per communication phase, when the
+                caller has a better figure than the smallest per-rank total
+                (the benchmark takes the minimum over ranks step by step).
 
         Compute phases give one sample per rank. A communication phase gives
         one sample with the *smallest* time over ranks: waiting on a
@@ -149,9 +157,12 @@ class Prediction:
                 work = step.work[r].get(phase)
                 if not work:
                     continue
-                seconds = (
-                    timings[r][phase] if phase in COMPUTE_PHASES else min(t[phase] for t in timings)
-                )
+                if phase in COMPUTE_PHASES:
+                    seconds = timings[r][phase]
+                elif comm_seconds is not None and phase in comm_seconds:
+                    seconds = comm_seconds[phase]
+                else:
+                    seconds = min(t[phase] for t in timings)
                 scaled = {k: (c * steps, a * steps) for k, (c, a) in work.items()}
                 out.append(Sample(scaled, seconds, self.world_size))
         return out

@@ -113,7 +113,9 @@ class SPDKFAC(DKFAC):
 
     def _launch(self, items: list[tuple[KFACLayer, str]]) -> None:
         tensors = [layer.pending(which).clone() for layer, which in items]
-        handle = self.comm.allreduce_mean(tensors, "factor_allreduce", triangle=True, async_op=True)
+        handle = self.comm.allreduce_mean(
+            tensors, "factor_allreduce", triangle=True, async_op=True, overlapped=True
+        )
         self._launched.update((layer.name, which) for layer, which in items)
         self._inflight.append((items, tensors, handle))
 

@@ -76,6 +76,24 @@ def _flatten(record: dict[str, Any]) -> dict[str, float]:
     return flat
 
 
+def least_wait(results: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Per communication phase, the median over update steps of the smallest wait over ranks.
+
+    Waiting on a collective includes waiting for ranks still computing; the
+    last rank to arrive waits only for the transfer. Which rank is last
+    changes from step to step, so the minimum is taken per step, before the
+    median: a median per rank first would keep other ranks' lateness in every
+    rank's figure.
+    """
+    steps = [j for j, rec in enumerate(results[0]["records"]) if rec["kind"] == "decomp"]
+    return {
+        phase: statistics.median(
+            min(r["records"][j]["phases"].get(phase, 0.0) for r in results) for j in steps
+        )
+        for phase in ("grad_comm", *COMM_PHASES)
+    }
+
+
 def aggregate(
     results: Sequence[dict[str, Any]], factor_every: int, inv_every: int
 ) -> dict[str, Any]:
@@ -143,5 +161,6 @@ def aggregate(
         }
         for r in results
     ]
+    row["least_wait"] = least_wait(results)
     row["loss_last"] = results[0]["records"][-1]["loss"]
     return row

@@ -129,6 +129,8 @@ class _Stepper:
             self.stats, self.timer = CommStats(), PhaseTimer(synchronize=device.type == "cuda")
             self.comm = Communicator(stats=self.stats, timer=self.timer)
             self.bucket_cap = int(spec["kfac"].get("bucket_cap_mb", 25.0) * 2**20)
+        comm = self.pre.comm if self.pre is not None else self.comm
+        comm.isolate = bool(spec.get("isolate_comm", False))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

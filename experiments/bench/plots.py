@@ -28,6 +28,7 @@ PART_LABELS = {
     "decomposition_comm": "decomposition comm",
     "precondition": "precondition",
     "precond_comm": "precond. grad comm",
+    "comm_sync": "barrier before comm",
     "step_other": "other in step()",
     "optimizer": "optimizer step",
 }

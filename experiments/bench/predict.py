@@ -20,16 +20,24 @@ Three uses, all through the cost model's public functions:
 Measured phase seconds are compared the way the cost model defines them:
 compute phases on the busiest rank, communication phases on the rank that
 waited least (the others also wait for slower ranks, which the model books
-to those ranks' compute).
+to those ranks' compute). The least wait is taken step by step
+(``least_wait`` of :func:`experiments.bench.aggregate.least_wait`), because
+which rank arrives last changes from step to step.
 
 **Shared cores.** The model gives every rank a device of its own. Here P
-single-threaded CPU ranks share C cores, so above P = C each rank runs at
-C/P of a core's speed, its gloo collectives included (they are CPU work:
-copies, reductions, the TCP stack): measured seconds are multiplied by
-``min(1, C/P)`` before fitting, and predictions for the measured rows use
-the fitted hardware ``scaled`` (compute and network) by the same factor.
-Predictions beyond the measured world sizes keep one core per rank (a
-cluster of such machines).
+single-threaded CPU ranks share C cores, so above P = C each rank computes
+at C/P of a core's speed: compute seconds of such rows are multiplied by
+``min(1, C/P)`` before fitting, and predictions for them use the fitted
+engines ``scaled`` by the same factor. Their collectives do not follow that
+rule: gloo's transfers slow down far less than C/P, while every all-reduce
+gains milliseconds of start-up (ranks wait to be scheduled at each step of
+the ring). So the links are fitted per regime: the one-core-per-rank model
+(the ``calibrated`` hardware, which every prediction beyond the measured
+world sizes uses, as for a cluster of such machines) takes its links from
+the rows with a core per rank only, and the rows of each oversubscribed
+world size get links fitted to their own communication phases
+(:func:`shared_core_links`). Without such rows (held-out predictions) the
+links are slowed by C/P like the engines.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -165,38 +173,104 @@ def core_share(row: Mapping[str, Any]) -> float:
     return min(1.0, cores / max(int(row["world_size"]), 1))
 
 
-def hardware_for(row: Mapping[str, Any], hardware: Any) -> Any:
-    """``hardware`` slowed to the core share the row's ranks had (see the module docstring)."""
+def hardware_for(row: Mapping[str, Any], hardware: Any, shared: Regimes | None = None) -> Any:
+    """``hardware`` as the row's ranks had it (see "Shared cores" in the module docstring).
+
+    Args:
+        row: a benchmark row.
+        hardware: the one-core-per-rank model.
+        shared: links (and overlap) per oversubscribed world size
+            (:func:`shared_core_links`, :func:`fit_overlap`).
+    """
     from dpkfac.costmodel import scaled
 
     share = core_share(row)
-    return hardware if share >= 1.0 else scaled(hardware, compute=share, network=share)
+    if share >= 1.0:
+        return hardware
+    regime = (shared or {}).get(int(row["world_size"]))
+    if regime is None:
+        return scaled(hardware, compute=share, network=share)
+    return replace(
+        scaled(hardware, compute=share),
+        links=dict(regime["links"]),
+        overlap=float(regime.get("overlap", hardware.overlap)),
+    )
 
 
 def measured_phases(row: Mapping[str, Any]) -> dict[str, float]:
     """Seconds per phase as the cost model defines them (see the module docstring)."""
     ranks = _json(row["rank_timings"])
     out = {p: max(r[p] for r in ranks) for p in COMPUTE}
-    out.update({p: min(r[p] for r in ranks) for p in COMM})
+    least = _json(row.get("least_wait"))
+    if isinstance(least, dict) and least:
+        out.update({p: float(least[p]) for p in COMM})
+    else:  # rows written before ``least_wait`` existed
+        out.update({p: min(r[p] for r in ranks) for p in COMM})
     return out
 
 
+def _row_samples(row: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
+    """Compute and communication calibration samples of a paper-setting row, as measured."""
+    from dpkfac.costmodel import PRESETS
+    from dpkfac.costmodel.hardware import COLLECTIVE_KINDS
+
+    pred = predict_row(row, PRESETS[BASE_PRESET])
+    timings = _json(row["rank_timings"])
+    compute, comm = [], []
+    for s in pred.samples(timings, steps=1, comm_seconds=measured_phases(row)):
+        (comm if set(s.work) & set(COLLECTIVE_KINDS) else compute).append(s)
+    return compute, comm
+
+
 def calibrate_rows(rows: Iterable[Mapping[str, Any]], name: str = "calibrated") -> Any:
-    """A ``Hardware`` fitted to the rows' phase timings (paper-setting rows only)."""
+    """The one-core-per-rank ``Hardware`` fitted to the rows' phase timings.
+
+    Engines come from every paper-setting row (compute seconds of rows whose
+    ranks shared cores scaled to a full core), links only from rows whose
+    ranks had a core each; kinds the rows do not cover keep the
+    ``cpu_gloo_local`` preset's values.
+    """
     from dpkfac.costmodel import PRESETS, Sample, calibrate
 
-    base = PRESETS[BASE_PRESET]
     samples = []
     for row in rows:
         if row.get("setting", "paper") != "paper":
             continue
         share = core_share(row)
-        pred = predict_row(row, base)
-        for s in pred.samples(_json(row["rank_timings"]), steps=1):
-            if share < 1.0:
-                s = Sample(s.work, s.seconds * share, s.world_size)
-            samples.append(s)
-    return calibrate(samples, name=name, base=base)
+        compute, comm = _row_samples(row)
+        samples += [Sample(s.work, s.seconds * share, s.world_size) for s in compute]
+        if share >= 1.0:
+            samples += comm
+    # No per-doubling latency: the rows span too few world sizes with a core
+    # per rank to tell it from the constant start-up.
+    return calibrate(samples, name=name, base=PRESETS[BASE_PRESET], log2p=False)
+
+
+def shared_core_links(rows: Iterable[Mapping[str, Any]], hardware: Any) -> dict[int, dict]:
+    """Links fitted to each oversubscribed world size's communication phases, as measured.
+
+    Kinds its rows do not cover fall back to ``hardware``'s links slowed by
+    the core share. Empty without rows whose ranks shared cores.
+
+    Returns:
+        World size -> ``{"links": ...}`` (:func:`fit_overlap` adds ``"overlap"``).
+    """
+    from dpkfac.costmodel import calibrate, scaled
+
+    by_size: dict[int, list[Any]] = {}
+    for row in rows:
+        if row.get("setting", "paper") != "paper" or core_share(row) >= 1.0:
+            continue
+        by_size.setdefault(int(row["world_size"]), []).append(row)
+    out = {}
+    for p, mine in by_size.items():
+        samples = [s for row in mine for s in _row_samples(row)[1]]
+        if not samples:
+            continue
+        base = scaled(hardware, network=core_share(mine[0]))
+        fit = calibrate(samples, name=f"shared cores, P={p}", base=base, log2p=False)
+        out[p] = {"links": fit.links}
+    return out
 
 
 def with_forward_backward(hardware: Any, rows: list[Mapping[str, Any]], shapes: Any) -> Any:
@@ -219,17 +293,17 @@ def with_forward_backward(hardware: Any, rows: list[Mapping[str, Any]], shapes: 
     return replace(hardware, engines=engines)
 
 
-def fit_overlap(
-    hardware: Any, rows: Iterable[Mapping[str, Any]], shapes: Any, weight_sharing: str
-) -> Any:
-    """``hardware`` with the ``overlap`` that best explains spd-kfac's measured factor wait.
+#: Oversubscribed world size -> ``{"links": ..., "overlap": ...}`` fitted to its own rows.
+Regimes = Mapping[int, Mapping[str, Any]]
 
-    The wait after the backward pass lies between the fully hidden prediction
-    (overlap 1: only the fusion schedule's tail) and the serial one (overlap
-    0: every transfer after the compute). Least squares in relative error over
-    the spd-kfac rows at P > 1 gives the fraction; without such rows the
-    hardware keeps its own.
-    """
+
+def _best_overlap(
+    rows: Iterable[Mapping[str, Any]],
+    hardware_at: Callable[[Mapping[str, Any], float], Any],
+    shapes: Any,
+    weight_sharing: str,
+) -> float | None:
+    """Least-squares overlap (relative error) over the spd-kfac rows; None without any."""
     num = den = 0.0
     for r in rows:
         if r["strategy"] != "spd-kfac" or int(r["world_size"]) == 1:
@@ -237,19 +311,59 @@ def fit_overlap(
         measured = measured_phases(r)["factor_comm"]
         if measured <= 0:
             continue
-        hw = hardware_for(r, hardware)
         serial, hidden = (
             predict_row(
-                r, replace(hw, overlap=o), shapes=shapes, weight_sharing=weight_sharing
+                r, hardware_at(r, o), shapes=shapes, weight_sharing=weight_sharing
             ).update.phases["factor_comm"]
             for o in (0.0, 1.0)
         )
         d, w = hidden - serial, 1.0 / measured**2
         num += w * d * (measured - serial)
         den += w * d * d
-    if den <= 0:
-        return hardware
-    return replace(hardware, overlap=min(1.0, max(0.0, num / den)))
+    return min(1.0, max(0.0, num / den)) if den > 0 else None
+
+
+def fit_overlap(
+    hardware: Any,
+    rows: Iterable[Mapping[str, Any]],
+    shapes: Any,
+    weight_sharing: str,
+    shared: Regimes | None = None,
+) -> tuple[Any, dict[int, Mapping[str, Any]]]:
+    """The ``overlap`` that best explains spd-kfac's measured factor wait, per regime.
+
+    The wait after the backward pass lies between the fully hidden prediction
+    (overlap 1: only the fusion schedule's tail) and the serial one (overlap
+    0: every transfer after the compute). Least squares in relative error over
+    the spd-kfac rows at P > 1 gives the fraction, separately for the rows
+    with a core per rank (``hardware.overlap``) and for each oversubscribed
+    world size (its regime's ``overlap``: there the transfers take turns with
+    compute on shared cores very differently). Without rows, a regime keeps
+    what it had.
+
+    Returns:
+        ``hardware`` with its overlap, and the regimes with theirs.
+    """
+    rows = list(rows)
+    own = _best_overlap(
+        [r for r in rows if core_share(r) >= 1.0],
+        lambda r, o: replace(hardware, overlap=o),
+        shapes,
+        weight_sharing,
+    )
+    hardware = hardware if own is None else replace(hardware, overlap=own)
+    regimes: dict[int, Mapping[str, Any]] = {}
+    for p, regime in (shared or {}).items():
+        best = _best_overlap(
+            [r for r in rows if int(r["world_size"]) == p],
+            lambda r, o, regime=regime, p=p: replace(
+                hardware_for(r, hardware, {p: regime}), overlap=o
+            ),
+            shapes,
+            weight_sharing,
+        )
+        regimes[p] = regime if best is None else {**regime, "overlap": best}
+    return hardware, regimes
 
 
 def _prediction_row(model: str, strategy: str, source: str, p: int, pred: Any) -> dict[str, Any]:
@@ -294,43 +408,41 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
         records.append(entry)
 
     calibrated = calibrate_rows(rows)
+    shared = shared_core_links(rows, calibrated)
     sizes = sorted({int(r["world_size"]) for r in rows})
-    held_out = {
-        p: calibrate_rows([r for r in rows if int(r["world_size"]) != p], f"without P={p}")
-        for p in sizes
-        if p > 1 and len({int(r["world_size"]) for r in rows} - {p}) > 0
-    }
+    held_out, held_shared = {}, {}
+    for p in sizes:
+        if p > 1 and len(set(sizes) - {p}) > 0:
+            others = [r for r in rows if int(r["world_size"]) != p]
+            held_out[p] = calibrate_rows(others, f"without P={p}")
+            held_shared[p] = shared_core_links(others, held_out[p])
     errors = []
     paper_hw = PRESETS[PAPER_PRESET]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         shapes, ws = row_shapes(mine[0])
         paper_shapes, paper_ws = row_shapes(mine[0], paper=True)
-        hw = fit_overlap(with_forward_backward(calibrated, mine, shapes), mine, shapes, ws)
+        hw, regimes = fit_overlap(
+            with_forward_backward(calibrated, mine, shapes), mine, shapes, ws, shared
+        )
         for r in mine:
             if int(r["world_size"]) == 1:
                 continue
-            fit_hw = hardware_for(r, hw)
+            fit_hw = hardware_for(r, hw, regimes)
             fit = predict_row(r, fit_hw, shapes=shapes, weight_sharing=ws).update.phases
-            hold_hw = held_out.get(int(r["world_size"]))
-            hold = (
-                predict_row(
-                    r,
-                    hardware_for(
-                        r,
-                        fit_overlap(
-                            with_forward_backward(hold_hw, mine, shapes),
-                            [x for x in mine if int(x["world_size"]) != int(r["world_size"])],
-                            shapes,
-                            ws,
-                        ),
-                    ),
-                    shapes=shapes,
-                    weight_sharing=ws,
+            p = int(r["world_size"])
+            hold = {}
+            if p in held_out:
+                hold_hw, hold_regimes = fit_overlap(
+                    with_forward_backward(held_out[p], mine, shapes),
+                    [x for x in mine if int(x["world_size"]) != p],
+                    shapes,
+                    ws,
+                    held_shared[p],
+                )
+                hold = predict_row(
+                    r, hardware_for(r, hold_hw, hold_regimes), shapes=shapes, weight_sharing=ws
                 ).update.phases
-                if hold_hw
-                else {}
-            )
             for phase, seconds in measured_phases(r).items():
                 if seconds <= 0 and fit.get(phase, 0.0) <= 0:
                     continue
@@ -359,7 +471,7 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
                 here = next((r for r in measured_here if int(r["world_size"]) == p), None)
                 if here is not None and core_share(here) < 1.0:
                     pred = predict_row(
-                        here, hardware_for(here, hw), shapes=shapes, weight_sharing=ws
+                        here, hardware_for(here, hw, regimes), shapes=shapes, weight_sharing=ws
                     )
                     records.append(
                         _prediction_row(model, strategy, "calibrated, shared cores", p, pred)
