@@ -16,7 +16,9 @@ Work (``kind -> (calls, amount)``, see :mod:`dpkfac.costmodel.hardware`) per pha
 * ``forward_backward``: ``6·N·T·a·g`` flops per K-FAC layer (forward 2,
   backward 4); the rest of the network (normalisation, attention scores) is
   not modelled;
-* communication phases: one call and its wire bytes per collective.
+* communication phases: one call and its wire bytes per collective, plus
+  "memory" bytes for rebuilding full factors from triangle-packed buffers
+  (spd-kfac), which happens when the collective is waited on.
 
 The iteration is a critical path through the step's synchronisation points
 (a collective completes when the slowest rank has joined it): the busiest
@@ -209,7 +211,10 @@ def step_prediction(
     """Work, seconds and critical path of one step that sends ``colls``."""
     comm_work: dict[str, Work] = {}
     for c in colls:
-        add_work(comm_work.setdefault(PHASE_OF_CATEGORY[c.category], {}), c.kind, 1, c.wire_bytes)
+        phase = comm_work.setdefault(PHASE_OF_CATEGORY[c.category], {})
+        add_work(phase, c.kind, 1, c.wire_bytes)
+        if c.unpack_bytes:
+            add_work(phase, "memory", 0, c.unpack_bytes)
     work, seconds = [], []
     for r in range(p):
         w = {k: dict(v) for k, v in comm_work.items()}
@@ -237,8 +242,10 @@ def step_prediction(
             start = max(finish, max(ready[k] for k in bucket))
             finish = start + link.time(1, c.wire_bytes, p)
         hidden = hw.overlap * max(0.0, finish - backward_end)
+        # Unpacking happens in step(), after the backward pass: never hidden.
+        unpack = hw.time({"memory": comm_work["factor_comm"].get("memory", (0.0, 0.0))}, p)
         for t in seconds:
-            t["factor_comm"] = hidden + (1.0 - hw.overlap) * t["factor_comm"]
+            t["factor_comm"] = hidden + (1.0 - hw.overlap) * (t["factor_comm"] - unpack) + unpack
 
     def critical(phases: Sequence[str]) -> dict[str, float]:
         r = max(range(p), key=lambda r: sum(seconds[r][ph] for ph in phases))

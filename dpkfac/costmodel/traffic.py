@@ -46,12 +46,18 @@ Key = tuple[str, str]
 
 @dataclass(frozen=True)
 class Collective:
-    """One buffer handed to torch.distributed."""
+    """One buffer handed to torch.distributed.
+
+    ``unpack_bytes``: bytes of full matrices rebuilt from a triangle-packed
+    buffer once it arrives (a gather as large as the matrices, timed in the
+    collective's phase; plain buffers are copied back at negligible cost).
+    """
 
     category: str
     kind: str
     nbytes: int
     world_size: int
+    unpack_bytes: int = 0
 
     @property
     def wire_bytes(self) -> int:
@@ -191,6 +197,7 @@ def factor_collectives(
             "allreduce",
             sum(triangle_numel(factor_dim(model, k)) for k in bucket) * itemsize,
             world_size,
+            unpack_bytes=sum(factor_dim(model, k) ** 2 for k in bucket) * itemsize,
         )
         for bucket in buckets
         if bucket
