@@ -254,6 +254,56 @@ def test_scaling_predicts_to_256_and_reports_errors(tmp_path: Path) -> None:
     assert "median |error| %" in paths["md"].read_text()
 
 
+def test_calibration_separates_one_core_and_shared_core_regimes() -> None:
+    """Rows the model itself generates give back both regimes' links and overlaps."""
+    from dataclasses import replace
+
+    from dpkfac.costmodel import PRESETS, Link, scaled
+    from experiments.bench import predict as bp
+
+    one_core = replace(
+        scaled(PRESETS["cpu_gloo_local"], network=0.5),
+        overlap=0.2,
+    )
+    shared_links = {
+        "allreduce": Link(alpha=5e-3, beta=9e-10),
+        "broadcast": Link(alpha=1e-4, beta=8e-10),
+        "reduce": Link(alpha=2e-4, beta=1e-9),
+    }
+    from dpkfac.costmodel.traffic import factor_keys
+
+    # Every factor in a bucket of its own, so part of spd-kfac's traffic can hide.
+    keys = factor_keys(bp.row_shapes(fake_row("spd-kfac"))[0])
+    plan = json.dumps([[list(k)] for k in keys])
+    rows = []
+    for p in (2, 4):  # two cores: P=4 ranks share them
+        hw = one_core if p == 2 else replace(scaled(one_core, compute=0.5), links=shared_links)
+        hw = replace(hw, overlap=0.2 if p == 2 else 0.7)
+        for strategy in ("sgd", "dp-kfac", "d-kfac", "spd-kfac"):
+            row = fake_row(strategy, p, cpus=2, device="cpu", fusion_plan=plan)
+            ranks = bp.predict_row(row, hw).update.phases_per_rank
+            row["rank_timings"] = json.dumps(ranks)
+            row["least_wait"] = json.dumps({ph: min(r[ph] for r in ranks) for ph in bp.COMM})
+            rows.append(row)
+    cal = bp.calibrate_rows(rows)
+    shared = bp.shared_core_links(rows, cal)
+    assert set(shared) == {4}
+    for kind in ("allreduce", "broadcast"):
+        assert cal.link(kind).alpha == pytest.approx(one_core.link(kind).alpha, rel=1e-3)
+        assert cal.link(kind).beta == pytest.approx(one_core.link(kind).beta, rel=1e-3)
+        fitted = shared[4]["links"][kind]
+        assert fitted.alpha == pytest.approx(shared_links[kind].alpha, rel=1e-3)
+        assert fitted.beta == pytest.approx(shared_links[kind].beta, rel=1e-3)
+    shapes, ws = bp.row_shapes(rows[0])
+    hw, regimes = bp.fit_overlap(cal, rows, shapes, ws, shared)
+    assert hw.overlap == pytest.approx(0.2, abs=0.01)
+    assert regimes[4]["overlap"] == pytest.approx(0.7, abs=0.01)
+    for row in rows:
+        predicted = bp.predict_row(row, bp.hardware_for(row, hw, regimes)).update.phases
+        for phase, seconds in bp.measured_phases(row).items():
+            assert predicted[phase] == pytest.approx(seconds, rel=0.01, abs=1e-9), phase
+
+
 def test_convergence_table_and_smoke_status(tmp_path: Path) -> None:
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "smoke_junit.xml").write_text(

@@ -354,6 +354,30 @@ def _synthetic(hw: Hardware, noise: float = 0.0) -> list[Sample]:
     ]
 
 
+def test_spd_kfac_triangle_unpacking_is_timed_and_never_hidden() -> None:
+    """Rebuilding full factors from packed triangles costs Σd² bytes of memory traffic."""
+    from dpkfac.costmodel.traffic import factor_dim, factor_keys
+
+    shapes = resnet50(batch_size=8, image_size=64)
+    rate = 2e9
+    hw = replace(HW, engines={**HW.engines, "memory": Engine(rate=rate)})
+    unpack = sum(factor_dim(shapes, k) ** 2 for k in factor_keys(shapes)) * 4
+    phases = {}
+    for overlap in (0.0, 1.0):
+        pred = predict(
+            shapes, strategy="spd-kfac", world_size=4, hardware=replace(hw, overlap=overlap)
+        )
+        colls = [c for c in pred.update.collectives if c.category == "factor_allreduce"]
+        assert sum(c.unpack_bytes for c in colls) == unpack
+        phases[overlap] = pred.update.phases["factor_comm"]
+        transfer = sum(hw.link("allreduce").time(1, c.wire_bytes, 4) for c in colls)
+    assert phases[0.0] == pytest.approx(transfer + unpack / rate, rel=1e-9)
+    assert unpack / rate <= phases[1.0] < phases[0.0]
+    # d-kfac sends full factors: nothing to unpack.
+    d = predict(shapes, strategy="d-kfac", world_size=4, hardware=hw).update.collectives
+    assert all(c.unpack_bytes == 0 for c in d)
+
+
 def test_calibrate_recovers_known_parameters() -> None:
     truth = _truth()
     fit = calibrate(_synthetic(truth))

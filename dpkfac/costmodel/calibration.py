@@ -161,7 +161,8 @@ def _factor_samples(gen: torch.Generator, repeats: int) -> list[Sample]:
 
 
 def measure_compute(threads: int = 1, repeats: int = 5) -> list[Sample]:
-    """Time the package's factor, decomposition and preconditioning kernels."""
+    """Time the package's factor, decomposition, unpacking and preconditioning kernels."""
+    from dpkfac.comm import pack_triangle, unpack_triangle
     from dpkfac.curvature import EigenDecomposition, InverseDecomposition, precondition
 
     before = torch.get_num_threads()
@@ -183,6 +184,10 @@ def measure_compute(threads: int = 1, repeats: int = 5) -> list[Sample]:
                 repeats,
             )
             out.append(Sample.compute("inverse", 2.0 * d**3, t))
+        for d in (65, 145, 289, 577, 1025):
+            packed = pack_triangle(torch.randn(d, d, generator=gen))
+            t = _median_time(lambda p=packed, d=d: unpack_triangle(p, d), repeats)
+            out.append(Sample.compute("unpack", 4.0 * d * d, t))
         for g, a in ((16, 64), (64, 128), (128, 256), (256, 512), (512, 1024)):
             qa = EigenDecomposition(
                 torch.linalg.qr(torch.randn(a, a, generator=gen))[0], torch.rand(a)

@@ -15,7 +15,9 @@ Time is predicted from *work*, a mapping ``kind -> (calls, amount)``:
   ``"precondition"``, ``"forward_backward"``, falling back to ``"matmul"``)
   costs ``calls * latency + amount / rate`` with ``amount`` in flops;
   ``"memory"`` is memory-bound traffic (``amount`` in bytes, ``rate`` in
-  bytes/s, free when not given).
+  bytes/s, free when not given); ``"unpack"`` is the gather that rebuilds
+  full factors from triangle-packed buffers (bytes written; falls back to
+  ``"memory"``).
 
 Both forms are linear in their parameters, so :func:`calibrate` fits them to
 measured ``(work, seconds)`` samples by non-negative least squares.
@@ -51,6 +53,7 @@ COMPUTE_KINDS = (
     "matmul",
     "factor",
     "memory",
+    "unpack",
     "eigh",
     "inverse",
     "precondition",
@@ -159,7 +162,12 @@ class Hardware:
         raise AssertionError("unreachable: allreduce is required")
 
     def engine(self, kind: str) -> Engine:
-        """The model of compute ``kind`` (falling back to "matmul"; "memory" to free)."""
+        """The model of compute ``kind``.
+
+        Falls back to "matmul"; "unpack" to "memory", and "memory" to free.
+        """
+        if kind == "unpack" and kind not in self.engines:
+            kind = "memory"
         if kind == "memory":
             return self.engines.get(kind, Engine(math.inf))
         return self.engines.get(kind, self.engines["matmul"])

@@ -17,7 +17,7 @@ Work (``kind -> (calls, amount)``, see :mod:`dpkfac.costmodel.hardware`) per pha
   backward 4); the rest of the network (normalisation, attention scores) is
   not modelled;
 * communication phases: one call and its wire bytes per collective, plus
-  "memory" bytes for rebuilding full factors from triangle-packed buffers
+  "unpack" bytes for rebuilding full factors from triangle-packed buffers
   (spd-kfac), which happens when the collective is waited on.
 
 The iteration is a critical path through the step's synchronisation points
@@ -214,7 +214,7 @@ def step_prediction(
         phase = comm_work.setdefault(PHASE_OF_CATEGORY[c.category], {})
         add_work(phase, c.kind, 1, c.wire_bytes)
         if c.unpack_bytes:
-            add_work(phase, "memory", 0, c.unpack_bytes)
+            add_work(phase, "unpack", 0, c.unpack_bytes)
     work, seconds = [], []
     for r in range(p):
         w = {k: dict(v) for k, v in comm_work.items()}
@@ -243,7 +243,7 @@ def step_prediction(
             finish = start + link.time(1, c.wire_bytes, p)
         hidden = hw.overlap * max(0.0, finish - backward_end)
         # Unpacking happens in step(), after the backward pass: never hidden.
-        unpack = hw.time({"memory": comm_work["factor_comm"].get("memory", (0.0, 0.0))}, p)
+        unpack = hw.time({"unpack": comm_work["factor_comm"].get("unpack", (0.0, 0.0))}, p)
         for t in seconds:
             t["factor_comm"] = hidden + (1.0 - hw.overlap) * (t["factor_comm"] - unpack) + unpack
 

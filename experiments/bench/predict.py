@@ -491,12 +491,16 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
         "Sources: `measured` here (2 CPU cores, gloo; P=4 oversubscribes the cores);",
         "`calibrated`: dpkfac.costmodel fitted to these rows' phase timings (base preset "
         f"`{BASE_PRESET}`, forward/backward rate rescaled per model), same shapes as measured, "
-        "one core per rank; `calibrated, shared cores`: the same at the measured P where "
-        "ranks outnumber cores (compute and collectives slowed by cores/P);",
+        "one core per rank (links and overlap from the rows with a core per rank); "
+        "`calibrated, shared cores`: at the measured P where ranks outnumber cores, compute "
+        "slowed by cores/P, links and overlap fitted to that P's communication phases;",
         f"`{PAPER_PRESET}, paper size`: the preset for the papers' 64-GPU V100 cluster with "
         "each model's paper-size shapes (`paper:` in conf/bench/model).",
-        "Errors: `error_%` in-sample; `held_out_error_%` calibrated without that P's rows; "
-        "both with the shared-core slowdown where P exceeds the cores.",
+        "Errors: `error_%` in-sample; `held_out_error_%` calibrated without that P's rows "
+        "(links from the other rows with a core per rank, else the base preset's "
+        "micro-benchmarks; where ranks share cores, those links slowed by cores/P). "
+        "Communication is measured with `isolate_comm` (a barrier before each "
+        "phase's collectives), least wait over ranks per step.",
     ]
     return pd.DataFrame(records), pd.DataFrame(errors), notes
 
