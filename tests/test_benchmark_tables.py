@@ -295,8 +295,9 @@ def test_calibration_separates_one_core_and_shared_core_regimes() -> None:
         assert fitted.alpha == pytest.approx(shared_links[kind].alpha, rel=1e-3)
         assert fitted.beta == pytest.approx(shared_links[kind].beta, rel=1e-3)
     shapes, ws = bp.row_shapes(rows[0])
-    hw, regimes = bp.fit_overlap(cal, rows, shapes, ws, shared)
-    assert hw.overlap == pytest.approx(0.2, abs=0.01)
+    overlap, regimes = bp.fit_overlap([(cal, rows, shapes, ws)], shared)
+    assert overlap == pytest.approx(0.2, abs=0.01)
+    hw = replace(cal, overlap=overlap)
     assert regimes[4]["overlap"] == pytest.approx(0.7, abs=0.01)
     for row in rows:
         predicted = bp.predict_row(row, bp.hardware_for(row, hw, regimes)).update.phases

@@ -134,8 +134,8 @@ class Hardware:
         overlap: fraction of a collective launched during the forward/backward
             pass that runs concurrently with it (spd-kfac's pipelined factor
             all-reduces). 1 on GPUs, whose copy engines and NCCL kernels run
-            beside compute; about 0 on a CPU whose cores the compute already
-            fills, where gloo's transfer thread only takes turns with it.
+            beside compute; about 0.9 for gloo on CPU ranks with a core each
+            (fitted), where the transfer thread takes turns with the compute.
     """
 
     name: str

@@ -189,12 +189,18 @@ def hardware_for(row: Mapping[str, Any], hardware: Any, shared: Regimes | None =
         return hardware
     regime = (shared or {}).get(int(row["world_size"]))
     if regime is None:
-        return scaled(hardware, compute=share, network=share)
-    return replace(
-        scaled(hardware, compute=share),
-        links=dict(regime["links"]),
-        overlap=float(regime.get("overlap", hardware.overlap)),
-    )
+        out = scaled(hardware, compute=share, network=share)
+    else:
+        out = replace(
+            scaled(hardware, compute=share),
+            links=dict(regime["links"]),
+            overlap=float(regime.get("overlap", hardware.overlap)),
+        )
+    # spd-kfac's unpacking runs in step() as each pipelined all-reduce is
+    # waited on: the ranks that finished the backward pass early unpack while
+    # the last one still computes, so the rank that waits least (the last)
+    # unpacks alone, on a core of its own.
+    return replace(out, engines={**out.engines, "unpack": hardware.engine("unpack")})
 
 
 def measured_phases(row: Mapping[str, Any]) -> dict[str, float]:
@@ -295,75 +301,88 @@ def with_forward_backward(hardware: Any, rows: list[Mapping[str, Any]], shapes: 
 
 #: Oversubscribed world size -> ``{"links": ..., "overlap": ...}`` fitted to its own rows.
 Regimes = Mapping[int, Mapping[str, Any]]
+#: Per model: its hardware (forward/backward rate of its own), rows, shapes, weight sharing.
+ModelFit = tuple[Any, list[Mapping[str, Any]], Any, str]
 
 
 def _best_overlap(
-    rows: Iterable[Mapping[str, Any]],
-    hardware_at: Callable[[Mapping[str, Any], float], Any],
-    shapes: Any,
-    weight_sharing: str,
+    models: Iterable[ModelFit],
+    keep: Callable[[Mapping[str, Any]], bool],
+    hardware_at: Callable[[Mapping[str, Any], Any, float], Any],
 ) -> float | None:
-    """Least-squares overlap (relative error) over the spd-kfac rows; None without any."""
+    """Least-squares overlap (relative error) over the kept spd-kfac rows; None without any."""
     num = den = 0.0
-    for r in rows:
-        if r["strategy"] != "spd-kfac" or int(r["world_size"]) == 1:
-            continue
-        measured = measured_phases(r)["factor_comm"]
-        if measured <= 0:
-            continue
-        serial, hidden = (
-            predict_row(
-                r, hardware_at(r, o), shapes=shapes, weight_sharing=weight_sharing
-            ).update.phases["factor_comm"]
-            for o in (0.0, 1.0)
-        )
-        d, w = hidden - serial, 1.0 / measured**2
-        num += w * d * (measured - serial)
-        den += w * d * d
+    for hardware, rows, shapes, weight_sharing in models:
+        for r in rows:
+            if r["strategy"] != "spd-kfac" or int(r["world_size"]) == 1 or not keep(r):
+                continue
+            measured = measured_phases(r)["factor_comm"]
+            if measured <= 0:
+                continue
+            serial, hidden = (
+                predict_row(
+                    r, hardware_at(r, hardware, o), shapes=shapes, weight_sharing=weight_sharing
+                ).update.phases["factor_comm"]
+                for o in (0.0, 1.0)
+            )
+            d, w = hidden - serial, 1.0 / measured**2
+            num += w * d * (measured - serial)
+            den += w * d * d
     return min(1.0, max(0.0, num / den)) if den > 0 else None
 
 
 def fit_overlap(
-    hardware: Any,
-    rows: Iterable[Mapping[str, Any]],
-    shapes: Any,
-    weight_sharing: str,
-    shared: Regimes | None = None,
-) -> tuple[Any, dict[int, Mapping[str, Any]]]:
+    models: Iterable[ModelFit], shared: Regimes | None = None
+) -> tuple[float | None, dict[int, Mapping[str, Any]]]:
     """The ``overlap`` that best explains spd-kfac's measured factor wait, per regime.
 
     The wait after the backward pass lies between the fully hidden prediction
-    (overlap 1: only the fusion schedule's tail) and the serial one (overlap
-    0: every transfer after the compute). Least squares in relative error over
-    the spd-kfac rows at P > 1 gives the fraction, separately for the rows
-    with a core per rank (``hardware.overlap``) and for each oversubscribed
-    world size (its regime's ``overlap``: there the transfers take turns with
-    compute on shared cores very differently). Without rows, a regime keeps
-    what it had.
+    (overlap 1: only the fusion schedule's tail, then unpacking) and the
+    serial one (overlap 0: every transfer after the compute). Least squares
+    in relative error over the spd-kfac rows at P > 1 of every model gives
+    the fraction, separately for the rows with a core per rank and for each
+    oversubscribed world size (there the transfers take turns with compute on
+    shared cores very differently). It is a property of the machine, so one
+    value serves every model.
 
     Returns:
-        ``hardware`` with its overlap, and the regimes with theirs.
+        The overlap for one core per rank (None without such rows: keep the
+        hardware's), and the regimes with theirs.
     """
-    rows = list(rows)
+    models = list(models)
     own = _best_overlap(
-        [r for r in rows if core_share(r) >= 1.0],
-        lambda r, o: replace(hardware, overlap=o),
-        shapes,
-        weight_sharing,
+        models, lambda r: core_share(r) >= 1.0, lambda r, hw, o: replace(hw, overlap=o)
     )
-    hardware = hardware if own is None else replace(hardware, overlap=own)
     regimes: dict[int, Mapping[str, Any]] = {}
     for p, regime in (shared or {}).items():
         best = _best_overlap(
-            [r for r in rows if int(r["world_size"]) == p],
-            lambda r, o, regime=regime, p=p: replace(
-                hardware_for(r, hardware, {p: regime}), overlap=o
+            models,
+            lambda r, p=p: int(r["world_size"]) == p,
+            lambda r, hw, o, regime=regime, p=p: replace(
+                hardware_for(r, hw if own is None else replace(hw, overlap=own), {p: regime}),
+                overlap=o,
             ),
-            shapes,
-            weight_sharing,
         )
         regimes[p] = regime if best is None else {**regime, "overlap": best}
-    return hardware, regimes
+    return own, regimes
+
+
+def _fitted(
+    calibrated: Any, rows: list[Mapping[str, Any]], shared: Regimes
+) -> tuple[dict[str, ModelFit], dict[int, Mapping[str, Any]]]:
+    """Per model, the calibrated hardware with its forward/backward rate and the fitted overlap."""
+    models: dict[str, ModelFit] = {}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        shapes, ws = row_shapes(mine[0])
+        models[model] = (with_forward_backward(calibrated, mine, shapes), mine, shapes, ws)
+    overlap, regimes = fit_overlap(models.values(), shared)
+    if overlap is not None:
+        models = {
+            m: (replace(hw, overlap=overlap), mine, shapes, ws)
+            for m, (hw, mine, shapes, ws) in models.items()
+        }
+    return models, regimes
 
 
 def _prediction_row(model: str, strategy: str, source: str, p: int, pred: Any) -> dict[str, Any]:
@@ -418,13 +437,13 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
             held_shared[p] = shared_core_links(others, held_out[p])
     errors = []
     paper_hw = PRESETS[PAPER_PRESET]
-    for model in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == model]
-        shapes, ws = row_shapes(mine[0])
+    fitted, regimes = _fitted(calibrated, rows, shared)
+    held = {
+        p: _fitted(held_out[p], [r for r in rows if int(r["world_size"]) != p], held_shared[p])
+        for p in held_out
+    }
+    for model, (hw, mine, shapes, ws) in fitted.items():
         paper_shapes, paper_ws = row_shapes(mine[0], paper=True)
-        hw, regimes = fit_overlap(
-            with_forward_backward(calibrated, mine, shapes), mine, shapes, ws, shared
-        )
         for r in mine:
             if int(r["world_size"]) == 1:
                 continue
@@ -432,16 +451,10 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
             fit = predict_row(r, fit_hw, shapes=shapes, weight_sharing=ws).update.phases
             p = int(r["world_size"])
             hold = {}
-            if p in held_out:
-                hold_hw, hold_regimes = fit_overlap(
-                    with_forward_backward(held_out[p], mine, shapes),
-                    [x for x in mine if int(x["world_size"]) != p],
-                    shapes,
-                    ws,
-                    held_shared[p],
-                )
+            if p in held and model in held[p][0]:
+                hold_hw = held[p][0][model][0]
                 hold = predict_row(
-                    r, hardware_for(r, hold_hw, hold_regimes), shapes=shapes, weight_sharing=ws
+                    r, hardware_for(r, hold_hw, held[p][1]), shapes=shapes, weight_sharing=ws
                 ).update.phases
             for phase, seconds in measured_phases(r).items():
                 if seconds <= 0 and fit.get(phase, 0.0) <= 0:
