@@ -184,6 +184,8 @@ def _costs(r: dict[str, Any]) -> dict[str, float]:
         "MB": r["bytes_second_order"] / 1e6,
         "wire_MB": r["wire_second_order"] / 1e6,
         "memory": r["mem_kfac"] / MiB,
+        # Barrier wait for slower ranks before collectives (isolate_comm runs only).
+        "imbalance_ms": 1e3 * float(r.get("comm_sync_s", 0.0) or 0.0),
     }
 
 
@@ -200,7 +202,9 @@ def write_second_order_update(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         "Ratios > 1 mean DP-KFAC is cheaper. `best` is the cheaper of d-kfac and spd-kfac.",
         "computation = factor compute + decomposition + preconditioning (busiest rank);",
         "communication = factor, decomposition and preconditioned-gradient collectives",
-        "(seconds waited and MB per rank); memory = K-FAC state of the busiest rank.",
+        "(seconds and MB per rank; with `isolate_comm` the ranks meet at a barrier first, so",
+        "the seconds are transfers and the wait for slower ranks is `imbalance_ms`);",
+        "memory = K-FAC state of the busiest rank.",
         "",
         to_markdown(show),
         "",
