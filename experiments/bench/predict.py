@@ -501,7 +501,7 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
                         _prediction_row(model, strategy, f"{PAPER_PRESET}, paper size", p, pred)
                     )
     notes = [
-        "Sources: `measured` here (2 CPU cores, gloo; P=4 oversubscribes the cores);",
+        f"Sources: `measured` here ({_machine(rows)});",
         "`calibrated`: dpkfac.costmodel fitted to these rows' phase timings (base preset "
         f"`{BASE_PRESET}`, forward/backward rate rescaled per model), same shapes as measured, "
         "one core per rank (links and overlap from the rows with a core per rank); "
@@ -516,6 +516,20 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
         "phase's collectives), least wait over ranks per step.",
     ]
     return pd.DataFrame(records), pd.DataFrame(errors), notes
+
+
+def _machine(rows: list[Mapping[str, Any]]) -> str:
+    """Where the rows ran, e.g. "2 CPU cores, gloo; P=4 oversubscribes the cores"."""
+    devices = {str(r.get("device", "cpu")).split(":")[0] for r in rows}
+    if devices != {"cpu"}:
+        return ", ".join(sorted(devices))
+    cores = int(rows[0].get("cpus") or os.cpu_count() or 1)
+    over = sorted({int(r["world_size"]) for r in rows if core_share(r) < 1.0})
+    text = f"{cores} CPU cores, gloo"
+    if over:
+        text += f"; P={', '.join(map(str, over))} oversubscribe{'s' if len(over) == 1 else ''}"
+        text += " the cores"
+    return text
 
 
 def _err(predicted: float, measured: float) -> float:
