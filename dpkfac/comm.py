@@ -186,8 +186,10 @@ class Communicator:
     ) -> None:
         kind = "allreduce" if fn is dist.all_reduce else "rooted"
         self.record(handle.category, kind, flat.numel() * flat.element_size())
-        if not handle.overlapped:
-            if self.isolate and not self._in_flight:
+        # In-flight handles are tracked only when isolating: nothing extra per
+        # collective in training runs.
+        if self.isolate and not handle.overlapped:
+            if not self._in_flight:
                 self._barrier()
             self._in_flight.add(id(handle))
         handle.works.append(fn(flat, group=self.group, async_op=True, **kwargs))

@@ -91,6 +91,9 @@ def row_shapes(row: Mapping[str, Any], *, paper: bool = False) -> tuple[Any, str
                     bench.weight_sharing,
                 )
         except (NotImplementedError, RuntimeError, TypeError, ValueError):
+            # A builder that computes on real data while constructing (meta
+            # tensors hold none) fails here; it is built on the CPU instead.
+            # The bundled builders all build on meta.
             if device == "cpu":
                 raise
     raise AssertionError("unreachable")
