@@ -25,10 +25,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "ASSIGNMENTS",
     "COSTS",
     "EIGH_COEFF",
     "INVERSE_COEFF",
     "LayerShape",
+    "Placement",
     "assign_factors",
     "assign_layers",
     "compute_cost",
@@ -123,6 +125,48 @@ class LayerShape:
 CostFn = Callable[[LayerShape], float]
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Who does what for every K-FAC layer, in module order.
+
+    The strategies compute it (``Strategy.placement``) and write it into
+    their layers; the cost model calls the very same function, so training
+    and prediction can never disagree on it.
+
+    Attributes:
+        owner: per layer, the rank that preconditions it where one rank does
+            (dp-kfac), else the rank that decomposes its A factor (its G
+            factor when A is decomposed everywhere), or -1 when every rank
+            decomposes both.
+        a_owner: per layer, the rank that decomposes A, or None when every
+            rank decomposes it itself.
+        g_owner: the same for G.
+    """
+
+    owner: tuple[int, ...]
+    a_owner: tuple[int | None, ...]
+    g_owner: tuple[int | None, ...]
+
+    def factor_owner(self, index: int, which: str) -> int | None:
+        """The rank that decomposes factor ``which`` ("A"/"G") of layer ``index``."""
+        return self.a_owner[index] if which == "A" else self.g_owner[index]
+
+    @classmethod
+    def per_layer(cls, owners: Sequence[int]) -> Placement:
+        """One rank does everything for each layer (dp-kfac)."""
+        owned = tuple(owners)
+        return cls(owned, owned, owned)
+
+    @classmethod
+    def per_factor(cls, owners: Sequence[int | None]) -> Placement:
+        """Decomposers of ``[A_0, G_0, A_1, G_1, ...]``; ``owner`` follows from them."""
+        a, g = tuple(owners[0::2]), tuple(owners[1::2])
+        first = tuple(
+            next((o for o in pair if o is not None), -1) for pair in zip(a, g, strict=True)
+        )
+        return cls(first, a, g)
+
+
 def factor_decomposition_cost(dim: int, coeff: float = EIGH_COEFF) -> float:
     """Cost of decomposing one ``dim x dim`` factor: ``coeff * dim**3``.
 
@@ -169,6 +213,10 @@ COSTS: dict[str, CostFn] = {
     "compute_inverse": compute_cost_inverse,
     "memory": memory_cost,
 }
+
+
+#: The layer assignments :func:`assign_layers` knows.
+ASSIGNMENTS = ("lpt", "round_robin", "best")
 
 
 def _check_world_size(world_size: int) -> None:
@@ -247,8 +295,8 @@ def assign_layers(
     """
     if method == "round_robin":
         return round_robin_assign(len(shapes), world_size)
-    if method not in ("lpt", "best"):
-        raise ValueError(f"method must be 'lpt', 'round_robin' or 'best', got {method!r}")
+    if method not in ASSIGNMENTS:
+        raise ValueError(f"unknown assignment {method!r}; expected one of {list(ASSIGNMENTS)}")
     fn = _resolve_cost(cost)
     costs = [fn(s) for s in shapes]
     lpt = lpt_assign(costs, world_size)

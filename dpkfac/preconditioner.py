@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -34,48 +34,27 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dpkfac.comm import Communicator
 from dpkfac.curvature import COMPUTE_METHODS, KFACLayer, helper_for
-from dpkfac.curvature.factors import WEIGHT_SHARING
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.curvature.state import layer_state, load_layer_state
+from dpkfac.options import KFACOptions, Scalar, Schedule, check_positive, value_at
 from dpkfac.stats import CommStats, PhaseTimer
-from dpkfac.strategies import STRATEGIES, Preconditioned, Strategy
+from dpkfac.strategies import (
+    Preconditioned,
+    Strategy,
+    canonical_name,
+    strategy_class,
+    strategy_options,
+)
 from dpkfac.strategies.base import layer_shape
-
-Schedule = int | Callable[[int], int]
-Scalar = float | Callable[[int], float]
-
-
-def _value(x: Any, step: int) -> Any:
-    return x(step) if callable(x) else x
-
-
-def _check_positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
-    if callable(value):
-        return
-    ok = (
-        isinstance(value, (int, float))
-        and math.isfinite(value)
-        and (value >= 0 if allow_zero else value > 0)
-    )
-    if not ok:
-        raise ValueError(
-            f"{name} must be a positive number or a callable of the step, got {value!r}"
-        )
-
-
-def _check_steps(name: str, value: Any) -> None:
-    if callable(value):
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1 or a callable of the step, got {value!r}")
 
 
 class KFACPreconditioner:
-    """Distributed K-FAC gradient preconditioner (see ``shared/design.md``).
+    """Distributed K-FAC gradient preconditioner (see ``docs/design.md``).
 
     Args:
         model: the model, possibly wrapped in ``DistributedDataParallel``.
-        strategy: "dp-kfac", "d-kfac" or "spd-kfac".
+        strategy: "dp_kfac", "d_kfac" or "spd_kfac" (the hyphenated
+            spellings are accepted too).
         compute_method: "eigen" (exact damped Kronecker inverse) or "inverse"
             (damping split as √γ on each factor).
         damping: γ, a float or a callable of the step.
@@ -95,9 +74,14 @@ class KFACPreconditioner:
             factors by their mean eigenvalues (π-damping) instead of √γ each.
         bucket_cap_mb: size cap of fused gradient/factor buckets.
         collective_timeout: seconds before a collective is declared hung.
-        **strategy_options: strategy-specific options, e.g. ``grad_reduction``
-            and ``assignment`` for dp-kfac, ``local_threshold`` and ``fusion``
-            for spd-kfac. Unknown options raise ValueError.
+        **strategy_options: the strategy's own options (its ``Options``
+            dataclass, e.g. :class:`~dpkfac.strategies.DPKFACOptions`).
+            Unknown options raise ValueError.
+
+    Attributes:
+        options: the common options, a :class:`~dpkfac.options.KFACOptions`.
+        strategy: the strategy object; ``strategy.options`` holds its own options.
+        strategy_name: the strategy's registered name.
     """
 
     def __init__(
@@ -120,70 +104,33 @@ class KFACPreconditioner:
         pi_damping: bool = False,
         bucket_cap_mb: float = 25.0,
         collective_timeout: float = 300.0,
-        **strategy_options: Any,
+        **strategy_options_kwargs: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; expected one of {sorted(STRATEGIES)}")
-        if compute_method not in COMPUTE_METHODS:
-            raise ValueError(
-                f"unknown compute_method {compute_method!r}; "
-                f"expected one of {sorted(COMPUTE_METHODS)}"
-            )
-        if weight_sharing not in WEIGHT_SHARING:
-            raise ValueError(
-                f"unknown weight_sharing {weight_sharing!r}; expected one of {WEIGHT_SHARING}"
-            )
-        _check_positive("damping", damping)
-        _check_positive("lr", lr)
-        if not callable(factor_decay) and not (
-            isinstance(factor_decay, (int, float)) and 0 <= factor_decay < 1
-        ):
-            raise ValueError(f"factor_decay must be in [0, 1), got {factor_decay!r}")
-        if kl_clip is not None:
-            _check_positive("kl_clip", kl_clip)
-        _check_steps("factor_update_steps", factor_update_steps)
-        _check_steps("inv_update_steps", inv_update_steps)
-        for name, dt in (
-            ("factor_dtype", factor_dtype),
-            ("decomposition_dtype", decomposition_dtype),
-        ):
-            if dt is not None and (not isinstance(dt, torch.dtype) or not dt.is_floating_point):
-                raise ValueError(f"{name} must be a floating torch.dtype, got {dt!r}")
-        if torch.finfo(decomposition_dtype).bits < 32:
-            raise ValueError(
-                f"decomposition_dtype {decomposition_dtype} is half precision; "
-                "decompositions need at least float32"
-            )
-        if pi_damping and compute_method != "inverse":
-            raise ValueError(
-                f"pi_damping=True needs compute_method='inverse', got {compute_method!r} "
-                "(the eigen method damps the Kronecker product exactly)"
-            )
-        if isinstance(skip_layers, str):
-            skip_layers = (skip_layers,)
-        try:
-            self._skip = [re.compile(p) for p in skip_layers]
-        except re.error as err:
-            raise ValueError(f"invalid skip_layers regex {err.pattern!r}: {err}") from err
-
+        self.strategy_name = canonical_name(strategy)
+        own_options = strategy_options(self.strategy_name, strategy_options_kwargs)
+        self.options = KFACOptions(
+            compute_method=compute_method,
+            damping=damping,
+            factor_decay=factor_decay,
+            kl_clip=kl_clip,
+            lr=lr,
+            factor_update_steps=factor_update_steps,
+            inv_update_steps=inv_update_steps,
+            skip_layers=skip_layers,
+            weight_sharing=weight_sharing,
+            factor_dtype=factor_dtype,
+            decomposition_dtype=decomposition_dtype,
+            pi_damping=pi_damping,
+            bucket_cap_mb=bucket_cap_mb,
+            collective_timeout=collective_timeout,
+        )
+        self._skip = [re.compile(p) for p in self.options.skip_layers]
         self.model = model
         self.ddp = isinstance(model, DistributedDataParallel)
         self.module = model.module if self.ddp else model
-        self.strategy_name = strategy
-        self.compute_method = compute_method
         self.method = COMPUTE_METHODS[compute_method]
-        self.damping = damping
-        self.factor_decay = factor_decay
-        self.kl_clip = kl_clip
-        self.lr = lr
-        self.factor_update_steps = factor_update_steps
-        self.inv_update_steps = inv_update_steps
-        self.weight_sharing = weight_sharing
-        self.factor_dtype = factor_dtype
-        self.decomposition_dtype = decomposition_dtype
-        self.pi_damping = pi_damping
         self.steps = 0
 
         self._stats = CommStats()
@@ -192,12 +139,12 @@ class KFACPreconditioner:
         self.comm = Communicator(
             process_group, timeout=collective_timeout, stats=self._stats, timer=self._timer
         )
-        self.strategy: Strategy = STRATEGIES[strategy](
+        self.strategy: Strategy = strategy_class(self.strategy_name)(
             self.comm,
             self.method,
+            own_options,
             decomposition_dtype=decomposition_dtype,
             bucket_cap_mb=bucket_cap_mb,
-            **strategy_options,
         )
         self.layers: dict[str, KFACLayer] = self._register()
         kfac_params = {id(p) for layer in self.layers.values() for p in layer.helper.parameters()}
@@ -225,13 +172,13 @@ class KFACPreconditioner:
         return layers
 
     def _is_factor_step(self, step: int) -> bool:
-        return step % int(_value(self.factor_update_steps, step)) == 0
+        return step % int(value_at(self.options.factor_update_steps, step)) == 0
 
     def _is_inv_step(self, step: int) -> bool:
-        return step % int(_value(self.inv_update_steps, step)) == 0
+        return step % int(value_at(self.options.inv_update_steps, step)) == 0
 
     def _dtype_for(self, layer: KFACLayer) -> torch.dtype:
-        return self.factor_dtype or layer.module.weight.dtype
+        return self.options.factor_dtype or layer.module.weight.dtype
 
     def _forward_hook(
         self,
@@ -251,14 +198,14 @@ class KFACPreconditioner:
         if not isinstance(x, torch.Tensor):
             return
         with self._timer.phase("factor_compute"):
-            layer.accumulate_a(x, self.weight_sharing, self._dtype_for(layer))
+            layer.accumulate_a(x, self.options.weight_sharing, self._dtype_for(layer))
         self.strategy.factor_ready(layer, "A")
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(partial(self._grad_hook, layer))
 
     def _grad_hook(self, layer: KFACLayer, grad: torch.Tensor) -> None:
         with self._timer.phase("factor_compute"):
-            layer.accumulate_g(grad, self.weight_sharing, self._dtype_for(layer))
+            layer.accumulate_g(grad, self.options.weight_sharing, self._dtype_for(layer))
         self.strategy.factor_ready(layer, "G")
 
     # --------------------------------------------------------------- placement
@@ -267,7 +214,7 @@ class KFACPreconditioner:
         stats = torch.tensor(
             [[x.batch_size, x.positions] for x in self._layer_list], dtype=torch.float64
         ).reshape(-1, 2)
-        if self.strategy.needs_batch_shapes():
+        if self.strategy.placement_uses_batch(self.strategy.options):
             self.comm.allreduce_max(stats)
         shapes = [
             layer_shape(x, int(n), int(t))
@@ -295,12 +242,12 @@ class KFACPreconditioner:
 
         if any(x.has_pending(w) for x in layers for w in FACTORS) or self._capture:
             strat.reduce_factors(layers)
-            decay = float(_value(self.factor_decay, step))
+            decay = float(value_at(self.options.factor_decay, step))
             for layer in layers:
                 layer.update_factors(decay)
 
-        damping = float(_value(self.damping, step))
-        _check_positive("damping", damping)
+        damping = float(value_at(self.options.damping, step))
+        check_positive("damping", damping)
         if self._is_inv_step(step):
             due = {(x.name, w) for x in layers for w in FACTORS if x.factor(w) is not None}
             with self._timer.phase("decomposition"):
@@ -308,18 +255,19 @@ class KFACPreconditioner:
                     layer = self.layers[name]
                     if strat.decomposes(layer, which):
                         factor_damping = (
-                            layer.pi_damping(which, damping) if self.pi_damping else damping
+                            layer.pi_damping(which, damping) if self.options.pi_damping else damping
                         )
                         layer.decompose(
                             which,
                             self.method,
                             damping=factor_damping,
-                            dtype=self.decomposition_dtype,
+                            dtype=self.options.decomposition_dtype,
                         )
             strat.share_decompositions(layers, due)
 
         results = self._precondition(damping)
-        final = strat.share_preconditioned(layers, results, with_kl=self.kl_clip is not None)
+        with_kl = self.options.kl_clip is not None
+        final = strat.share_preconditioned(layers, results, with_kl=with_kl)
         self._apply(final, step)
         self._warn_uncaptured()
 
@@ -345,15 +293,15 @@ class KFACPreconditioner:
     def _apply(self, final: dict[str, Preconditioned], step: int) -> None:
         """Scale by the KL clip and write the updates into ``.grad``."""
         scale = 1.0
-        if self.kl_clip is not None:
-            lr = float(_value(self.lr, step))
+        if self.options.kl_clip is not None:
+            lr = float(value_at(self.options.lr, step))
             vg_sum = 0.0
             for layer in self._layer_list:
                 res = final.get(layer.name)
                 if res is not None and res.preconditioned:
                     vg_sum += res.vg * lr**2
             if vg_sum != 0.0 and math.isfinite(vg_sum):
-                scale = min(1.0, math.sqrt(self.kl_clip / abs(vg_sum)))
+                scale = min(1.0, math.sqrt(self.options.kl_clip / abs(vg_sum)))
         for layer in self._layer_list:
             res = final.get(layer.name)
             if res is None:
@@ -434,7 +382,7 @@ class KFACPreconditioner:
         return {
             "steps": self.steps,
             "strategy": self.strategy_name,
-            "compute_method": self.compute_method,
+            "compute_method": self.options.compute_method,
             "world_size": self.comm.size,
             "placed": self.strategy.placed,
             "layers": layers,
@@ -447,14 +395,17 @@ class KFACPreconditioner:
         Every rank may load the same (rank 0) state: each keeps what its
         strategy says it holds.
         """
+        saved = dict(state)
+        if isinstance(saved.get("strategy"), str):  # checkpoints of the hyphenated spelling
+            saved["strategy"] = saved["strategy"].replace("-", "_")
         for key, mine in (
             ("strategy", self.strategy_name),
-            ("compute_method", self.compute_method),
+            ("compute_method", self.options.compute_method),
             ("world_size", self.comm.size),
         ):
-            if state.get(key) != mine:
+            if saved.get(key) != mine:
                 raise ValueError(
-                    f"checkpoint was saved with {key}={state.get(key)!r} but this preconditioner "
+                    f"checkpoint was saved with {key}={saved.get(key)!r} but this preconditioner "
                     f"has {key}={mine!r}"
                 )
         missing = sorted(set(state["layers"]) - set(self.layers))
@@ -473,6 +424,7 @@ class KFACPreconditioner:
 
     def __repr__(self) -> str:
         return (
-            f"KFACPreconditioner(strategy={self.strategy_name!r}, method={self.compute_method!r}, "
+            f"KFACPreconditioner(strategy={self.strategy_name!r}, "
+            f"method={self.options.compute_method!r}, "
             f"layers={len(self.layers)}, world_size={self.comm.size}, rank={self.comm.rank})"
         )

@@ -111,8 +111,5 @@ class PhaseTimer:
             self._sync()
             self._seconds[name] += time.perf_counter() - start
 
-    def add(self, name: str, seconds: float) -> None:
-        self._seconds[name] += seconds
-
     def as_dict(self) -> dict[str, float]:
         return {p: float(self._seconds.get(p, 0.0)) for p in PHASES}

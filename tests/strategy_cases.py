@@ -12,11 +12,11 @@ import dpkfac
 
 BATCH = 6  # per rank
 STRATEGY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "dp-kfac": ("dp-kfac", {}),
-    "dp-kfac-owner": ("dp-kfac", {"grad_reduction": "owner"}),
-    "d-kfac": ("d-kfac", {}),
-    "spd-kfac": ("spd-kfac", {"local_threshold": 0, "profile_steps": 1}),
-    "spd-kfac-local": ("spd-kfac", {}),
+    "dp_kfac": ("dp_kfac", {}),
+    "dp_kfac_owner": ("dp_kfac", {"grad_reduction": "owner"}),
+    "d_kfac": ("d_kfac", {}),
+    "spd_kfac": ("spd_kfac", {"local_threshold": 0, "profile_steps": 1}),
+    "spd_kfac_local": ("spd_kfac", {}),
 }
 
 

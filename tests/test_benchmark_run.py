@@ -88,7 +88,7 @@ def test_tiny_sweep_at_world_size_2_matches_cost_model_bytes(tmp_path: Path) -> 
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = load_rows([sweep])
-    assert list(rows["strategy"]) == ["sgd", "dp-kfac", "dp-kfac-owner", "d-kfac", "spd-kfac"]
+    assert list(rows["strategy"]) == ["sgd", "dp-kfac", "dp_kfac_owner", "d-kfac", "spd-kfac"]
     for row in rows.to_dict("records"):
         assert row["error"] == "", row["error"]
         assert row["world_size"] == 2 and row["backend"] == "gloo"
@@ -110,7 +110,7 @@ def test_tiny_sweep_at_world_size_2_matches_cost_model_bytes(tmp_path: Path) -> 
 def test_interleaved_strategies_come_from_the_strategy_group() -> None:
     spec = job_spec(_compose("strategies=[sgd,dp-kfac-owner]", "setting=practical", "steps=1"))
     names = [s["name"] for s in spec["strategies"]]
-    assert names == ["sgd", "dp-kfac-owner"]
+    assert names == ["sgd", "dp_kfac_owner"]
     assert spec["strategies"][1]["kfac"]["grad_reduction"] == "owner"
     assert spec["steps"] == 3  # one whole cycle of decomposition, factor and plain steps
     with pytest.raises(ValueError, match="unknown strategy 'nope'"):

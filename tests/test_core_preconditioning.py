@@ -226,7 +226,7 @@ def test_skip_layers_and_unsupported_layers_keep_gradients(skip) -> None:
 def test_strategies_agree_at_world_size_one(method: str, kl_clip: float | None) -> None:
     base, x, y, loss_fn = CASES["conv_s2_p1_d2_bias"]()
     results = {}
-    for strategy in ("dp-kfac", "d-kfac", "spd-kfac"):
+    for strategy in ("dp_kfac", "d_kfac", "spd_kfac"):
         model = copy.deepcopy(base)
         pre = dpkfac.KFACPreconditioner(
             model,
@@ -248,9 +248,9 @@ def test_strategies_agree_at_world_size_one(method: str, kl_clip: float | None) 
         )
         results[strategy] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     start = torch.cat([p.detach().reshape(-1) for p in base.parameters()])
-    for strategy in ("d-kfac", "spd-kfac"):
+    for strategy in ("d_kfac", "spd_kfac"):
         err = check(
-            f"strategies ws=1 {method}", results[strategy] - start, results["dp-kfac"] - start, 1e-6
+            f"strategies ws=1 {method}", results[strategy] - start, results["dp_kfac"] - start, 1e-6
         )
         assert err <= 1e-6
 

@@ -65,7 +65,7 @@ BAD_ARGS = [
     ({"factor_update_steps": 1.5}, "1.5"),
     ({"foo": 1}, "foo"),
     ({"grad_reduction": "nope"}, "nope"),
-    ({"strategy": "spd-kfac", "fusion": "greedy"}, "greedy"),
+    ({"strategy": "spd_kfac", "fusion": "greedy"}, "greedy"),
     ({"factor_dtype": torch.int32}, "int32"),
     ({"decomposition_dtype": torch.float16}, "float16"),
     ({"decomposition_dtype": torch.bfloat16}, "bfloat16"),
@@ -114,7 +114,7 @@ def test_bfloat16_factors() -> None:
     for name, layer in pre.layers.items():
         assert layer.a_factor.dtype == torch.bfloat16
         assert layer.g_factor.dtype == torch.bfloat16
-        for t in (*layer.a_decomp.tensors(), *layer.g_decomp.tensors()):
+        for t in (*layer.decomposition("A").tensors(), *layer.decomposition("G").tensors()):
             assert t.dtype == torch.float32  # never decomposed in half precision
         other = ref.layers[name]
         for mine, full in ((layer.a_factor, other.a_factor), (layer.g_factor, other.g_factor)):
@@ -139,7 +139,7 @@ def test_decomposition_dtypes(model_dtype, decomposition_dtype, expected) -> Non
         run_step(model, pre, *data(model_dtype))
         for layer in pre.layers.values():
             assert layer.a_factor.dtype == model_dtype
-            for t in (*layer.a_decomp.tensors(), *layer.g_decomp.tensors()):
+            for t in (*layer.decomposition("A").tensors(), *layer.decomposition("G").tensors()):
                 assert t.dtype == expected, (method, t.dtype)
         for p in model.parameters():
             assert p.grad.dtype == model_dtype
@@ -218,8 +218,8 @@ def test_non_finite_factor_is_rejected() -> None:
         for t in (
             layer.a_factor,
             layer.g_factor,
-            *layer.a_decomp.tensors(),
-            *layer.g_decomp.tensors(),
+            *layer.decomposition("A").tensors(),
+            *layer.decomposition("G").tensors(),
         ):
             assert torch.isfinite(t).all()
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -252,7 +252,7 @@ def test_eigh_failure_retries_in_float64(monkeypatch) -> None:
     assert runtime_warnings(record) == []
     assert calls[:2] == [torch.float32, torch.float64]  # the retry ran in float64
     for layer in pre.layers.values():
-        for factor, dec in ((layer.a_factor, layer.a_decomp), (layer.g_factor, layer.g_decomp)):
+        for factor, dec in ((layer.a_factor, layer.decomposition("A")), (layer.g_factor, layer.decomposition("G"))):
             assert dec.q.dtype == torch.float32
             rebuilt = dec.q @ torch.diag(dec.d) @ dec.q.t()
             torch.testing.assert_close(rebuilt, factor, rtol=1e-4, atol=1e-5)
@@ -264,7 +264,7 @@ def test_eigh_failure_keeps_previous_decomposition(monkeypatch) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = data()
     run_step(model, pre, x, y, opt)
-    previous = {n: (x_.a_decomp, x_.g_decomp) for n, x_ in pre.layers.items()}
+    previous = {n: (x_.decomposition("A"), x_.decomposition("G")) for n, x_ in pre.layers.items()}
     _failing_eigh(monkeypatch, fail_times=None)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -273,8 +273,8 @@ def test_eigh_failure_keeps_previous_decomposition(monkeypatch) -> None:
     assert len(messages) == 2 * len(pre.layers), messages
     assert all("keeping the previous decomposition" in m for m in messages)
     for name, layer in pre.layers.items():
-        assert layer.a_decomp is previous[name][0]
-        assert layer.g_decomp is previous[name][1]
+        assert layer.decomposition("A") is previous[name][0]
+        assert layer.decomposition("G") is previous[name][1]
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -289,8 +289,8 @@ def test_eigh_failure_without_previous_uses_diagonal(monkeypatch) -> None:
     assert len(messages) == 2 * len(pre.layers)
     assert all("using its diagonal" in m for m in messages)
     for layer in pre.layers.values():
-        torch.testing.assert_close(layer.a_decomp.d, layer.a_factor.diagonal())
-        assert torch.equal(layer.a_decomp.q, torch.eye(layer.a_factor.shape[0]).double())
+        torch.testing.assert_close(layer.decomposition("A").d, layer.a_factor.diagonal())
+        assert torch.equal(layer.decomposition("A").q, torch.eye(layer.a_factor.shape[0]).double())
     for p in model.parameters():
         assert torch.isfinite(p.grad).all()
 

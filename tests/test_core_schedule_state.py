@@ -66,7 +66,7 @@ def train_step(model, pre, opt, step: int) -> None:
 
 
 def decomp_tensors(layer: KFACLayer) -> list[torch.Tensor]:
-    return [*layer.a_decomp.tensors(), *layer.g_decomp.tensors()]
+    return [*layer.decomposition("A").tensors(), *layer.decomposition("G").tensors()]
 
 
 @pytest.fixture
@@ -123,7 +123,7 @@ def test_update_intervals(schedule: str, method: str, capture_spy) -> None:
         else:
             assert new_calls == [], f"hooks captured off schedule at step {step}"
         for name, layer in pre.layers.items():
-            assert layer.a_batch is None and layer.g_batch is None  # nothing left pending
+            assert not layer.has_pending("A") and not layer.has_pending("G")  # nothing left pending
             factors = [layer.a_factor, layer.g_factor]
             decomps = decomp_tensors(layer)
             if step > 0:
@@ -141,8 +141,8 @@ def test_update_intervals(schedule: str, method: str, capture_spy) -> None:
             if step in expect_inv:
                 # Recomputed from the current running averages.
                 for factor, dec in (
-                    (layer.a_factor, layer.a_decomp),
-                    (layer.g_factor, layer.g_decomp),
+                    (layer.a_factor, layer.decomposition("A")),
+                    (layer.g_factor, layer.decomposition("G")),
                 ):
                     eye = torch.eye(factor.shape[0], dtype=factor.dtype)
                     if method == "eigen":
@@ -165,7 +165,7 @@ def test_eval_mode_and_no_grad_do_not_capture(capture_spy) -> None:
     model.eval()
     model(x)
     assert capture_spy == []
-    assert all(layer.a_batch is None for layer in pre.layers.values())
+    assert all(not layer.has_pending("A") for layer in pre.layers.values())
 
 
 # --------------------------------------------------------------------- state
@@ -187,7 +187,7 @@ def build(seed: int, strategy: str, method: str):
 
 
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
-@pytest.mark.parametrize("strategy", ["dp-kfac", "d-kfac", "spd-kfac"])
+@pytest.mark.parametrize("strategy", ["dp_kfac", "d_kfac", "spd_kfac"])
 def test_state_dict_round_trip_resumes_bitwise(strategy: str, method: str) -> None:
     model_a, opt_a, pre_a = build(0, strategy, method)
     for step in range(5):
@@ -223,7 +223,7 @@ def test_state_dict_round_trip_resumes_bitwise(strategy: str, method: str) -> No
 
 
 def test_state_dict_is_a_copy() -> None:
-    model, opt, pre = build(0, "dp-kfac", "eigen")
+    model, opt, pre = build(0, "dp_kfac", "eigen")
     train_step(model, pre, opt, 0)
     sd = pre.state_dict()
     saved = sd["layers"]["3"]["A"].clone()
@@ -234,13 +234,13 @@ def test_state_dict_is_a_copy() -> None:
 @pytest.mark.parametrize(
     ("key", "value", "kwargs"),
     [
-        ("strategy", None, {"strategy": "d-kfac"}),
+        ("strategy", None, {"strategy": "d_kfac"}),
         ("compute_method", None, {"compute_method": "inverse"}),
         ("world_size", 2, {}),
     ],
 )
 def test_load_state_dict_rejects_mismatch(key: str, value, kwargs) -> None:
-    model, opt, pre = build(0, "dp-kfac", "eigen")
+    model, opt, pre = build(0, "dp_kfac", "eigen")
     train_step(model, pre, opt, 0)
     sd = pre.state_dict()
     if value is not None:
@@ -293,4 +293,4 @@ def test_repr_and_layers_expose_owner() -> None:
     pre = dpkfac.KFACPreconditioner(copy.deepcopy(model))
     assert list(pre.layers) == ["0", "3", "5"]
     assert all(layer.owner == 0 for layer in pre.layers.values())
-    assert "dp-kfac" in repr(pre)
+    assert "dp_kfac" in repr(pre)

@@ -51,14 +51,14 @@ def _stats_after_one_step(rank: int, world_size: int, variant: str, kl_clip):
     return pre.comm_stats(), pre.memory_usage(), owners
 
 
-VARIANTS = ["dp-kfac", "dp-kfac-owner", "d-kfac", "spd-kfac", "spd-kfac-local"]
+VARIANTS = ["dp_kfac", "dp_kfac_owner", "d_kfac", "spd_kfac", "spd_kfac_local"]
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_bytes_per_category_match_formulas(world_size: int, variant: str) -> None:
-    kl_clip = 0.001 if variant == "dp-kfac" else None
+    kl_clip = 0.001 if variant == "dp_kfac" else None
     results = run_ranks(_stats_after_one_step, world_size, variant, kl_clip)
     model = make_model()
     shapes = _shapes(model)
@@ -72,7 +72,7 @@ def test_bytes_per_category_match_formulas(world_size: int, variant: str) -> Non
         assert owners_r == owners, rank  # every rank computed the same placement
         grads = stats["grad_allreduce"]
         assert grads["bytes"] == grad_numel * ITEM
-        if variant.startswith("dp-kfac"):
+        if variant.startswith("dp_kfac"):
             n_owners = len({o for o, _, _ in owners.values()})
             meta = 2 if kl_clip else 0
             bucket_bytes = [
@@ -86,7 +86,7 @@ def test_bytes_per_category_match_formulas(world_size: int, variant: str) -> Non
             }
             assert stats["factor_allreduce"]["bytes"] == 0
             assert stats["decomposition_broadcast"]["bytes"] == 0
-            if variant == "dp-kfac-owner":
+            if variant == "dp_kfac_owner":
                 # reduce to owners + all-reduce of the rest: SGD's traffic on the wire
                 wire = grads["wire_bytes"] + stats["precond_broadcast"]["wire_bytes"]
                 sgd_wire = 2 * grad_numel * ITEM * (p - 1) // p
@@ -98,12 +98,12 @@ def test_bytes_per_category_match_formulas(world_size: int, variant: str) -> Non
         assert stats["precond_broadcast"]["bytes"] == 0
         factor_bytes = (factor_tri if variant.startswith("spd") else factor_full) * ITEM
         assert stats["factor_allreduce"]["bytes"] == factor_bytes
-        threshold = 1024 if variant == "spd-kfac-local" else 0
+        threshold = 1024 if variant == "spd_kfac_local" else 0
         placed = [d for a, g, _ in shapes.values() for d in (a, g) if d >= threshold]
         assert stats["decomposition_broadcast"]["bytes"] == sum(d * d + d for d in placed) * ITEM
         srcs = {o for _, ao, go in owners.values() for o in (ao, go) if o is not None}
         assert stats["decomposition_broadcast"]["calls"] == len(srcs)
-        if variant == "d-kfac":
+        if variant == "d_kfac":
             assert stats["factor_allreduce"]["calls"] == 1
 
 
@@ -129,22 +129,22 @@ def _memory(rank: int, world_size: int, strategy: str):
 def test_memory_per_rank_shrinks_with_world_size_for_dp_kfac_only() -> None:
     per_layer_factors = (9 * 9 + 8 * 8) * ITEM
     per_layer_decomp = (9 * 9 + 9 + 8 * 8 + 8) * ITEM
-    for strategy in ("dp-kfac", "d-kfac"):
+    for strategy in ("dp_kfac", "d_kfac"):
         busiest = {}
         for p in (1, 2, 4):
             mems = [_memory(0, 1, strategy)] if p == 1 else run_ranks(_memory, p, strategy)
             for mem in mems:
-                if strategy == "d-kfac":  # every rank holds everything
+                if strategy == "d_kfac":  # every rank holds everything
                     assert mem["factors"] == 4 * per_layer_factors
                     assert mem["decompositions"] == 4 * per_layer_decomp
-            if strategy == "dp-kfac":  # the layers are split exactly
+            if strategy == "dp_kfac":  # the layers are split exactly
                 assert sum(m["factors"] for m in mems) == 4 * per_layer_factors
                 assert sum(m["decompositions"] for m in mems) == 4 * per_layer_decomp
                 assert sum(m["buffers"] for m in mems) == 4 * per_layer_factors
                 for m in mems:
                     assert m["factors"] == (4 // p) * per_layer_factors
             busiest[p] = max(m["factors"] + m["decompositions"] for m in mems)
-        if strategy == "dp-kfac":
+        if strategy == "dp_kfac":
             assert busiest[1] == 2 * busiest[2] == 4 * busiest[4]
         else:
             assert busiest[1] == busiest[2] == busiest[4]
@@ -154,7 +154,7 @@ def _fusion_calls(rank: int, world_size: int, alpha: float, beta: float, fusion:
     model = make_model()
     pre = make_preconditioner(
         model,
-        "spd-kfac",
+        "spd_kfac",
         local_threshold=0,
         profile_steps=2,
         comm_alpha=alpha,
@@ -198,7 +198,7 @@ def test_spd_fusion_plan_decides_the_number_of_factor_collectives() -> None:
 
 def _capped(rank: int, world_size: int, cap_mb: float):
     model = make_model()
-    pre = make_preconditioner(model, "dp-kfac", bucket_cap_mb=cap_mb)
+    pre = make_preconditioner(model, "dp_kfac", bucket_cap_mb=cap_mb)
     for step in range(2):
         pre.reset_stats()
         model.zero_grad()
@@ -236,8 +236,8 @@ def _accumulate(rank: int, world_size: int, variant: str):
 @pytest.mark.distributed
 def test_gradient_accumulation_matches_world_size_one() -> None:
     """Two micro-batches per step: factors are averaged over them on every strategy."""
-    ref = _accumulate(0, 1, "d-kfac")
-    for variant in ("dp-kfac", "d-kfac", "spd-kfac"):
+    ref = _accumulate(0, 1, "d_kfac")
+    for variant in ("dp_kfac", "d_kfac", "spd_kfac"):
         results = run_ranks(_accumulate, 2, variant)
         for params in results:
             for name, t in params.items():
@@ -280,12 +280,12 @@ def _isolated_run(rank: int, world_size: int, variant: str):
 @pytest.mark.parametrize(
     ("variant", "phases"),
     [
-        ("dp-kfac-owner", 2),  # gradient reduction, preconditioned-gradient broadcast
-        ("d-kfac", 3),  # gradients, factors, decompositions
+        ("dp_kfac_owner", 2),  # gradient reduction, preconditioned-gradient broadcast
+        ("d_kfac", 3),  # gradients, factors, decompositions
         # gradients and decompositions (local_threshold 0): the pipelined factor
         # all-reduces are overlapped and never isolated
-        ("spd-kfac", 2),
-        ("spd-kfac-local", 1),  # every decomposition local: gradients only
+        ("spd_kfac", 2),
+        ("spd_kfac_local", 1),  # every decomposition local: gradients only
     ],
 )
 def test_isolated_communication_changes_timing_only(variant: str, phases: int) -> None:

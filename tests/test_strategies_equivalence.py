@@ -42,7 +42,7 @@ def _train_all_variants(rank: int, world_size: int, same_batch: bool, kl_clip: f
 
 def _reference(batches, kl_clip: float | None):
     model = make_model()
-    pre = make_preconditioner(model, "d-kfac", kl_clip=kl_clip)
+    pre = make_preconditioner(model, "d_kfac", kl_clip=kl_clip)
     return run(model, pre, batches)
 
 
@@ -74,7 +74,7 @@ def test_different_batches(world_size: int) -> None:
     results = run_ranks(_train_all_variants, world_size, False, None)
     # d-kfac / spd-kfac: the world-size-1 run on the concatenated batch.
     ref = _reference([concat_batch(s, world_size) for s in range(STEPS)], None)
-    for variant in ("d-kfac", "spd-kfac", "spd-kfac-local"):
+    for variant in ("d_kfac", "spd_kfac", "spd_kfac_local"):
         for step in range(STEPS):
             err = max_rel_err(results[0][variant]["params"][step], ref["params"][step])
             assert err < TOL, (variant, step, err)
@@ -86,7 +86,7 @@ def test_different_batches(world_size: int) -> None:
     # grad_reduction="owner" equals "allreduce".
     for step in range(STEPS):
         err = max_rel_err(
-            results[0]["dp-kfac-owner"]["params"][step], results[0]["dp-kfac"]["params"][step]
+            results[0]["dp_kfac_owner"]["params"][step], results[0]["dp_kfac"]["params"][step]
         )
         assert err < TOL, (step, err)
     # dp-kfac, first step: owner's local factors, averaged gradient, dense solve.
@@ -95,7 +95,7 @@ def test_different_batches(world_size: int) -> None:
 
 def _local_factors(rank: int):
     model = make_model()
-    pre = make_preconditioner(model, "d-kfac")
+    pre = make_preconditioner(model, "d_kfac")
     x, y = batch(0, rank)
     F.cross_entropy(model(x), y).backward()
     pre.step()
@@ -106,10 +106,10 @@ def _check_dp_kfac_first_step(results, world_size: int) -> None:
     model = make_model()
     x, y = concat_batch(0, world_size)
     F.cross_entropy(model(x), y).backward()
-    owners = results[0]["dp-kfac"]["owners"]
+    owners = results[0]["dp_kfac"]["owners"]
     assert set(owners.values()) <= set(range(world_size))
     local = {r: _local_factors(r) for r in set(owners.values())}
-    grads = results[0]["dp-kfac"]["grads"][0]
+    grads = results[0]["dp_kfac"]["grads"][0]
     damping = 0.01
     for name, owner in owners.items():
         module = getattr(model, name)

@@ -33,7 +33,7 @@ STEPS = 3
 
 def _ddp_vs_plain(rank: int, world_size: int):
     out = {}
-    for variant in ("dp-kfac", "d-kfac", "spd-kfac"):
+    for variant in ("dp_kfac", "d_kfac", "spd_kfac"):
         for wrap in (False, True):
             model = make_model()
             if wrap:
@@ -50,7 +50,7 @@ def _ddp_vs_plain(rank: int, world_size: int):
 def test_ddp_wrapped_and_unwrapped_agree() -> None:
     results = run_ranks(_ddp_vs_plain, 2)
     for rank_result in results:
-        for variant in ("dp-kfac", "d-kfac", "spd-kfac"):
+        for variant in ("dp_kfac", "d_kfac", "spd_kfac"):
             plain, wrapped = rank_result[(variant, False)], rank_result[(variant, True)]
             assert wrapped["names"] == plain["names"] == ["conv", "fc1", "fc2"]  # no "module."
             assert wrapped["grad_bytes"] == 0 and plain["grad_bytes"] > 0
@@ -110,10 +110,10 @@ def _reference(case: str):
     torch.manual_seed(0)
     if case == "unused":
         model = Branchy().double()
-        return _branchy_run(model, make_preconditioner(model, "d-kfac", kl_clip=0.01), 4)
+        return _branchy_run(model, make_preconditioner(model, "d_kfac", kl_clip=0.01), 4)
     model = make_model()
     overrides = {"skip_layers": [r"^fc1$"]} if case == "skip" else {}
-    pre = make_preconditioner(model, "d-kfac", **overrides)
+    pre = make_preconditioner(model, "d_kfac", **overrides)
     return run(model, pre, [batch(s, 0) for s in range(STEPS)])["params"][-1]
 
 
@@ -132,9 +132,9 @@ def test_robustness_cases_match_world_size_one(case: str, world_size: int) -> No
             for name, t in results[rank][variant].items():
                 assert torch.equal(t, results[0][variant][name])
     if case == "skip":
-        assert results[0]["dp-kfac/layers"] == ["conv", "fc2"]
+        assert results[0]["dp_kfac/layers"] == ["conv", "fc2"]
     if case == "more_ranks_than_layers":
-        owners = results[0]["dp-kfac/owners"]
+        owners = results[0]["dp_kfac/owners"]
         assert len(set(owners.values())) == 3  # one of the 4 ranks owns nothing
 
 
@@ -165,7 +165,7 @@ def test_process_group_subset() -> None:
 
 def _hang(rank: int, world_size: int):
     model = make_model()
-    pre = make_preconditioner(model, "dp-kfac", collective_timeout=60.0)
+    pre = make_preconditioner(model, "dp_kfac", collective_timeout=60.0)
     for step in range(2):
         x, y = batch(step, rank)
         model.zero_grad()
@@ -228,6 +228,6 @@ def _resume(rank: int, world_size: int, variant: str):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("variant", ["dp-kfac", "d-kfac", "spd-kfac"])
+@pytest.mark.parametrize("variant", ["dp_kfac", "d_kfac", "spd_kfac"])
 def test_resume_from_rank_zero_state_is_bitwise(variant: str) -> None:
     assert run_ranks(_resume, 2, variant) == [True, True]

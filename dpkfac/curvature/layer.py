@@ -1,8 +1,10 @@
 """State of one K-FAC layer: running-average factors and their decompositions.
 
-A :class:`KFACLayer` knows nothing about ranks beyond the placement fields the
-strategy writes into it (``owner``, ``a_owner``, ``g_owner``); it never
-communicates. Batch factors are accumulated by the capture hooks (summed over
+A :class:`KFACLayer` knows nothing about ranks beyond the placement the
+strategy writes into it (``owner`` and each factor's ``owner``); it never
+communicates. The per-factor state (running average, decomposition, pending
+batch factor, decomposer) is one :class:`FactorState` for A and one for G.
+Batch factors are accumulated by the capture hooks (summed over
 micro-batches), possibly replaced by their cross-rank average by a strategy,
 and folded into the running averages by :meth:`KFACLayer.update_factors`.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,10 +24,53 @@ from dpkfac.curvature.decomposition import (
     precondition,
     working_dtype,
 )
-from dpkfac.curvature.factors import a_factor, g_factor
+from dpkfac.curvature.factors import a_factor as build_a_factor
+from dpkfac.curvature.factors import g_factor as build_g_factor
 from dpkfac.curvature.modules import ModuleHelper
 
 FACTORS = ("A", "G")
+
+
+@dataclass
+class FactorState:
+    """Everything held for one Kronecker factor (A or G) of one layer.
+
+    Attributes:
+        owner: rank that decomposes it, or None when every rank does.
+        running: the running average, or None where this rank holds none.
+        decomposition: its decomposition, or None.
+        batch: the batch factor summed over the step's captures, awaiting
+            ``step()`` (or a strategy's cross-rank average of it).
+        count: how many captures ``batch`` sums.
+    """
+
+    owner: int | None = 0
+    running: torch.Tensor | None = None
+    decomposition: Decomposition | None = None
+    batch: torch.Tensor | None = None
+    count: int = 0
+
+    def add(self, factor: torch.Tensor) -> torch.Tensor:
+        """Add one capture's batch factor; returns the running batch sum."""
+        self.batch = factor if self.batch is None else self.batch + factor
+        self.count += 1
+        return self.batch
+
+    def pending(self) -> torch.Tensor | None:
+        """The batch factor, averaged over the step's captures."""
+        if self.batch is None:
+            return None
+        return self.batch / self.count if self.count > 1 else self.batch
+
+    def set_pending(self, factor: torch.Tensor | None) -> None:
+        self.batch, self.count = factor, int(factor is not None)
+
+    def clear_pending(self) -> None:
+        self.batch, self.count = None, 0
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 class KFACLayer:
@@ -38,11 +84,11 @@ class KFACLayer:
             d-kfac/spd-kfac the rank that decomposes its A factor (its G
             factor when A is decomposed locally), or -1 when every rank
             decomposes both (spd-kfac's small factors).
-        a_owner / g_owner: rank that decomposes A / G, or None when every
-            rank decomposes it locally.
-        a_factor / g_factor: running averages, or None where this rank holds none.
-        a_decomp / g_decomp: decompositions, or None.
+        factors: "A" and "G" -> :class:`FactorState`.
         positions / batch_size: T and N of the last captured input (load balancing).
+
+    ``a_factor``/``g_factor`` (the running averages) and ``a_owner``/``g_owner``
+    are views of ``factors`` for the public inspection API.
     """
 
     def __init__(self, name: str, module: nn.Module, helper: ModuleHelper) -> None:
@@ -50,21 +96,38 @@ class KFACLayer:
         self.module = module
         self.helper = helper
         self.owner: int = 0
-        self.a_owner: int | None = 0
-        self.g_owner: int | None = 0
-        self.a_factor: torch.Tensor | None = None
-        self.g_factor: torch.Tensor | None = None
-        self.a_decomp: Decomposition | None = None
-        self.g_decomp: Decomposition | None = None
-        self.a_batch: torch.Tensor | None = None
-        self.g_batch: torch.Tensor | None = None
-        self.a_count = 0
-        self.g_count = 0
+        self.factors: dict[str, FactorState] = {w: FactorState() for w in FACTORS}
         self.positions = 0
         self.batch_size = 0
         self.ever_captured = False
         self.warned_no_capture = False
         self.seen_in_eval_mode = False
+
+    # ---------------------------------------------------------- public views
+    @property
+    def a_factor(self) -> torch.Tensor | None:
+        return self.factors["A"].running
+
+    @property
+    def g_factor(self) -> torch.Tensor | None:
+        return self.factors["G"].running
+
+    @property
+    def a_owner(self) -> int | None:
+        return self.factors["A"].owner
+
+    @property
+    def g_owner(self) -> int | None:
+        return self.factors["G"].owner
+
+    def dim(self, which: str) -> int:
+        """Side of factor ``which``."""
+        return self.helper.a_dim if which == "A" else self.helper.g_dim
+
+    def set_placement(self, owner: int, a_owner: int | None, g_owner: int | None) -> None:
+        """Write this layer's entry of a :class:`~dpkfac.assignment.Placement`."""
+        self.owner = owner
+        self.factors["A"].owner, self.factors["G"].owner = a_owner, g_owner
 
     # ------------------------------------------------------------------ capture
     def accumulate_a(
@@ -73,54 +136,39 @@ class KFACLayer:
         """Add the batch A factor of input ``x``; returns the running batch sum."""
         a = self.helper.a_matrix(x.detach())
         self.batch_size, self.positions = a.shape[0], a.shape[1]
-        factor = a_factor(
+        factor = build_a_factor(
             a, has_bias=self.helper.has_bias, weight_sharing=weight_sharing, dtype=dtype
         )
-        self.a_batch = factor if self.a_batch is None else self.a_batch + factor
-        self.a_count += 1
         self.ever_captured = True
-        return self.a_batch
+        return self.factors["A"].add(factor)
 
     def accumulate_g(
         self, grad_output: torch.Tensor, weight_sharing: str, dtype: torch.dtype | None
     ) -> torch.Tensor:
         """Add the batch G factor of ``grad_output``; returns the running batch sum."""
         g = self.helper.g_matrix(grad_output.detach())
-        factor = g_factor(g, weight_sharing=weight_sharing, dtype=dtype)
-        self.g_batch = factor if self.g_batch is None else self.g_batch + factor
-        self.g_count += 1
-        return self.g_batch
+        return self.factors["G"].add(build_g_factor(g, weight_sharing=weight_sharing, dtype=dtype))
 
     def has_pending(self, which: str) -> bool:
         """Whether a batch factor waits to be folded in (cheap: no averaging)."""
-        return (self.a_batch if which == "A" else self.g_batch) is not None
+        return self.factors[which].batch is not None
 
     def pending(self, which: str) -> torch.Tensor | None:
         """The batch factor waiting to be folded in, averaged over micro-batches."""
-        batch, count = (
-            (self.a_batch, self.a_count) if which == "A" else (self.g_batch, self.g_count)
-        )
-        if batch is None:
-            return None
-        return batch / count if count > 1 else batch
+        return self.factors[which].pending()
 
     def set_pending(self, which: str, factor: torch.Tensor | None) -> None:
         """Replace the pending batch factor (a strategy's cross-rank average)."""
-        if which == "A":
-            self.a_batch, self.a_count = factor, int(factor is not None)
-        else:
-            self.g_batch, self.g_count = factor, int(factor is not None)
+        self.factors[which].set_pending(factor)
 
     def clear_pending(self) -> None:
         """Drop batch factors (after folding them in, or when another rank owns the layer)."""
-        self.a_batch = self.g_batch = None
-        self.a_count = self.g_count = 0
+        for state in self.factors.values():
+            state.clear_pending()
 
     def pending_nbytes(self) -> int:
         """Bytes of batch factors awaiting ``step()``."""
-        return sum(
-            t.numel() * t.element_size() for t in (self.a_batch, self.g_batch) if t is not None
-        )
+        return sum(_nbytes(state.batch) for state in self.factors.values())
 
     # ------------------------------------------------------------ running average
     def update_factors(self, decay: float) -> list[str]:
@@ -134,8 +182,8 @@ class KFACLayer:
             The factors ("A"/"G") that were updated.
         """
         updated = []
-        for which in FACTORS:
-            batch = self.pending(which)
+        for which, state in self.factors.items():
+            batch = state.pending()
             if batch is None:
                 continue
             if not torch.isfinite(batch).all():
@@ -146,31 +194,25 @@ class KFACLayer:
                     stacklevel=3,
                 )
                 continue
-            current = self.a_factor if which == "A" else self.g_factor
-            if current is None:
-                new = batch.clone()
+            if state.running is None:
+                state.running = batch.clone()
             else:
-                new = current.mul(decay).add_(batch.to(current.dtype), alpha=1.0 - decay)
-            if which == "A":
-                self.a_factor = new
-            else:
-                self.g_factor = new
+                state.running = state.running.mul(decay).add_(
+                    batch.to(state.running.dtype), alpha=1.0 - decay
+                )
             updated.append(which)
         self.clear_pending()
         return updated
 
     # ------------------------------------------------------------- decomposition
     def factor(self, which: str) -> torch.Tensor | None:
-        return self.a_factor if which == "A" else self.g_factor
+        return self.factors[which].running
 
     def decomposition(self, which: str) -> Decomposition | None:
-        return self.a_decomp if which == "A" else self.g_decomp
+        return self.factors[which].decomposition
 
     def set_decomposition(self, which: str, dec: Decomposition | None) -> None:
-        if which == "A":
-            self.a_decomp = dec
-        else:
-            self.g_decomp = dec
+        self.factors[which].decomposition = dec
 
     def decompose(
         self,
@@ -212,7 +254,7 @@ class KFACLayer:
         and ``γ/π²`` for G, which balances the two factors' scales. Falls back
         to the plain split when either factor is missing or degenerate.
         """
-        a, g = self.a_factor, self.g_factor
+        a, g = self.factor("A"), self.factor("G")
         if a is None or g is None:
             return damping
         a_mean = float(torch.trace(a.double())) / a.shape[0]
@@ -223,7 +265,7 @@ class KFACLayer:
         return damping * pi**2 if which == "A" else damping / pi**2
 
     def has_decompositions(self) -> bool:
-        return self.a_decomp is not None and self.g_decomp is not None
+        return all(state.decomposition is not None for state in self.factors.values())
 
     # ------------------------------------------------------------ preconditioning
     def preconditioned_grad(
@@ -238,16 +280,16 @@ class KFACLayer:
         grad = self.helper.grad_matrix() if grad is None else grad
         if grad is None or not self.has_decompositions():
             return None
-        return precondition(grad, self.a_decomp, self.g_decomp, damping=damping)
+        return precondition(grad, self.decomposition("A"), self.decomposition("G"), damping=damping)
 
     # ----------------------------------------------------------------- accounting
     def factor_nbytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size() for t in (self.a_factor, self.g_factor) if t is not None
-        )
+        return sum(_nbytes(state.running) for state in self.factors.values())
 
     def decomposition_nbytes(self) -> int:
-        return sum(d.nbytes() for d in (self.a_decomp, self.g_decomp) if d is not None)
+        return sum(
+            s.decomposition.nbytes() for s in self.factors.values() if s.decomposition is not None
+        )
 
     def __repr__(self) -> str:
         return (

@@ -11,7 +11,6 @@ class and one registry entry.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -181,13 +180,3 @@ def helper_for(module: nn.Module) -> ModuleHelper | None:
                 return None
             return helper_type(module)
     return None
-
-
-def positions_of(module: nn.Module, x: torch.Tensor) -> int:
-    """T: output positions per sample, for cost models and load balancing."""
-    helper = helper_for(module)
-    if helper is None:
-        return 1
-    if isinstance(module, nn.Conv2d):
-        return helper.a_matrix(x[:1]).shape[1]
-    return math.prod(x.shape[1:-1]) if x.dim() > 2 else 1

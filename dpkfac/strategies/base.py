@@ -14,14 +14,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
-from dpkfac.assignment import LayerShape
+from dpkfac.assignment import LayerShape, Placement
 from dpkfac.comm import Communicator
 from dpkfac.curvature import Decomposition, KFACLayer
+from dpkfac.options import StrategyOptions
 
 
 @dataclass
@@ -37,6 +38,36 @@ class Preconditioned:
     matrix: torch.Tensor
     vg: float
     preconditioned: bool
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What a strategy does at each point of an iteration, in the cost model's terms.
+
+    The cost model prices a strategy from these and from its
+    :meth:`Strategy.placement`, never from its name, so a new strategy is
+    predicted as soon as it states its traits.
+
+    Attributes:
+        captures_all: every rank builds every layer's factors (False: only
+            the layer's owner does, from its local batch).
+        factor_comm: how batch factors are averaged: "none" (never sent),
+            "allreduce" (fused all-reduces in ``step()``) or "pipelined"
+            (launched from the capture hooks, one collective per fusion bucket).
+        triangle: factors travel as packed upper triangles.
+        decomposition_broadcast: decompositions are broadcast from their decomposers.
+        preconditions_all: every rank preconditions every layer (False: the
+            owner does and broadcasts the result).
+        owner_grad_reduction: K-FAC layers' gradients are reduced onto their
+            owners instead of all-reduced.
+    """
+
+    captures_all: bool
+    factor_comm: Literal["none", "allreduce", "pipelined"]
+    triangle: bool
+    decomposition_broadcast: bool
+    preconditions_all: bool
+    owner_grad_reduction: bool = False
 
 
 def layer_shape(layer: KFACLayer, batch_size: int, positions: int) -> LayerShape:
@@ -55,41 +86,44 @@ def layer_shape(layer: KFACLayer, batch_size: int, positions: int) -> LayerShape
 class Strategy(ABC):
     """Placement queries and communication points of one distribution scheme.
 
+    Class-level methods (``traits``, ``placement``, ``placement_uses_batch``,
+    ``setup_collectives``) are pure functions of shapes and options: the cost
+    model calls them without building anything. Instances do the work of one
+    run over a communicator.
+
     Args:
         comm: accounted collectives over the preconditioner's process group.
         method: decomposition class of the compute method ("eigen"/"inverse").
+        options: this strategy's :attr:`Options` (default: all defaults).
         decomposition_dtype: dtype decompositions run in (receive buffers use it too).
-        bucket_cap_mb: size cap of fused gradient buckets.
-        options: strategy-specific keyword options; unknown ones raise ValueError.
+        bucket_cap_mb: size cap of fused buckets.
     """
 
     name: ClassVar[str]
-    #: Whether every rank holds every layer's factors (False: they live on owners only).
-    replicated_state: ClassVar[bool] = True
-    #: Option names (and defaults) this strategy accepts beyond the common ones.
-    OPTIONS: ClassVar[dict[str, Any]] = {}
+    #: The dataclass of this strategy's own options.
+    Options: ClassVar[type[StrategyOptions]] = StrategyOptions
 
     def __init__(
         self,
         comm: Communicator,
         method: type[Decomposition],
+        options: StrategyOptions | None = None,
         *,
         decomposition_dtype: torch.dtype = torch.float32,
         bucket_cap_mb: float = 25.0,
-        **options: Any,
     ) -> None:
-        unknown = sorted(set(options) - set(self.OPTIONS))
-        if unknown:
-            raise ValueError(
-                f"unknown option(s) {unknown} for strategy {self.name!r}; "
-                f"accepted: {sorted(self.OPTIONS) or 'none'}"
+        options = self.Options() if options is None else options
+        if not isinstance(options, self.Options):
+            raise TypeError(
+                f"strategy {self.name!r} takes {self.Options.__name__}, "
+                f"got {type(options).__name__}"
             )
-        self.options = {**self.OPTIONS, **options}
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.options = options
         self.comm = comm
         self.method = method
         self.decomposition_dtype = decomposition_dtype
-        if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.placed = False
 
@@ -101,19 +135,53 @@ class Strategy(ABC):
     def world_size(self) -> int:
         return self.comm.size
 
-    # --------------------------------------------------------------- placement
-    def needs_batch_shapes(self) -> bool:
-        """Whether placement depends on the measured batch size and positions."""
+    # ------------------------------------------------- pure, class-level facts
+    @classmethod
+    @abstractmethod
+    def traits(cls, options: StrategyOptions) -> Traits:
+        """What this strategy does with these options (see :class:`Traits`)."""
+
+    @classmethod
+    @abstractmethod
+    def placement(
+        cls, shapes: Sequence[LayerShape], world_size: int, options: StrategyOptions
+    ) -> Placement:
+        """Who owns, decomposes and preconditions each layer.
+
+        A pure function of its inputs: every rank computes the same answer,
+        and the cost model calls it to predict the run.
+        """
+
+    @classmethod
+    def placement_uses_batch(cls, options: StrategyOptions) -> bool:
+        """Whether :meth:`placement` reads ``batch_size``/``positions`` of the shapes.
+
+        When it does, the preconditioner makes all ranks agree on those
+        (element-wise maximum over ranks) before placing, since each rank
+        measured them on its own first batch.
+        """
         return False
 
-    @abstractmethod
+    @classmethod
+    def setup_collectives(cls, options: StrategyOptions, num_factors: int) -> list[tuple[str, int]]:
+        """One-time collectives of the strategy itself, as (kind, bytes), in order."""
+        return []
+
+    @property
+    def replicated_state(self) -> bool:
+        """Whether every rank holds every layer's factors (False: owners only)."""
+        return self.traits(self.options).captures_all
+
+    # --------------------------------------------------------------- placement
     def place(self, layers: Sequence[KFACLayer], shapes: Sequence[LayerShape]) -> None:
-        """Write ``owner``/``a_owner``/``g_owner`` into every layer.
+        """Write :meth:`placement` into the layers.
 
         Called at construction with nominal shapes and once more at the first
-        ``step()`` with the shapes all ranks agreed on; it must be a pure
-        function of its inputs so every rank computes the same placement.
+        ``step()`` with the shapes all ranks agreed on.
         """
+        placement = self.placement(shapes, self.world_size, self.options)
+        for i, layer in enumerate(layers):
+            layer.set_placement(placement.owner[i], placement.a_owner[i], placement.g_owner[i])
 
     # ----------------------------------------------------------------- queries
     @abstractmethod
@@ -122,7 +190,7 @@ class Strategy(ABC):
 
     def decomposes(self, layer: KFACLayer, which: str) -> bool:
         """Whether this rank computes the decomposition of factor ``which`` ("A"/"G")."""
-        owner = layer.a_owner if which == "A" else layer.g_owner
+        owner = layer.factors[which].owner
         return owner is None or owner == self.rank
 
     @abstractmethod

@@ -13,29 +13,41 @@ from collections.abc import Sequence
 
 import torch
 
-from dpkfac.assignment import LayerShape, assign_factors
+from dpkfac.assignment import LayerShape, Placement, assign_factors
 from dpkfac.curvature import KFACLayer
 from dpkfac.curvature.decomposition import working_dtype
 from dpkfac.curvature.layer import FACTORS
-from dpkfac.strategies.base import Strategy
+from dpkfac.options import StrategyOptions
+from dpkfac.strategies.base import Strategy, Traits
 
 
 class DKFAC(Strategy):
     """All-reduced factors, placed decompositions, local preconditioning everywhere."""
 
-    name = "d-kfac"
+    name = "d_kfac"
 
-    def local_threshold(self) -> int | None:
+    @classmethod
+    def traits(cls, options: StrategyOptions) -> Traits:
+        return Traits(
+            captures_all=True,
+            factor_comm="allreduce",
+            triangle=False,
+            decomposition_broadcast=True,
+            preconditions_all=True,
+        )
+
+    @classmethod
+    def local_threshold(cls, options: StrategyOptions) -> int | None:
         """Factors below this dimension are decomposed on every rank (None: none are)."""
         return None
 
-    def place(self, layers: Sequence[KFACLayer], shapes: Sequence[LayerShape]) -> None:
-        dims = [d for layer in layers for d in (layer.helper.a_dim, layer.helper.g_dim)]
-        owners = assign_factors(dims, self.world_size, local_threshold=self.local_threshold())
-        for i, layer in enumerate(layers):
-            layer.a_owner, layer.g_owner = owners[2 * i], owners[2 * i + 1]
-            placed = [o for o in (layer.a_owner, layer.g_owner) if o is not None]
-            layer.owner = placed[0] if placed else -1
+    @classmethod
+    def placement(
+        cls, shapes: Sequence[LayerShape], world_size: int, options: StrategyOptions
+    ) -> Placement:
+        dims = [d for s in shapes for d in (s.a_dim, s.g_dim)]
+        threshold = cls.local_threshold(options)
+        return Placement.per_factor(assign_factors(dims, world_size, local_threshold=threshold))
 
     def captures(self, layer: KFACLayer) -> bool:
         return True
@@ -61,8 +73,7 @@ class DKFAC(Strategy):
                 (layer, w)
                 for layer in layers
                 for w in FACTORS
-                if (layer.name, w) in updated
-                and (layer.a_owner if w == "A" else layer.g_owner) == src
+                if (layer.name, w) in updated and layer.factors[w].owner == src
             ]
             if not items:
                 continue

@@ -15,62 +15,77 @@ all-reduce moves, so K-FAC then costs the communication of plain SGD.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from dpkfac.assignment import LayerShape, assign_layers
+from dpkfac.assignment import ASSIGNMENTS, COSTS, CostFn, LayerShape, Placement, assign_layers
 from dpkfac.curvature import KFACLayer
-from dpkfac.strategies.base import Preconditioned, Strategy
+from dpkfac.options import StrategyOptions, check_choice
+from dpkfac.strategies.base import Preconditioned, Strategy, Traits
 
 GRAD_REDUCTIONS = ("allreduce", "owner")
 
 
-class DPKFAC(Strategy):
-    """Owner-only factors and preconditioning, broadcast of preconditioned gradients.
+@dataclass(frozen=True)
+class DPKFACOptions(StrategyOptions):
+    """Options of dp-kfac.
 
-    Options:
-        grad_reduction: "allreduce" (the published scheme) or "owner".
-        assignment: "lpt" (load balanced by ``assignment_cost``) or
-            "round_robin" (module order, as the released DP-KFAC code).
-        assignment_cost: "compute", "memory" or a callable ``LayerShape -> float``.
+    Attributes:
+        grad_reduction: "allreduce" (the published scheme) or "owner" (K-FAC
+            layers' gradients reduced onto their owners).
+        assignment: "lpt" (load balanced by ``assignment_cost``),
+            "round_robin" (module order, as the released DP-KFAC code) or
+            "best" (whichever of the two has the lower busiest-rank cost).
+        assignment_cost: a name in :data:`dpkfac.assignment.COSTS` or a
+            callable ``LayerShape -> float``.
     """
 
-    name = "dp-kfac"
-    replicated_state = False
-    OPTIONS: ClassVar[dict[str, Any]] = {
-        "grad_reduction": "allreduce",
-        "assignment": "lpt",
-        "assignment_cost": "compute",
-    }
+    grad_reduction: str = "allreduce"
+    assignment: str = "lpt"
+    assignment_cost: str | CostFn = "compute"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.options["grad_reduction"] not in GRAD_REDUCTIONS:
-            raise ValueError(
-                f"unknown grad_reduction {self.options['grad_reduction']!r}; "
-                f"expected one of {GRAD_REDUCTIONS}"
-            )
-        if self.options["assignment"] not in ("lpt", "round_robin", "best"):
-            raise ValueError(
-                f"unknown assignment {self.options['assignment']!r}; "
-                "expected 'lpt', 'round_robin' or 'best'"
-            )
-        self.reduced_to_owner = False
+    def __post_init__(self) -> None:
+        check_choice("grad_reduction", self.grad_reduction, GRAD_REDUCTIONS)
+        check_choice("assignment", self.assignment, ASSIGNMENTS)
+        if not callable(self.assignment_cost):
+            check_choice("assignment_cost", self.assignment_cost, tuple(COSTS))
 
-    def needs_batch_shapes(self) -> bool:
-        return self.options["assignment"] == "lpt"
 
-    def place(self, layers: Sequence[KFACLayer], shapes: Sequence[LayerShape]) -> None:
-        owners = assign_layers(
-            shapes,
-            self.world_size,
-            cost=self.options["assignment_cost"],
-            method=self.options["assignment"],
+class DPKFAC(Strategy):
+    """Owner-only factors and preconditioning, broadcast of preconditioned gradients."""
+
+    name = "dp_kfac"
+    Options = DPKFACOptions
+    options: DPKFACOptions
+
+    @classmethod
+    def traits(cls, options: DPKFACOptions) -> Traits:  # type: ignore[override]
+        return Traits(
+            captures_all=False,
+            factor_comm="none",
+            triangle=False,
+            decomposition_broadcast=False,
+            preconditions_all=False,
+            owner_grad_reduction=options.grad_reduction == "owner",
         )
-        for layer, owner in zip(layers, owners, strict=True):
-            layer.owner = layer.a_owner = layer.g_owner = owner
+
+    @classmethod
+    def placement(  # type: ignore[override]
+        cls, shapes: Sequence[LayerShape], world_size: int, options: DPKFACOptions
+    ) -> Placement:
+        owners = assign_layers(
+            shapes, world_size, cost=options.assignment_cost, method=options.assignment
+        )
+        return Placement.per_layer(owners)
+
+    @classmethod
+    def placement_uses_batch(cls, options: DPKFACOptions) -> bool:  # type: ignore[override]
+        # Every balanced assignment prices the layers with the batch's rows,
+        # which differ between ranks; round robin looks at the order only.
+        return options.assignment != "round_robin"
 
     def captures(self, layer: KFACLayer) -> bool:
         # Before the final placement every rank captures, so the first step
@@ -84,8 +99,7 @@ class DPKFAC(Strategy):
     def reduce_gradients(
         self, layers: Sequence[KFACLayer], other_params: Sequence[nn.Parameter]
     ) -> None:
-        self.reduced_to_owner = False
-        if self.options["grad_reduction"] == "allreduce" or not self.comm.active:
+        if self.options.grad_reduction == "allreduce" or not self.comm.active:
             super().reduce_gradients(layers, other_params)
             return
         handles = []
@@ -110,7 +124,6 @@ class DPKFAC(Strategy):
         )
         for handle in handles:
             self.comm.wait(handle)
-        self.reduced_to_owner = True
 
     def share_preconditioned(
         self,
@@ -170,4 +183,4 @@ class DPKFAC(Strategy):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"grad_reduction": self.options["grad_reduction"]}
+        return {"grad_reduction": self.options.grad_reduction}

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,15 +34,23 @@ from dpkfac.comm import Handle, triangle_numel
 from dpkfac.curvature import KFACLayer
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.fusion import CommModel, fit_comm_model, plan_buckets
+from dpkfac.options import StrategyOptions, check_choice
+from dpkfac.strategies.base import Traits
 from dpkfac.strategies.d_kfac import DKFAC
 
 Key = tuple[str, str]
 
+FUSIONS = ("dynamic", "none")
+#: Sizes (float32 elements) of the all-reduces timed to fit the alpha-beta model.
+PROBE_NUMELS = (256, 16384, 262144)
+PROBE_REPEATS = 3
 
-class SPDKFAC(DKFAC):
-    """Pipelined, fused, triangle-packed factor all-reduces and thresholded placement.
 
-    Options:
+@dataclass(frozen=True)
+class SPDKFACOptions(StrategyOptions):
+    """Options of spd-kfac.
+
+    Attributes:
         local_threshold: factors with a smaller dimension are decomposed
             locally on every rank (reference code: about 1024).
         fusion: "dynamic" (the rule above) or "none" (one collective per factor).
@@ -49,23 +58,62 @@ class SPDKFAC(DKFAC):
         comm_alpha / comm_beta: fix the alpha-beta model instead of measuring it.
     """
 
-    name = "spd-kfac"
-    OPTIONS: ClassVar[dict[str, Any]] = {
-        "local_threshold": 1024,
-        "fusion": "dynamic",
-        "profile_steps": 2,
-        "comm_alpha": None,
-        "comm_beta": None,
-    }
+    local_threshold: int = 1024
+    fusion: str = "dynamic"
+    profile_steps: int = 2
+    comm_alpha: float | None = None
+    comm_beta: float | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("fusion", self.fusion, FUSIONS)
+        for name in ("local_threshold", "profile_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.profile_steps < 1:
+            raise ValueError(f"profile_steps must be >= 1, got {self.profile_steps}")
+
+    @property
+    def fixed_comm_model(self) -> bool:
+        """Whether the alpha-beta model is given rather than measured."""
+        return self.comm_alpha is not None and self.comm_beta is not None
+
+
+class SPDKFAC(DKFAC):
+    """Pipelined, fused, triangle-packed factor all-reduces and thresholded placement."""
+
+    name = "spd_kfac"
+    Options = SPDKFACOptions
+    options: SPDKFACOptions
+
+    @classmethod
+    def traits(cls, options: StrategyOptions) -> Traits:
+        return Traits(
+            captures_all=True,
+            factor_comm="pipelined",
+            triangle=True,
+            decomposition_broadcast=True,
+            preconditions_all=True,
+        )
+
+    @classmethod
+    def local_threshold(cls, options: SPDKFACOptions) -> int | None:  # type: ignore[override]
+        return options.local_threshold
+
+    @classmethod
+    def setup_collectives(  # type: ignore[override]
+        cls, options: SPDKFACOptions, num_factors: int
+    ) -> list[tuple[str, int]]:
+        """The alpha-beta probes (unless fixed), then the agreement on ready times and model."""
+        probes = (
+            []
+            if options.fixed_comm_model
+            else [("allreduce", 4 * n) for n in PROBE_NUMELS for _ in range(PROBE_REPEATS)]
+        )
+        return [*probes, ("allreduce", 8 * (num_factors + 2))]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.options["fusion"] not in ("dynamic", "none"):
-            raise ValueError(
-                f"unknown fusion {self.options['fusion']!r}; expected 'dynamic' or 'none'"
-            )
-        if int(self.options["local_threshold"]) < 0:
-            raise ValueError(f"local_threshold must be >= 0, got {self.options['local_threshold']}")
         self.plan: list[list[Key]] | None = None
         self.comm_model: CommModel | None = None
         self._bucket_of: dict[Key, int] = {}
@@ -80,9 +128,6 @@ class SPDKFAC(DKFAC):
         self._stale: set[Key] = set()
         self._inflight: list[tuple[list[tuple[KFACLayer, str]], list[torch.Tensor], Handle]] = []
         self._layers: dict[str, KFACLayer] = {}
-
-    def local_threshold(self) -> int | None:
-        return int(self.options["local_threshold"])
 
     # -------------------------------------------------------------- pipelining
     def factor_ready(self, layer: KFACLayer, which: str) -> None:
@@ -149,20 +194,19 @@ class SPDKFAC(DKFAC):
                 layer.set_pending(which, tensor)
         if self.plan is None and self._times:
             self._profiles.append(dict(self._times))
-            if len(self._profiles) >= int(self.options["profile_steps"]):
+            if len(self._profiles) >= self.options.profile_steps:
                 self._build_plan(layers)
         self._reset_step()
 
     # ------------------------------------------------------------------ fusion
     def _measure_comm_model(self) -> CommModel:
         """Time blocking all-reduces of a few sizes and fit alpha and beta."""
-        alpha, beta = self.options["comm_alpha"], self.options["comm_beta"]
-        if alpha is not None and beta is not None:
-            return CommModel(float(alpha), float(beta))
+        if self.options.fixed_comm_model:
+            return CommModel(float(self.options.comm_alpha), float(self.options.comm_beta))
         samples = []
-        for numel in (256, 16384, 262144):
+        for numel in PROBE_NUMELS:
             buf = torch.zeros(numel, dtype=torch.float32, device=self.comm.device)
-            for _ in range(3):
+            for _ in range(PROBE_REPEATS):
                 start = time.perf_counter()
                 handle = Handle("setup")
                 self.comm.record("setup", "allreduce", buf.numel() * buf.element_size())
@@ -189,12 +233,11 @@ class SPDKFAC(DKFAC):
         sizes = []
         for i in order:
             name, which = seen[i]
-            helper = by_name[name].helper
-            dim = helper.a_dim if which == "A" else helper.g_dim
+            dim = by_name[name].dim(which)
             dtype = by_name[name].module.weight.dtype
             sizes.append(triangle_numel(dim) * torch.empty((), dtype=dtype).element_size())
         ready = [times_l[i] for i in order]
-        if self.options["fusion"] == "dynamic":
+        if self.options.fusion == "dynamic":
             buckets = plan_buckets(ready, sizes, self.comm_model)
         else:
             buckets = [[i] for i in range(len(order))]

@@ -1,0 +1,193 @@
+"""Typed, self-validating options: the preconditioner's common arguments and each strategy's own.
+
+One frozen dataclass per set of options is the single definition of what a
+value may be. The preconditioner builds them from its keyword arguments, the
+cost model takes them to predict the same run, and the experiments validate
+a Hydra config by building them before anything else is constructed. So a
+bad value is rejected in the same words wherever it comes from, and the
+message names the option and the value.
+
+Strategy options subclass :class:`StrategyOptions`; each strategy class names
+its own (``Strategy.Options``), and :func:`make_options` builds one from a
+dict of keyword arguments with a clear error for unknown keys.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = [
+    "COMPUTE_METHODS",
+    "WEIGHT_SHARING",
+    "KFACOptions",
+    "Scalar",
+    "Schedule",
+    "StrategyOptions",
+    "make_options",
+    "value_at",
+]
+
+#: A value that may change with the step: a number, or a callable ``step -> number``.
+Scalar = float | Callable[[int], float]
+#: An update interval: an int, or a callable ``step -> int``.
+Schedule = int | Callable[[int], int]
+
+COMPUTE_METHODS = ("eigen", "inverse")
+WEIGHT_SHARING = ("expand", "reduce")
+
+
+def value_at(value: Any, step: int) -> Any:
+    """The value of a scalar or schedule option at ``step``."""
+    return value(step) if callable(value) else value
+
+
+def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
+    """Raise ValueError unless ``value`` is a finite positive number (or a callable)."""
+    if callable(value):
+        return
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and (value >= 0 if allow_zero else value > 0)
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} must be a positive number or a callable of the step, got {value!r}"
+        )
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Raise ValueError unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {list(choices)}")
+
+
+def _check_steps(name: str, value: Any) -> None:
+    if callable(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 or a callable of the step, got {value!r}")
+
+
+def _check_dtype(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, torch.dtype) or not value.is_floating_point):
+        raise ValueError(f"{name} must be a floating torch.dtype, got {value!r}")
+
+
+@dataclass(frozen=True)
+class KFACOptions:
+    """The arguments every strategy shares (see :class:`dpkfac.KFACPreconditioner`).
+
+    Attributes:
+        compute_method: "eigen" (exact damped Kronecker inverse) or "inverse".
+        damping: γ, or a callable of the step.
+        factor_decay: running-average decay in [0, 1), or a callable of the step.
+        kl_clip: KL-clip bound, or None to disable the clip.
+        lr: learning rate the KL clip assumes, or a callable of the step.
+        factor_update_steps: factor update interval, or a callable of the step.
+        inv_update_steps: decomposition interval, or a callable of the step.
+        skip_layers: regexes searched in module names; matches are left alone.
+        weight_sharing: "expand" or "reduce" for positions (Conv2d, sequences).
+        factor_dtype: dtype factors are built in (None: the weight's dtype).
+        decomposition_dtype: dtype of decompositions, at least 32-bit.
+        pi_damping: π-split of the damping (inverse method only).
+        bucket_cap_mb: size cap of fused buffers.
+        collective_timeout: seconds before a collective counts as hung.
+    """
+
+    compute_method: str = "eigen"
+    damping: Scalar = 0.003
+    factor_decay: Scalar = 0.95
+    kl_clip: float | None = 0.001
+    lr: Scalar = 0.1
+    factor_update_steps: Schedule = 1
+    inv_update_steps: Schedule = 1
+    skip_layers: tuple[str, ...] = ()
+    weight_sharing: str = "expand"
+    factor_dtype: torch.dtype | None = None
+    decomposition_dtype: torch.dtype = torch.float32
+    pi_damping: bool = False
+    bucket_cap_mb: float = 25.0
+    collective_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.skip_layers, str):
+            object.__setattr__(self, "skip_layers", (self.skip_layers,))
+        else:
+            object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+        check_choice("compute_method", self.compute_method, COMPUTE_METHODS)
+        check_choice("weight_sharing", self.weight_sharing, WEIGHT_SHARING)
+        check_positive("damping", self.damping)
+        check_positive("lr", self.lr)
+        fd = self.factor_decay
+        if not callable(fd) and not (
+            isinstance(fd, (int, float)) and not isinstance(fd, bool) and 0 <= fd < 1
+        ):
+            raise ValueError(f"factor_decay must be in [0, 1), got {fd!r}")
+        if self.kl_clip is not None:
+            check_positive("kl_clip", self.kl_clip)
+        _check_steps("factor_update_steps", self.factor_update_steps)
+        _check_steps("inv_update_steps", self.inv_update_steps)
+        _check_dtype("factor_dtype", self.factor_dtype)
+        _check_dtype("decomposition_dtype", self.decomposition_dtype)
+        if torch.finfo(self.decomposition_dtype).bits < 32:
+            raise ValueError(
+                f"decomposition_dtype {self.decomposition_dtype} is half precision; "
+                "decompositions need at least float32"
+            )
+        if self.pi_damping and self.compute_method != "inverse":
+            raise ValueError(
+                f"pi_damping=True needs compute_method='inverse', got {self.compute_method!r} "
+                "(the eigen method damps the Kronecker product exactly)"
+            )
+        for pattern in self.skip_layers:
+            if not isinstance(pattern, str):
+                raise ValueError(f"skip_layers must be regex strings, got {pattern!r}")
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"invalid skip_layers regex {pattern!r}: {err}") from err
+        check_positive("bucket_cap_mb", self.bucket_cap_mb)
+        check_positive("collective_timeout", self.collective_timeout)
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        """The bucket cap in bytes."""
+        return int(self.bucket_cap_mb * 2**20)
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """Base of each strategy's own options (a strategy without options uses it as is)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options as keyword arguments (what ``make_options`` would take back)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+OptionsT = TypeVar("OptionsT", KFACOptions, StrategyOptions)
+
+
+def make_options(cls: type[OptionsT], values: Mapping[str, Any], owner: str) -> OptionsT:
+    """Build ``cls`` from keyword arguments, naming unknown keys and their owner.
+
+    Args:
+        cls: an options dataclass.
+        values: keyword arguments.
+        owner: what the options belong to, for the message ("strategy 'dp_kfac'").
+
+    Raises:
+        ValueError: unknown keys, or a value the dataclass rejects.
+    """
+    names = [f.name for f in fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for {owner}; accepted: {names or 'none'}")
+    return cls(**values)
