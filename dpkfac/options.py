@@ -22,6 +22,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from dpkfac.curvature import COMPUTE_METHODS as _DECOMPOSITIONS
+from dpkfac.curvature.factors import WEIGHT_SHARING
+
 __all__ = [
     "COMPUTE_METHODS",
     "WEIGHT_SHARING",
@@ -38,8 +41,8 @@ Scalar = float | Callable[[int], float]
 #: An update interval: an int, or a callable ``step -> int``.
 Schedule = int | Callable[[int], int]
 
-COMPUTE_METHODS = ("eigen", "inverse")
-WEIGHT_SHARING = ("expand", "reduce")
+#: The compute methods, as the decompositions registry names them.
+COMPUTE_METHODS = tuple(_DECOMPOSITIONS)
 
 
 def value_at(value: Any, step: int) -> Any:
