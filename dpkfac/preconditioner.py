@@ -20,7 +20,6 @@ layer produced, whereas the module backward hook errors out.
 
 from __future__ import annotations
 
-import math
 import re
 import warnings
 from collections.abc import Iterable
@@ -134,8 +133,8 @@ class KFACPreconditioner:
         self.steps = 0
 
         self._stats = CommStats()
-        on_cuda = any(p.is_cuda for p in self.module.parameters())
-        self._timer = PhaseTimer(synchronize=on_cuda)
+        device = next((p.device for p in self.module.parameters()), None)
+        self._timer = PhaseTimer(device)
         self.comm = Communicator(
             process_group, timeout=collective_timeout, stats=self._stats, timer=self._timer
         )
@@ -242,9 +241,7 @@ class KFACPreconditioner:
 
         if any(x.has_pending(w) for x in layers for w in FACTORS) or self._capture:
             strat.reduce_factors(layers)
-            decay = float(value_at(self.options.factor_decay, step))
-            for layer in layers:
-                layer.update_factors(decay)
+            self._fold_factors(float(value_at(self.options.factor_decay, step)))
 
         damping = float(value_at(self.options.damping, step))
         check_positive("damping", damping)
@@ -274,6 +271,25 @@ class KFACPreconditioner:
         self.steps += 1
         self._capture = self._is_factor_step(self.steps)
 
+    def _fold_factors(self, decay: float) -> None:
+        """Fold every pending batch factor into its running average.
+
+        The non-finite checks of all factors are read together: one host
+        sync per factor step instead of one per factor.
+        """
+        checks = [
+            (layer, w, ok) for layer in self._layer_list for w, ok in layer.finite_checks().items()
+        ]
+        flags: list[bool] = []
+        if checks:
+            device = checks[0][2].device
+            flags = torch.stack([ok.to(device) for _, _, ok in checks]).tolist()
+        finite: dict[str, dict[str, bool]] = {}
+        for (layer, which, _), ok in zip(checks, flags, strict=True):
+            finite.setdefault(layer.name, {})[which] = bool(ok)
+        for layer in self._layer_list:
+            layer.update_factors(decay, finite.get(layer.name, {}))
+
     def _precondition(self, damping: float) -> dict[str, Preconditioned]:
         results: dict[str, Preconditioned] = {}
         with self._timer.phase("precondition"):
@@ -284,31 +300,55 @@ class KFACPreconditioner:
                 if grad is None:
                     continue
                 v = layer.preconditioned_grad(damping, grad)
+                # ⟨V, ∇W⟩ stays on the device (no host sync per layer), in at
+                # least float32 so a half-precision model cannot overflow it.
+                kl_dtype = torch.promote_types(grad.dtype, torch.float32)
                 if v is None:
-                    results[layer.name] = Preconditioned(grad, 0.0, False)
+                    zero = grad.new_zeros((), dtype=kl_dtype)
+                    results[layer.name] = Preconditioned(grad, zero, False)
                 else:
-                    results[layer.name] = Preconditioned(v, float((v * grad).sum()), True)
+                    vg = (v.to(kl_dtype) * grad.to(kl_dtype)).sum()
+                    results[layer.name] = Preconditioned(v, vg, True)
         return results
+
+    def _kl_scale(self, final: dict[str, Preconditioned], step: int) -> torch.Tensor | None:
+        """``ν = min(1, sqrt(kl_clip / |Σ lr² ⟨V, ∇W⟩|))`` as a device scalar (None: no clip).
+
+        Computed on the device from every rank's identical inputs in layer
+        order, so all ranks get the same bits without a host round trip; a
+        zero or non-finite sum leaves the updates unscaled.
+        """
+        if self.options.kl_clip is None:
+            return None
+        terms = []
+        for layer in self._layer_list:
+            res = final.get(layer.name)
+            if res is None or res.preconditioned is False:
+                continue
+            flag = res.preconditioned
+            terms.append(res.vg if flag is True else torch.where(flag, res.vg, 0.0))
+        if not terms:
+            return None
+        lr = float(value_at(self.options.lr, step))
+        device = terms[0].device
+        vg_sum = torch.stack([t.to(device) for t in terms]).sum() * lr**2
+        usable = torch.isfinite(vg_sum) & (vg_sum != 0)
+        ratio = self.options.kl_clip / vg_sum.abs().clamp(min=torch.finfo(vg_sum.dtype).tiny)
+        return torch.where(usable, ratio.sqrt().clamp(max=1.0), torch.ones_like(vg_sum))
 
     def _apply(self, final: dict[str, Preconditioned], step: int) -> None:
         """Scale by the KL clip and write the updates into ``.grad``."""
-        scale = 1.0
-        if self.options.kl_clip is not None:
-            lr = float(value_at(self.options.lr, step))
-            vg_sum = 0.0
-            for layer in self._layer_list:
-                res = final.get(layer.name)
-                if res is not None and res.preconditioned:
-                    vg_sum += res.vg * lr**2
-            if vg_sum != 0.0 and math.isfinite(vg_sum):
-                scale = min(1.0, math.sqrt(self.options.kl_clip / abs(vg_sum)))
+        scale = self._kl_scale(final, step)
         for layer in self._layer_list:
             res = final.get(layer.name)
             if res is None:
                 continue
             # Unpreconditioned updates are written too: under dp-kfac they may
             # have arrived by broadcast in place of a gradient never averaged here.
-            matrix = res.matrix * scale if res.preconditioned and scale != 1.0 else res.matrix
+            matrix, flag = res.matrix, res.preconditioned
+            if scale is not None and flag is not False:
+                factor = scale if flag is True else torch.where(flag, scale, 1.0)
+                matrix = matrix * factor.to(matrix.device)
             layer.helper.set_grad_matrix(matrix)
 
     def _warn_uncaptured(self) -> None:

@@ -82,34 +82,66 @@ class CommStats:
 
 
 class PhaseTimer:
-    """Wall-clock seconds per phase; synchronises CUDA so GPU work is not hidden.
+    """Seconds per phase: the host's wall clock on CPU, CUDA events on a GPU.
+
+    On a GPU a phase records an event on the current stream at each boundary
+    and never synchronises the device: a device-wide synchronisation in the
+    capture hooks would tie the backward pass to every kernel in flight and
+    defeat DDP's and spd_kfac's overlap of communication with the backward
+    pass. The event pairs are turned into seconds when the timings are read
+    (:meth:`as_dict`, which waits for them); pairs that have already completed
+    are folded in as phases go, so a run that never reads its timings keeps
+    only a short list.
 
     Args:
-        synchronize: call ``torch.cuda.synchronize()`` at phase boundaries;
-            needed for honest GPU timings, pointless on CPU.
+        device: the device the timed work runs on (None or CPU: wall clock).
     """
 
-    def __init__(self, synchronize: bool = False) -> None:
-        self.synchronize = synchronize
+    #: Unresolved event pairs above which completed ones are folded in.
+    PENDING_LIMIT = 512
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.cuda = device is not None and torch.device(device).type == "cuda"
         self.reset()
 
     def reset(self) -> None:
         self._seconds: dict[str, float] = defaultdict(float)
-
-    def _sync(self) -> None:
-        if self.synchronize and torch.cuda.is_available():
-            torch.cuda.synchronize()
+        self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the enclosed block into ``name``."""
-        self._sync()
-        start = time.perf_counter()
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._pending.append((name, start, end))
+                if len(self._pending) > self.PENDING_LIMIT:
+                    self._resolve(block=False)
+            return
+        start_s = time.perf_counter()
         try:
             yield
         finally:
-            self._sync()
-            self._seconds[name] += time.perf_counter() - start
+            self._seconds[name] += time.perf_counter() - start_s
+
+    def _resolve(self, *, block: bool) -> None:
+        """Fold completed event pairs (all of them, waiting, when ``block``) into seconds."""
+        keep = []
+        for name, start, end in self._pending:
+            if block:
+                end.synchronize()
+            elif not end.query():
+                keep.append((name, start, end))
+                continue
+            self._seconds[name] += start.elapsed_time(end) / 1e3
+        self._pending = keep
 
     def as_dict(self) -> dict[str, float]:
+        """Seconds per phase (waits for the device's outstanding timed work)."""
+        self._resolve(block=True)
         return {p: float(self._seconds.get(p, 0.0)) for p in PHASES}

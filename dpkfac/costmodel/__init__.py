@@ -1,9 +1,11 @@
 """Cost model of distributed K-FAC: exact bytes and memory, modelled seconds.
 
-From layer shapes, the world size, a network alpha-beta model and a device's
-matmul and decomposition rates, :func:`predict` gives per strategy
-(``dp-kfac``, ``d-kfac``, ``spd-kfac``) and for plain data parallelism
-(:func:`predict_sgd`):
+From layer shapes, the world size, the preconditioner's own option
+dataclasses (:class:`~dpkfac.options.KFACOptions` and the strategy's
+options), a network alpha-beta model and a device's matmul and
+decomposition rates, :func:`predict` gives per strategy (any registered
+one: it is priced through its class's traits and placement, never by name)
+and for plain data parallelism (``strategy=None``, :func:`predict_sgd`):
 
 * the bytes, calls and wire bytes per collective category that
   :meth:`dpkfac.KFACPreconditioner.comm_stats` reports (exactly: the same
@@ -12,20 +14,35 @@ matmul and decomposition rates, :func:`predict` gives per strategy
 * seconds per phase (the ``timings()`` keys) per rank, and the iteration as
   a critical path through the step's synchronisation points.
 
-:func:`calibrate` fits a :class:`Hardware` model to measurements (bytes or
-flops against seconds); :data:`PRESETS` holds the papers' 64-GPU cluster
+:func:`calibrate` fits a :class:`Hardware` model to samples (bytes or
+flops against seconds); :func:`fit` fits one to measured runs
+(:class:`Measurement`); :data:`PRESETS` holds the papers' 64-GPU cluster
 (estimates with sources) and this machine (measured). :func:`predicted_table`
-builds the DP-KFAC paper's table; ``python -m dpkfac.costmodel`` prints it.
+builds the DP-KFAC paper's table; ``python -m dpkfac.costmodel`` prints it,
+and ``python -m dpkfac.costmodel balance`` the load balance of DP-KFAC's
+layer assignments on the same models.
 
-Layout: ``hardware`` (models, fitting), ``presets``, ``shapes`` (what a
-model contributes, :func:`shapes_from_model`), ``zoo`` (analytic ResNet-50,
-BERT, Transformer), ``traffic`` (collectives and memory, exact),
-``predict`` (timing), ``table``, ``calibration`` (local micro-benchmarks).
+Layout: ``hardware`` (models, least squares), ``presets``, ``shapes`` (what
+a model contributes, :func:`shapes_from_model`), ``zoo`` (analytic
+ResNet-50, BERT, Transformer), ``traffic`` (collectives and memory, exact),
+``timing`` (work per phase, critical path), ``predict``, ``table``,
+``balance``, ``calibration`` (local micro-benchmarks), ``fitting``
+(hardware from measured runs).
 """
 
 from __future__ import annotations
 
+from dpkfac.costmodel.balance import Balance, balance_rows, format_balance
 from dpkfac.costmodel.calibration import calibrate_local
+from dpkfac.costmodel.fitting import (
+    Fit,
+    Measurement,
+    ModelFit,
+    Regime,
+    calibrate_measurements,
+    fit,
+    predict_measurement,
+)
 from dpkfac.costmodel.hardware import (
     Engine,
     Hardware,
@@ -40,32 +57,43 @@ from dpkfac.costmodel.hardware import (
 from dpkfac.costmodel.predict import Prediction, StepPrediction, predict, predict_sgd
 from dpkfac.costmodel.presets import PRESETS
 from dpkfac.costmodel.shapes import ModelShapes, as_model_shapes, shapes_from_model
-from dpkfac.costmodel.table import VARIANTS, format_table, predicted_table
+from dpkfac.costmodel.table import BASELINES, VARIANTS, format_table, predicted_table
 from dpkfac.costmodel.traffic import Collective, Placement, comm_counts
 from dpkfac.costmodel.zoo import PAPER_MODELS, bert_qa, resnet50, transformer
 
 __all__ = [
+    "BASELINES",
     "PAPER_MODELS",
     "PRESETS",
     "VARIANTS",
+    "Balance",
     "Collective",
     "Engine",
+    "Fit",
     "Hardware",
     "Link",
+    "Measurement",
+    "ModelFit",
     "ModelShapes",
     "Placement",
     "Prediction",
+    "Regime",
     "Sample",
     "StepPrediction",
     "Work",
     "as_model_shapes",
+    "balance_rows",
     "bert_qa",
     "calibrate",
     "calibrate_local",
+    "calibrate_measurements",
     "comm_counts",
+    "fit",
+    "format_balance",
     "format_table",
     "nnls",
     "predict",
+    "predict_measurement",
     "predict_sgd",
     "predicted_table",
     "resnet50",

@@ -1,18 +1,25 @@
 """Predicted bytes, phase seconds, memory and iteration time of one strategy.
 
-Bytes, calls, wire bytes and memory come from :mod:`dpkfac.costmodel.traffic`
-and are exact; seconds come from :mod:`dpkfac.costmodel.timing` (work per
-phase and rank, priced by a :class:`~dpkfac.costmodel.hardware.Hardware`).
+:func:`predict` takes the preconditioner's own option dataclasses
+(:class:`~dpkfac.options.KFACOptions` and the strategy's
+:class:`~dpkfac.options.StrategyOptions`), so a run and its prediction are
+described by the same values and validated by the same code. The strategy
+is priced through its class (:func:`dpkfac.strategies.strategy_class`):
+its traits, placement and one-time collectives; nothing here branches on a
+strategy's name. Bytes, calls, wire bytes and memory come from
+:mod:`dpkfac.costmodel.traffic` and are exact; seconds come from
+:mod:`dpkfac.costmodel.timing` (work per phase and rank, priced by a
+:class:`~dpkfac.costmodel.hardware.Hardware`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
-from dpkfac.assignment import LayerShape
+from dpkfac.assignment import LayerShape, Placement
 from dpkfac.costmodel import traffic as tr
 from dpkfac.costmodel.hardware import Hardware, Sample
 from dpkfac.costmodel.shapes import as_model_shapes
@@ -20,15 +27,17 @@ from dpkfac.costmodel.timing import (
     COMM_PHASES,
     COMPUTE_PHASES,
     StepPrediction,
-    spd_plan,
+    pipelined_plan,
     step_prediction,
     timeline,
 )
 from dpkfac.fusion import CommModel
+from dpkfac.options import KFACOptions, Schedule, StrategyOptions
+from dpkfac.strategies import Traits, canonical_name, strategy_class, strategy_options
 
-__all__ = ["STRATEGIES", "Prediction", "predict", "predict_sgd"]
+__all__ = ["Prediction", "predict", "predict_sgd"]
 
-STRATEGIES = ("dp-kfac", "d-kfac", "spd-kfac", "sgd")
+Key = tuple[str, str]
 
 
 @dataclass
@@ -36,26 +45,54 @@ class Prediction:
     """Everything predicted for one strategy, model and world size.
 
     Attributes:
+        strategy: the strategy's registered name, or None for plain data parallelism.
+        world_size: number of ranks.
+        hardware: name of the hardware model.
         steps: (factor update?, decomposition?) -> :class:`StepPrediction`.
         memory: ``memory_usage()`` of every rank.
         setup: one-time collectives (placement agreement, fusion planning).
-        placement: owners and decomposers.
-        plan: spd-kfac's fusion buckets of (layer, "A"/"G") keys.
+        placement: owners and decomposers (None without K-FAC).
+        plan: the fusion buckets of (layer, "A"/"G") keys of pipelined factor traffic.
         sgd_grad_comm: seconds of plain data parallelism's gradient all-reduce.
+        kfac: the preconditioner's common options the prediction assumed.
+        options: the strategy's options (None without K-FAC).
+        traits: what the strategy does (None without K-FAC).
+        ddp: the model is DDP-wrapped (DDP averages the gradients).
     """
 
-    strategy: str
+    strategy: str | None
     world_size: int
     hardware: str
     steps: dict[tuple[bool, bool], StepPrediction]
     memory: list[dict[str, int]]
     setup: list[tr.Collective]
-    placement: tr.Placement | None
-    plan: list[list[tuple[str, str]]] | None
+    placement: Placement | None
+    plan: list[list[Key]] | None
     sgd_grad_comm: float
-    factor_update_steps: int = 1
-    inv_update_steps: int = 1
-    options: dict[str, Any] = field(default_factory=dict)
+    kfac: KFACOptions
+    options: StrategyOptions | None = None
+    traits: Traits | None = None
+    ddp: bool = False
+
+    @property
+    def factor_update_steps(self) -> int:
+        """Factor update interval the per-step averages assume."""
+        return int(self.kfac.factor_update_steps)  # an int: predict rejects schedules
+
+    @property
+    def inv_update_steps(self) -> int:
+        """Decomposition interval the per-step averages assume."""
+        return int(self.kfac.inv_update_steps)
+
+    @property
+    def overlapped_phases(self) -> tuple[str, ...]:
+        """Communication phases whose collectives run concurrently with the forward/backward.
+
+        Their measured wait is not a transfer time (see :meth:`samples`).
+        """
+        if self.traits is not None and self.traits.factor_comm == "pipelined":
+            return ("factor_comm",)
+        return ()
 
     @property
     def update(self) -> StepPrediction:
@@ -95,7 +132,7 @@ class Prediction:
         that plain data parallelism pays too.
         """
         serial = sum(self.update.comm_serial.values())
-        return serial if self.options.get("ddp") else serial - self.sgd_grad_comm
+        return serial if self.ddp else serial - self.sgd_grad_comm
 
     @property
     def iteration(self) -> float:
@@ -118,11 +155,6 @@ class Prediction:
         """Seconds per step averaged over the factor and decomposition intervals."""
         return self._average(lambda s: s.iteration)
 
-    @property
-    def wire_bytes_avg(self) -> float:
-        """Wire bytes per step and rank, averaged over the intervals."""
-        return self._average(lambda s: sum(c.wire_bytes for c in s.collectives))
-
     def samples(
         self,
         timings: Sequence[Mapping[str, float]],
@@ -142,15 +174,16 @@ class Prediction:
         Compute phases give one sample per rank. A communication phase gives
         one sample with the *smallest* time over ranks: waiting on a
         collective also waits for slower ranks, and the last rank to arrive
-        waits only for the transfer. spd-kfac's overlapped factor
-        communication is left out. The same holds when comparing predicted
-        with measured phases: compute phases against the busiest rank,
-        communication phases against the rank that waited least.
+        waits only for the transfer. Communication that overlaps the
+        forward/backward (:attr:`overlapped_phases`) is left out. The same
+        holds when comparing predicted with measured phases: compute phases
+        against the busiest rank, communication phases against the rank that
+        waited least.
         """
         out = []
         step = self.update
         for phase in (*COMPUTE_PHASES, *COMM_PHASES):
-            if phase == "factor_comm" and self.strategy == "spd-kfac":
+            if phase in self.overlapped_phases:
                 continue
             ranks = range(self.world_size) if phase in COMPUTE_PHASES else [0]
             for r in ranks:
@@ -168,140 +201,157 @@ class Prediction:
         return out
 
 
+def _interval(name: str, value: Schedule) -> int:
+    """An update interval as an int; schedules cannot be averaged without their steps."""
+    if callable(value):
+        raise ValueError(
+            f"predict averages over fixed update intervals; {name} is a callable schedule "
+            "(pass the int interval of the steps to predict)"
+        )
+    return int(value)
+
+
+def _strategy_options(
+    name: str, options: StrategyOptions | Mapping[str, Any] | None
+) -> StrategyOptions:
+    """Validated options of strategy ``name``: a mapping is built as the preconditioner builds it."""
+    cls = strategy_class(name)
+    if options is None or isinstance(options, Mapping):
+        return strategy_options(name, options)
+    if not isinstance(options, cls.Options):
+        raise TypeError(
+            f"strategy {cls.name!r} takes {cls.Options.__name__}, got {type(options).__name__}"
+        )
+    return options
+
+
+def _fusion_comm(options: StrategyOptions, hw: Hardware, p: int) -> tuple[str, CommModel]:
+    """Fusion rule and alpha-beta model a pipelined strategy plans its buckets with.
+
+    Read from the options' ``fusion`` and fixed ``comm_alpha``/``comm_beta``
+    when it has them; otherwise dynamic fusion on the model the strategy would
+    measure (the hardware's all-reduce link at ``p`` ranks).
+    """
+    link = hw.link("allreduce")
+    measured = CommModel(link.latency(p), link.beta * 2 * (p - 1) / p)
+    alpha = getattr(options, "comm_alpha", None)
+    beta = getattr(options, "comm_beta", None)
+    comm = CommModel(alpha, beta) if alpha is not None and beta is not None else measured
+    return str(getattr(options, "fusion", "dynamic")), comm
+
+
 def predict(
     shapes: Sequence[LayerShape],
     *,
-    strategy: str,
+    strategy: str | None,
     world_size: int,
     hardware: Hardware,
-    compute_method: str = "eigen",
-    kl_clip: bool | float | None = True,
-    grad_reduction: str = "allreduce",
-    assignment: str = "lpt",
-    assignment_cost: str = "compute",
-    bucket_cap_mb: float = 25.0,
+    kfac: KFACOptions | None = None,
+    options: StrategyOptions | Mapping[str, Any] | None = None,
     param_itemsize: int = 4,
-    factor_itemsize: int | None = None,
-    decomposition_itemsize: int = 4,
-    local_threshold: int = 1024,
-    fusion: str = "dynamic",
-    comm_alpha: float | None = None,
-    comm_beta: float | None = None,
-    fusion_plan: Sequence[Sequence[tuple[str, str]]] | None = None,
-    ready_times: Mapping[tuple[str, str], float] | None = None,
-    weight_sharing: str = "expand",
+    fusion_plan: Sequence[Sequence[Key]] | None = None,
+    ready_times: Mapping[Key, float] | None = None,
     ddp: bool = False,
     bias: Sequence[bool] | None = None,
     other_params: int | Sequence[int] = 0,
-    factor_update_steps: int = 1,
-    inv_update_steps: int = 1,
 ) -> Prediction:
-    """Predict one strategy's traffic, phase times and memory (options mirror the preconditioner).
+    """Predict one strategy's traffic, phase times and memory from the preconditioner's options.
 
     Args:
         shapes: K-FAC layers in module order; a :class:`ModelShapes` (from
             :func:`shapes_from_model`) also carries biases, capture and the
             other parameters, which exact bucket counts need.
-        strategy: "dp-kfac", "d-kfac", "spd-kfac" (or "sgd": gradients only).
+        strategy: a registered strategy name (any accepted spelling), or
+            None for plain data parallelism (gradients only).
         world_size: number of ranks ``P``.
         hardware: device and network model.
-        compute_method: "eigen" or "inverse".
-        kl_clip: whether the KL clip is on (a float counts as on, None as off).
-        grad_reduction / assignment / assignment_cost: dp-kfac options.
-        bucket_cap_mb: the preconditioner's bucket cap.
-        param_itemsize / factor_itemsize / decomposition_itemsize: bytes per
-            element of parameters, factors (default: parameters) and the
-            ``decomposition_dtype`` (decompositions run in at least float32
-            and never below the factor dtype).
-        local_threshold / fusion / comm_alpha / comm_beta: spd-kfac options.
-        fusion_plan: spd-kfac's plan (``pre.strategy.plan``) instead of
-            replanning from modelled ready times.
+        kfac: the preconditioner's common options (default: its defaults).
+            Used: compute_method, kl_clip (on unless None), weight_sharing,
+            bucket_cap_mb, factor_dtype (default: the parameters' itemsize),
+            decomposition_dtype (decompositions run in at least float32 and
+            never below the factor dtype) and the int update intervals of the
+            per-step averages. Without K-FAC only the bucket cap matters.
+        options: the strategy's options, as its ``Options`` dataclass or as
+            keyword arguments (validated as the preconditioner validates them).
+        param_itemsize: bytes per element of the parameters.
+        fusion_plan: the fusion plan of a pipelined strategy as the run fixed
+            it (``pre.strategy.plan``), instead of replanning from modelled
+            ready times.
         ready_times: measured factor ready times to plan from.
-        weight_sharing: "expand" or "reduce" (rows of the factor products).
         ddp: the model is DDP-wrapped (gradients are not counted by K-FAC).
         bias / other_params: see :func:`as_model_shapes` (plain shapes only).
-        factor_update_steps / inv_update_steps: intervals for per-step averages.
+
+    Raises:
+        ValueError: an unknown strategy or option, a bad option value, a
+            callable update interval, or strategy options without a strategy.
+        TypeError: options of another strategy's class.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
-    if compute_method not in ("eigen", "inverse"):
-        raise ValueError(f"unknown compute_method {compute_method!r}")
-    if grad_reduction not in ("allreduce", "owner"):
-        raise ValueError(f"unknown grad_reduction {grad_reduction!r}")
+    kfac = KFACOptions() if kfac is None else kfac
+    f_every = _interval("factor_update_steps", kfac.factor_update_steps)
+    i_every = _interval("inv_update_steps", kfac.inv_update_steps)
+    if strategy is None:
+        if options:
+            raise ValueError(f"strategy options {options!r} given without a strategy")
+        name, opts, traits = None, None, None
+    else:
+        name = canonical_name(strategy)
+        opts = _strategy_options(name, options)
+        traits = strategy_class(name).traits(opts)
     model = as_model_shapes(shapes, bias=bias, other_params=other_params)
     p, hw = int(world_size), hardware
-    fi = factor_itemsize or param_itemsize
-    di = max(4, fi, decomposition_itemsize)
-    cap = int(bucket_cap_mb * 2**20)
-    kfac = strategy != "sgd"
-    placement = (
-        tr.place(
-            model,
-            p,
-            strategy,
-            assignment=assignment,
-            assignment_cost=assignment_cost,
-            local_threshold=local_threshold,
-        )
-        if kfac
-        else None
-    )
+    fi = kfac.factor_dtype.itemsize if kfac.factor_dtype is not None else param_itemsize
+    di = max(4, fi, kfac.decomposition_dtype.itemsize)
+    cap = kfac.bucket_cap_bytes
+    method, sharing = kfac.compute_method, kfac.weight_sharing
     active = p > 1
-    owner_reduce = strategy == "dp-kfac" and grad_reduction == "owner" and active
-    grads = tr.grad_collectives(
-        model,
-        p,
-        itemsize=param_itemsize,
-        cap_bytes=cap,
-        owners=placement.owner if owner_reduce else None,
-    )
     sgd_grads = tr.grad_collectives(model, p, itemsize=param_itemsize, cap_bytes=cap)
     sgd_grad_comm = (
         sum(hw.link(c.kind).time(1, c.wire_bytes, p) for c in sgd_grads) if active else 0.0
     )
-    every = [] if ddp else list(grads)
-    if strategy == "dp-kfac":
-        every += tr.precond_collectives(
-            model,
-            p,
-            placement.owner,
-            itemsize=param_itemsize,
-            cap_bytes=cap,
-            kl_clip=bool(kl_clip),
-        )
-    plan = None
+    placement = plan = None
+    every: list[tr.Collective] = [] if ddp else list(sgd_grads)
     setup: list[tr.Collective] = []
-    if strategy == "dp-kfac" and assignment == "lpt":
-        setup.append(tr.Collective("setup", "allreduce", 16 * len(model), p))
-    if strategy == "spd-kfac":
-        link = hw.link("allreduce")
-        measured = CommModel(link.latency(p), link.beta * 2 * (p - 1) / p)
-        fixed = comm_alpha is not None and comm_beta is not None
-        comm = CommModel(comm_alpha, comm_beta) if fixed else measured
-        plan = (
-            [list(b) for b in fusion_plan]
-            if fusion_plan is not None
-            else spd_plan(
-                model, ready_times or timeline(model, hw, weight_sharing, fi)[0], comm, fi, fusion
+    factor_colls: list[tr.Collective] = []
+    decomp_colls: list[tr.Collective] = []
+    if name is not None and opts is not None and traits is not None:
+        cls = strategy_class(name)
+        placement = cls.placement(list(model), p, opts)
+        if traits.owner_grad_reduction and active and not ddp:
+            every = tr.grad_collectives(
+                model, p, itemsize=param_itemsize, cap_bytes=cap, owners=placement.owner
             )
-        )
+        if not traits.preconditions_all:
+            every += tr.precond_collectives(
+                model,
+                p,
+                placement.owner,
+                itemsize=param_itemsize,
+                cap_bytes=cap,
+                kl_clip=kfac.kl_clip is not None,
+            )
+        if cls.placement_uses_batch(opts):
+            # (batch_size, positions) of every layer, as float64, agreed by a max-reduce.
+            setup.append(tr.Collective("setup", "allreduce", 16 * len(model), p))
         n_keys = len(tr.factor_keys(model))
-        setup.append(tr.Collective("setup", "allreduce", 8 * (n_keys + 2), p))
-        if not fixed:
-            setup += [
-                tr.Collective("setup", "allreduce", 4 * n, p)
-                for n in (256, 16384, 262144)
-                for _ in range(3)
-            ]
-    factor_colls = tr.factor_collectives(model, p, strategy, itemsize=fi, cap_bytes=cap, plan=plan)
-    decomp_colls = (
-        tr.decomposition_collectives(
-            model, p, placement, compute_method=compute_method, itemsize=di, cap_bytes=cap
+        setup += [
+            tr.Collective("setup", kind, nbytes, p)
+            for kind, nbytes in cls.setup_collectives(opts, n_keys)
+        ]
+        if traits.factor_comm == "pipelined":
+            fusion, comm = _fusion_comm(opts, hw, p)
+            if fusion_plan is not None:
+                plan = [[(k[0], k[1]) for k in bucket] for bucket in fusion_plan]
+            else:
+                ready = ready_times or timeline(model, hw, sharing, fi)[0]
+                plan = pipelined_plan(model, ready, comm, fi, fusion, traits.triangle)
+        factor_colls = tr.factor_collectives(
+            model, p, traits, itemsize=fi, cap_bytes=cap, plan=plan
         )
-        if strategy in ("d-kfac", "spd-kfac")
-        else []
-    )
-    ddp_grad = sgd_grad_comm if ddp else 0.0  # DDP all-reduces, whatever grad_reduction says
+        if traits.decomposition_broadcast:
+            decomp_colls = tr.decomposition_collectives(
+                model, p, placement, compute_method=method, itemsize=di, cap_bytes=cap
+            )
+    ddp_grad = sgd_grad_comm if ddp else 0.0  # DDP all-reduces, whatever the traits say
     steps = {}
     for factor in (True, False):
         for decomp in (True, False):
@@ -309,14 +359,14 @@ def predict(
             steps[(factor, decomp)] = step_prediction(
                 model,
                 p,
-                strategy,
+                traits,
                 placement,
                 hw,
                 colls if active else [],
                 factor=factor,
                 decomp=decomp,
-                compute_method=compute_method,
-                weight_sharing=weight_sharing,
+                compute_method=method,
+                weight_sharing=sharing,
                 factor_itemsize=fi,
                 ddp_grad=ddp_grad,
                 plan=plan,
@@ -325,37 +375,32 @@ def predict(
         tr.memory_per_rank(
             model,
             p,
-            strategy,
+            traits,
             placement,
-            compute_method=compute_method,
+            compute_method=method,
             factor_itemsize=fi,
             decomposition_itemsize=di,
         )
-        if kfac
-        else [{"factors": 0, "decompositions": 0, "buffers": 0}] * p
+        if traits is not None and placement is not None
+        else [{"factors": 0, "decompositions": 0, "buffers": 0} for _ in range(p)]
     )
     return Prediction(
-        strategy,
-        p,
-        hw.name,
-        steps,
-        memory,
-        setup if active else [],
-        placement,
-        plan,
-        sgd_grad_comm,
-        factor_update_steps,
-        inv_update_steps,
-        {
-            "compute_method": compute_method,
-            "kl_clip": bool(kl_clip),
-            "grad_reduction": grad_reduction,
-            "weight_sharing": weight_sharing,
-            "ddp": ddp,
-        },
+        strategy=name,
+        world_size=p,
+        hardware=hw.name,
+        steps=steps,
+        memory=memory,
+        setup=setup if active else [],
+        placement=placement,
+        plan=plan,
+        sgd_grad_comm=sgd_grad_comm,
+        kfac=replace(kfac, factor_update_steps=f_every, inv_update_steps=i_every),
+        options=opts,
+        traits=traits,
+        ddp=ddp,
     )
 
 
 def predict_sgd(shapes: Sequence[LayerShape], **kwargs: Any) -> Prediction:
     """Plain data parallelism: forward/backward and the gradient all-reduce only."""
-    return predict(shapes, strategy="sgd", **kwargs)
+    return predict(shapes, strategy=None, **kwargs)

@@ -1,11 +1,12 @@
 """The DP-KFAC paper's headline table, predicted: cost per second-order update at 64 GPUs.
 
-For each model and strategy: the busiest rank's K-FAC computation
+For each model and strategy variant: the busiest rank's K-FAC computation
 (factor construction, decomposition, preconditioning), the communication
 K-FAC adds to plain data parallelism, the busiest rank's K-FAC memory, and
-the iteration time against SGD's. dp-kfac rows carry the ratios the paper
-reports ("how many times lower"): d-kfac / dp-kfac, spd-kfac / dp-kfac and
-best-of-the-two / dp-kfac.
+the iteration time against SGD's. Every row that is not a baseline carries
+the ratios the paper reports ("how many times lower"): each baseline over
+the row (``<metric>_x_d_kfac``, ``<metric>_x_spd_kfac``) and the best
+baseline over the row (``<metric>_x_best``).
 """
 
 from __future__ import annotations
@@ -17,58 +18,65 @@ from dpkfac.assignment import LayerShape
 from dpkfac.costmodel.hardware import Hardware
 from dpkfac.costmodel.predict import predict, predict_sgd
 from dpkfac.costmodel.presets import PRESETS
+from dpkfac.options import KFACOptions
 
-__all__ = ["VARIANTS", "format_table", "predicted_table"]
+__all__ = ["BASELINES", "VARIANTS", "format_table", "predicted_table"]
 
-#: Table rows: label -> (strategy, extra options).
+#: Table rows: label -> (strategy, strategy options).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "dp-kfac": ("dp-kfac", {}),
-    "dp-kfac (owner)": ("dp-kfac", {"grad_reduction": "owner"}),
-    "d-kfac": ("d-kfac", {}),
-    "spd-kfac": ("spd-kfac", {}),
+    "dp_kfac": ("dp_kfac", {}),
+    "dp_kfac_owner": ("dp_kfac", {"grad_reduction": "owner"}),
+    "d_kfac": ("d_kfac", {}),
+    "spd_kfac": ("spd_kfac", {}),
 }
+#: Labels of the rows the others are compared with (the papers' D-KFAC baselines).
+BASELINES: tuple[str, ...] = ("d_kfac", "spd_kfac")
 _METRICS = ("computation_s", "communication_s", "memory_mb", "total_communication_s")
-_SGD_KEYS = ("bias", "other_params", "param_itemsize", "bucket_cap_mb", "ddp")
+
+ModelSpec = Sequence[LayerShape] | tuple[Sequence[LayerShape], KFACOptions]
 
 
 def predicted_table(
-    models: Mapping[str, Sequence[LayerShape] | tuple[Sequence[LayerShape], Mapping[str, Any]]],
+    models: Mapping[str, ModelSpec],
     world_size: int = 64,
     hardware: Hardware | None = None,
-    variants: Mapping[str, tuple[str, dict[str, Any]]] = VARIANTS,
+    variants: Mapping[str, tuple[str, Mapping[str, Any]]] = VARIANTS,
+    *,
+    kfac: KFACOptions | None = None,
+    baselines: Sequence[str] = BASELINES,
     **options: Any,
 ) -> list[dict[str, Any]]:
     """One row per model and strategy variant.
 
     Args:
-        models: name -> shapes, or name -> (shapes, predict options), e.g.
-            :data:`dpkfac.costmodel.zoo.PAPER_MODELS`.
+        models: name -> shapes, or name -> (shapes, the preconditioner's
+            options for that model), e.g. :data:`dpkfac.costmodel.zoo.PAPER_MODELS`.
         world_size: number of ranks.
         hardware: device and network model (default: ``v100_ib100``).
-        variants: label -> (strategy, options) rows per model.
-        **options: predict options shared by every model.
+        variants: label -> (strategy, strategy options) rows per model.
+        kfac: the preconditioner's options of models that bring none.
+        baselines: labels of ``variants`` every other row is compared with.
+        **options: further :func:`~dpkfac.costmodel.predict` arguments shared
+            by every row (``param_itemsize``, ``ddp``, ``bias``, ``other_params``).
 
     Returns:
-        Rows with ``model``, ``strategy``, ``computation_s``,
-        ``communication_s`` (added to SGD's), ``total_communication_s``
-        (gradients included), ``memory_mb``, ``kfac_wire_mb`` (wire MiB per
-        rank and update beyond SGD's), ``iteration_s``,
-        ``sgd_iteration_s`` and, on dp-kfac rows, ``<metric>_x_d-kfac``,
-        ``<metric>_x_spd-kfac`` and ``<metric>_x_best``.
+        Rows with ``model``, ``strategy`` (the variant's label),
+        ``computation_s``, ``communication_s`` (added to SGD's),
+        ``total_communication_s`` (gradients included), ``memory_mb``,
+        ``kfac_wire_mb`` (wire MiB per rank and update beyond SGD's),
+        ``iteration_s``, ``sgd_iteration_s`` and, on rows that are not
+        baselines, ``<metric>_x_<baseline>`` and ``<metric>_x_best``.
     """
     hw = hardware or PRESETS["v100_ib100"]
     rows: list[dict[str, Any]] = []
     for model_name, spec in models.items():
-        shapes, model_opts = spec if isinstance(spec, tuple) else (spec, {})
-        opts = {**options, **model_opts}
-        sgd_opts = {k: v for k, v in opts.items() if k in _SGD_KEYS}
-        sgd = predict_sgd(shapes, world_size=world_size, hardware=hw, **sgd_opts)
+        shapes, model_kfac = spec if isinstance(spec, tuple) else (spec, kfac)
+        common = {"world_size": world_size, "hardware": hw, "kfac": model_kfac, **options}
+        sgd = predict_sgd(shapes, **common)
         sgd_wire = sum(c.wire_bytes for c in sgd.update.collectives)
         by_label = {}
         for label, (strategy, extra) in variants.items():
-            pred = predict(
-                shapes, strategy=strategy, world_size=world_size, hardware=hw, **{**opts, **extra}
-            )
+            pred = predict(shapes, strategy=strategy, options=extra, **common)
             wire = sum(c.wire_bytes for c in pred.update.collectives)
             row = {
                 "model": model_name,
@@ -83,16 +91,15 @@ def predicted_table(
             }
             by_label[label] = row
             rows.append(row)
-        baselines = [b for b in ("d-kfac", "spd-kfac") if b in by_label]
+        present = [b for b in baselines if b in by_label]
         for label, row in by_label.items():
-            if not label.startswith("dp-kfac"):
+            if label in present or not present:
                 continue
             for metric in _METRICS:
-                for b in baselines:
+                for b in present:
                     row[f"{metric}_x_{b}"] = _ratio(by_label[b][metric], row[metric])
-                if baselines:
-                    best = min(by_label[b][metric] for b in baselines)
-                    row[f"{metric}_x_best"] = _ratio(best, row[metric])
+                best = min(by_label[b][metric] for b in present)
+                row[f"{metric}_x_best"] = _ratio(best, row[metric])
     return rows
 
 
@@ -104,8 +111,8 @@ def _num(x: float, scale: float = 1.0) -> str:
     return f"{round(x * scale, 1) + 0.0:.1f}"  # + 0.0: no "-0.0" from round-off
 
 
-def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """Markdown: one line per model and strategy, then dp-kfac's ratios vs the best D-KFAC."""
+def format_table(rows: Sequence[Mapping[str, Any]], baselines: Sequence[str] = BASELINES) -> str:
+    """Markdown: one line per model and variant, then the ratios against the baselines."""
     head = (
         "| model | strategy | computation (ms) | communication (ms) | memory (MiB) "
         "| K-FAC wire (MiB) | comm. incl. gradients (ms) | iteration (ms) | SGD iteration (ms) |"
@@ -122,21 +129,22 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
             _num(r["sgd_iteration_s"], 1e3),
         ]
         lines.append(f"| {r['model']} | {r['strategy']} | " + " | ".join(cells) + " |")
+    vs_heads = " | ".join(f"vs {b} (comp / comm / mem)" for b in baselines)
     lines += [
         "",
-        "How many times lower for dp-kfac (best of d-kfac and spd-kfac / dp-kfac):",
+        f"How many times lower (best of {', '.join(baselines)} / the row):",
         "",
         "| model | strategy | computation | communication | memory | comm. incl. gradients "
-        "| vs d-kfac (comp / comm / mem) | vs spd-kfac (comp / comm / mem) |",
-        "|" + "---|" * 8,
+        f"| {vs_heads} |",
+        "|" + "---|" * (6 + len(baselines)),
     ]
     for r in rows:
         if "computation_s_x_best" not in r:
             continue
         vs = [
             " / ".join(f"{r.get(f'{m}_x_{b}', float('nan')):.2f}" for m in _METRICS[:3])
-            for b in ("d-kfac", "spd-kfac")
+            for b in baselines
         ]
         best = " | ".join(f"{r[f'{m}_x_best']:.2f}" for m in _METRICS)
-        lines.append(f"| {r['model']} | {r['strategy']} | {best} | {vs[0]} | {vs[1]} |")
+        lines.append(f"| {r['model']} | {r['strategy']} | {best} | " + " | ".join(vs) + " |")
     return "\n".join(lines)

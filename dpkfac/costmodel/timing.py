@@ -20,13 +20,18 @@ Work (``kind -> (calls, amount)``, see :mod:`dpkfac.costmodel.hardware`) per pha
   "unpack" bytes for rebuilding full factors from triangle-packed buffers
   (spd-kfac), which happens when the collective is waited on.
 
-The iteration is a critical path through the step's synchronisation points
-(a collective completes when the slowest rank has joined it): the busiest
-rank's forward/backward with factor construction, the gradient collectives,
-then per strategy the rest. spd-kfac's factor all-reduces overlap the
-forward and backward passes: only what the fusion schedule leaves after the
-backward pass is counted (the serial time stays in ``comm_serial``), to the
-extent the hardware overlaps them (``Hardware.overlap``; the rest is serial).
+Which rank does which work, and where the step synchronises, come from the
+strategy's :class:`~dpkfac.strategies.Traits` and placement, never from its
+name. The iteration is a critical path through the step's synchronisation
+points (a collective completes when the slowest rank has joined it): the
+busiest rank's forward/backward with factor construction, the gradient
+collectives, the factor collectives, then decomposition (and its broadcast,
+where decompositions are broadcast: a synchronisation point between
+decomposing and preconditioning), preconditioning and the broadcast of
+preconditioned gradients. Pipelined factor all-reduces overlap the forward
+and backward passes: only what the fusion schedule leaves after the backward
+pass is counted (the serial time stays in ``comm_serial``), to the extent the
+hardware overlaps them (``Hardware.overlap``; the rest is serial).
 """
 
 from __future__ import annotations
@@ -35,12 +40,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dpkfac.assignment import EIGH_COEFF, INVERSE_COEFF, LayerShape
+from dpkfac.assignment import EIGH_COEFF, INVERSE_COEFF, LayerShape, Placement
 from dpkfac.costmodel import traffic as tr
 from dpkfac.costmodel.hardware import Hardware, Work, add_work
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.fusion import CommModel, plan_buckets
 from dpkfac.stats import PHASE_OF_CATEGORY
+from dpkfac.strategies import Traits
 
 __all__ = [
     "COMM_PHASES",
@@ -48,7 +54,7 @@ __all__ = [
     "StepPrediction",
     "factor_work",
     "forward_backward_work",
-    "spd_plan",
+    "pipelined_plan",
     "step_prediction",
     "timeline",
 ]
@@ -142,13 +148,23 @@ def timeline(
     return ready, t
 
 
-def spd_plan(
-    model: ModelShapes, ready: Mapping[Key, float], comm: CommModel, itemsize: int, fusion: str
+def pipelined_plan(
+    model: ModelShapes,
+    ready: Mapping[Key, float],
+    comm: CommModel,
+    itemsize: int,
+    fusion: str,
+    triangle: bool = True,
 ) -> list[list[Key]]:
-    """SPD-KFAC's fusion plan, built as ``SPDKFAC._build_plan`` builds it from ready times."""
+    """The fusion plan of pipelined factor traffic, built as ``SPDKFAC._build_plan`` builds it.
+
+    Factors are ordered by ready time; "dynamic" fusion merges consecutive
+    ones by :func:`dpkfac.fusion.plan_buckets`, anything else sends each alone.
+    """
     keys = tr.factor_keys(model)
     order = sorted(range(len(keys)), key=lambda i: (ready[keys[i]], i))
-    sizes = [tr.triangle_numel(tr.factor_dim(model, keys[i])) * itemsize for i in order]
+    dims = [tr.factor_dim(model, keys[i]) for i in order]
+    sizes = [(tr.triangle_numel(d) if triangle else d * d) * itemsize for d in dims]
     times = [ready[keys[i]] for i in order]
     if fusion == "dynamic":
         buckets = plan_buckets(times, sizes, comm)
@@ -160,8 +176,8 @@ def spd_plan(
 def _rank_work(
     model: ModelShapes,
     rank: int,
-    strategy: str,
-    placement: tr.Placement | None,
+    traits: Traits | None,
+    placement: Placement | None,
     *,
     factor: bool,
     decomp: bool,
@@ -175,10 +191,10 @@ def _rank_work(
     pre_coeff = 4.0 if compute_method == "eigen" else 2.0
     w: dict[str, Work] = {}
     for i, s in enumerate(model):
-        if placement is None or not model.captured[i]:
+        if traits is None or placement is None or not model.captured[i]:
             continue
-        mine = strategy != "dp-kfac" or placement.owner[i] == rank
-        if factor and mine:
+        owned = placement.owner[i] == rank
+        if factor and (traits.captures_all or owned):
             for which in "AG":
                 for kind, (c, a) in factor_work(s, which, weight_sharing, itemsize).items():
                     add_work(w.setdefault("factor_compute", {}), kind, c, a)
@@ -186,7 +202,7 @@ def _rank_work(
             for d, o in ((s.a_dim, placement.a_owner[i]), (s.g_dim, placement.g_owner[i])):
                 if o is None or o == rank:
                     add_work(w.setdefault("decomposition", {}), dec_kind, 1, dec_flops * d**3)
-        if mine:
+        if traits.preconditions_all or owned:
             flops = pre_coeff * s.g_dim * s.a_dim * (s.g_dim + s.a_dim)
             add_work(w.setdefault("precondition", {}), "precondition", 1, flops)
     return w
@@ -195,8 +211,8 @@ def _rank_work(
 def step_prediction(
     model: ModelShapes,
     p: int,
-    strategy: str,
-    placement: tr.Placement | None,
+    traits: Traits | None,
+    placement: Placement | None,
     hw: Hardware,
     colls: list[tr.Collective],
     *,
@@ -208,7 +224,10 @@ def step_prediction(
     ddp_grad: float,
     plan: list[list[Key]] | None,
 ) -> StepPrediction:
-    """Work, seconds and critical path of one step that sends ``colls``."""
+    """Work, seconds and critical path of one step that sends ``colls``.
+
+    ``traits`` None is plain data parallelism (no K-FAC work).
+    """
     comm_work: dict[str, Work] = {}
     for c in colls:
         phase = comm_work.setdefault(PHASE_OF_CATEGORY[c.category], {})
@@ -222,7 +241,7 @@ def step_prediction(
             _rank_work(
                 model,
                 r,
-                strategy,
+                traits,
                 placement,
                 factor=factor,
                 decomp=decomp,
@@ -234,7 +253,8 @@ def step_prediction(
         work.append(w)
         seconds.append({ph: hw.time(w.get(ph, {}), p) for ph in (*COMPUTE_PHASES, *COMM_PHASES)})
     serial = {ph: seconds[0][ph] for ph in COMM_PHASES}
-    if strategy == "spd-kfac" and "factor_comm" in comm_work and plan:
+    pipelined = traits is not None and traits.factor_comm == "pipelined"
+    if pipelined and "factor_comm" in comm_work and plan:
         ready, backward_end = timeline(model, hw, weight_sharing, factor_itemsize)
         link, finish = hw.link("allreduce"), -math.inf
         factor_colls = [c for c in colls if c.category == "factor_allreduce"]
@@ -256,11 +276,12 @@ def step_prediction(
     if ddp_grad:
         breakdown["ddp_grad_comm"] = ddp_grad
     breakdown.update({ph: seconds[0][ph] for ph in ("grad_comm", "factor_comm")})
-    if strategy == "dp-kfac":
-        breakdown.update(critical(["decomposition", "precondition"]))
-    else:
+    if traits is not None and traits.decomposition_broadcast:
+        # The broadcast waits for the slowest decomposer, and preconditioning for it.
         breakdown.update(critical(["decomposition"]))
         breakdown["decomposition_comm"] = seconds[0]["decomposition_comm"]
         breakdown.update(critical(["precondition"]))
+    else:
+        breakdown.update(critical(["decomposition", "precondition"]))
     breakdown["precond_comm"] = seconds[0]["precond_comm"]
     return StepPrediction(colls, work, seconds, breakdown, serial)

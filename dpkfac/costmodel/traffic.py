@@ -1,18 +1,22 @@
-"""Which collectives each strategy launches, buffer by buffer, and what each rank holds.
+"""Which collectives a strategy launches, buffer by buffer, and what each rank holds.
 
-This is the exact half of the cost model: it replays the strategies'
-placement (:func:`dpkfac.assignment.assign_layers` /
-:func:`~dpkfac.assignment.assign_factors`), their fusion plans
-(:func:`dpkfac.fusion.plan_buckets`) and the communicator's bucket rule
-(:func:`dpkfac.fusion.size_cap_buckets`, the single-dtype case of
-``dpkfac.comm._bucket_plan``), so the predicted bytes, calls and wire bytes
-are what :meth:`dpkfac.KFACPreconditioner.comm_stats` reports on every rank.
-All tensors of one category are assumed to share one dtype.
+This is the exact half of the cost model. It never asks which strategy it
+prices: the strategy class answers with its :class:`~dpkfac.strategies.Traits`
+(does it send factors, broadcast decompositions, broadcast preconditioned
+gradients, reduce gradients onto owners?) and its
+:meth:`~dpkfac.strategies.Strategy.placement`, the very function the strategy
+writes into its layers. This module replays those answers with the
+communicator's bucket rule (:func:`dpkfac.fusion.size_cap_buckets`, the
+single-dtype case of :func:`dpkfac.comm.bucket_plan`) and the fusion plans of
+pipelined factor traffic, so the predicted bytes, calls and wire bytes are
+what :meth:`dpkfac.KFACPreconditioner.comm_stats` reports on every rank. All
+tensors of one category are assumed to share one dtype.
 
 Orders mirrored from the code: gradients go layer by layer (weight, then
-bias), then the other parameters; dp-kfac broadcasts per owner rank, each
-layer's update matrix followed by its two KL scalars; decompositions go per
-source rank, layer by layer, A before G, eigenvectors before eigenvalues.
+bias), then the other parameters; preconditioned gradients are broadcast per
+owner rank, each layer's update matrix followed by its two KL scalars;
+decompositions go per source rank, layer by layer, A before G, eigenvectors
+before eigenvalues.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dpkfac.assignment import assign_factors, assign_layers
+from dpkfac.assignment import Placement
 from dpkfac.comm import triangle_numel
 from dpkfac.costmodel.hardware import wire_bytes
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.fusion import size_cap_buckets
 from dpkfac.stats import COMM_CATEGORIES
+from dpkfac.strategies import Traits
 
 __all__ = [
     "Collective",
@@ -35,9 +40,10 @@ __all__ = [
     "decomposition_collectives",
     "decomposition_numel",
     "factor_collectives",
+    "factor_dim",
+    "factor_keys",
     "grad_collectives",
     "memory_per_rank",
-    "place",
     "precond_collectives",
 ]
 
@@ -62,40 +68,6 @@ class Collective:
     @property
     def wire_bytes(self) -> int:
         return wire_bytes(self.kind, self.nbytes, self.world_size)
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Who does what: per layer ``owner`` (dp-kfac) and per factor decomposer.
-
-    ``a_owner``/``g_owner`` entries are None for factors every rank
-    decomposes itself (spd-kfac below the local threshold).
-    """
-
-    owner: tuple[int, ...]
-    a_owner: tuple[int | None, ...]
-    g_owner: tuple[int | None, ...]
-
-
-def place(
-    model: ModelShapes,
-    world_size: int,
-    strategy: str,
-    *,
-    assignment: str = "lpt",
-    assignment_cost: str = "compute",
-    local_threshold: int | None = None,
-) -> Placement:
-    """The placement the strategy computes from the same shapes."""
-    if strategy == "dp-kfac":
-        owners = tuple(assign_layers(list(model), world_size, assignment_cost, assignment))
-        return Placement(owners, owners, owners)
-    dims = [d for s in model for d in (s.a_dim, s.g_dim)]
-    threshold = local_threshold if strategy == "spd-kfac" else None
-    placed = assign_factors(dims, world_size, local_threshold=threshold)
-    a, g = tuple(placed[0::2]), tuple(placed[1::2])
-    owner = tuple(next((o for o in pair if o is not None), -1) for pair in zip(a, g, strict=True))
-    return Placement(owner, a, g)
 
 
 def bucket_bytes(sizes: Sequence[int], cap_bytes: int | None) -> list[int]:
@@ -123,7 +95,7 @@ def grad_collectives(
 ) -> list[Collective]:
     """Gradient averaging: one capped all-reduce, or (owners given) reduces to owners.
 
-    With ``owners`` (dp-kfac, ``grad_reduction="owner"``), each rank's K-FAC
+    With ``owners`` (``Traits.owner_grad_reduction``), each rank's K-FAC
     layer gradients are reduced onto it, then the other parameters are
     all-reduced.
     """
@@ -149,7 +121,11 @@ def precond_collectives(
     cap_bytes: int,
     kl_clip: bool,
 ) -> list[Collective]:
-    """dp-kfac: each owner broadcasts its layers' updates (and KL scalars), capped."""
+    """Each owner broadcasts its layers' updates (and KL scalars), capped.
+
+    What a strategy that does not precondition everywhere
+    (``Traits.preconditions_all`` False) sends.
+    """
     out: list[Collective] = []
     for r in range(world_size):
         sizes: list[int] = []
@@ -168,39 +144,54 @@ def factor_keys(model: ModelShapes) -> list[Key]:
 
 
 def factor_dim(model: ModelShapes, key: Key) -> int:
+    """Side of the factor ``key`` = (layer name, "A"/"G")."""
     s = next(s for s in model if s.name == key[0])
     return s.a_dim if key[1] == "A" else s.g_dim
+
+
+def _factor_numel(dim: int, triangle: bool) -> int:
+    return triangle_numel(dim) if triangle else dim * dim
 
 
 def factor_collectives(
     model: ModelShapes,
     world_size: int,
-    strategy: str,
+    traits: Traits,
     *,
     itemsize: int,
     cap_bytes: int,
     plan: Sequence[Sequence[Key]] | None = None,
 ) -> list[Collective]:
-    """Factor averaging: d-kfac full factors in capped buckets; spd-kfac one
-    triangle-packed collective per fusion bucket (``plan``; None: the
-    profiling steps, where each factor travels alone)."""
+    """Factor averaging, as ``traits.factor_comm`` says.
+
+    "none": nothing. "allreduce": the factors in capped buckets, from
+    ``step()``. "pipelined": one collective per fusion bucket of ``plan``
+    (None: the profiling steps, where each factor travels alone), launched
+    from the capture hooks. With ``traits.triangle`` only upper triangles
+    travel and the full matrices are rebuilt on arrival (``unpack_bytes``).
+    """
     keys = factor_keys(model)
-    if strategy == "d-kfac":
-        sizes = [factor_dim(model, k) ** 2 * itemsize for k in keys]
-        return _collectives("factor_allreduce", "allreduce", sizes, cap_bytes, world_size)
-    if strategy != "spd-kfac":
+    if traits.factor_comm == "none" or not keys:
         return []
-    buckets = [[k] for k in keys] if plan is None else plan
+    tri = traits.triangle
+    dims = [factor_dim(model, k) for k in keys]
+    if traits.factor_comm == "allreduce":
+        runs = size_cap_buckets([_factor_numel(d, tri) * itemsize for d in dims], cap_bytes)
+    elif plan is None:
+        runs = [[i] for i in range(len(keys))]
+    else:
+        index = {k: i for i, k in enumerate(keys)}
+        runs = [[index[(name, which)] for name, which in bucket] for bucket in plan]
     return [
         Collective(
             "factor_allreduce",
             "allreduce",
-            sum(triangle_numel(factor_dim(model, k)) for k in bucket) * itemsize,
+            sum(_factor_numel(dims[i], tri) for i in run) * itemsize,
             world_size,
-            unpack_bytes=sum(factor_dim(model, k) ** 2 for k in bucket) * itemsize,
+            unpack_bytes=sum(dims[i] ** 2 for i in run) * itemsize if tri else 0,
         )
-        for bucket in buckets
-        if bucket
+        for run in runs
+        if run
     ]
 
 
@@ -218,7 +209,7 @@ def decomposition_collectives(
     itemsize: int,
     cap_bytes: int,
 ) -> list[Collective]:
-    """d-kfac/spd-kfac: each source rank broadcasts the decompositions it computed."""
+    """Each source rank broadcasts the decompositions it computed (``decomposition_broadcast``)."""
     out: list[Collective] = []
     for r in range(world_size):
         sizes: list[int] = []
@@ -248,7 +239,7 @@ def comm_counts(collectives: Sequence[Collective]) -> dict[str, dict[str, int]]:
 def memory_per_rank(
     model: ModelShapes,
     world_size: int,
-    strategy: str,
+    traits: Traits,
     placement: Placement,
     *,
     compute_method: str,
@@ -257,15 +248,15 @@ def memory_per_rank(
 ) -> list[dict[str, int]]:
     """``memory_usage()`` of each rank after a factor and decomposition step.
 
-    dp-kfac ranks hold their own layers' factors, decompositions and batch
-    factors; d-kfac and spd-kfac ranks hold all of them (decompositions
-    after the broadcast, or computed locally).
+    Where every rank captures every layer (``traits.captures_all``) every
+    rank holds all factors, batch factors and decompositions (after the
+    broadcast, or computed locally); otherwise a rank holds its own layers'.
     """
     out = []
     for r in range(world_size):
         factors = decomps = 0
         for i, s in enumerate(model):
-            if not model.captured[i] or (strategy == "dp-kfac" and placement.owner[i] != r):
+            if not model.captured[i] or (not traits.captures_all and placement.owner[i] != r):
                 continue
             factors += (s.a_dim**2 + s.g_dim**2) * factor_itemsize
             decomps += (

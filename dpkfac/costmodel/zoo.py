@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dpkfac.assignment import LayerShape
 from dpkfac.costmodel.shapes import ModelShapes
+from dpkfac.options import KFACOptions
 
 __all__ = ["PAPER_MODELS", "bert_qa", "resnet50", "transformer"]
 
@@ -149,18 +150,19 @@ def transformer(
 
 
 #: The 64-GPU table's models at the papers' per-rank batches, with the
-#: preconditioner options of their ``conf/experiment`` presets.
-PAPER_MODELS: dict[str, tuple[ModelShapes, dict[str, object]]] = {
+#: preconditioner options of their ``conf/experiment`` presets (what
+#: :func:`~dpkfac.costmodel.predict` takes as ``kfac``).
+PAPER_MODELS: dict[str, tuple[ModelShapes, KFACOptions]] = {
     "ResNet-50": (
         resnet50(batch_size=32),
-        {"compute_method": "eigen", "kl_clip": True, "weight_sharing": "expand"},
+        KFACOptions(compute_method="eigen", kl_clip=0.001, weight_sharing="expand"),
     ),
     "BERT-large": (
         bert_qa(batch_size=4),
-        {"compute_method": "eigen", "kl_clip": False, "weight_sharing": "reduce"},
+        KFACOptions(compute_method="eigen", kl_clip=None, weight_sharing="reduce"),
     ),
     "Transformer": (
         transformer(batch_size=128),
-        {"compute_method": "inverse", "kl_clip": True, "weight_sharing": "reduce"},
+        KFACOptions(compute_method="inverse", kl_clip=0.001, weight_sharing="reduce"),
     ),
 }

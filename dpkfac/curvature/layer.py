@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -171,22 +172,40 @@ class KFACLayer:
         return sum(_nbytes(state.batch) for state in self.factors.values())
 
     # ------------------------------------------------------------ running average
-    def update_factors(self, decay: float) -> list[str]:
+    def finite_checks(self) -> dict[str, torch.Tensor]:
+        """Per pending factor, a device boolean: does it hold only finite values?
+
+        The caller gathers these for every layer and reads them in one host
+        sync per step, instead of one per factor.
+        """
+        return {
+            which: torch.isfinite(state.batch).all()
+            for which, state in self.factors.items()
+            if state.batch is not None
+        }
+
+    def update_factors(self, decay: float, finite: Mapping[str, bool] | None = None) -> list[str]:
         """Fold pending batch factors into the running averages.
 
         ``F ← decay·F + (1-decay)·F_batch``; the first update stores ``F_batch``.
         A batch factor holding NaN/Inf is rejected with a warning and the
         previous running average is kept.
 
+        Args:
+            decay: the running-average decay.
+            finite: the already read :meth:`finite_checks` (None: check here).
+
         Returns:
             The factors ("A"/"G") that were updated.
         """
+        if finite is None:
+            finite = {w: bool(ok) for w, ok in self.finite_checks().items()}
         updated = []
         for which, state in self.factors.items():
             batch = state.pending()
             if batch is None:
                 continue
-            if not torch.isfinite(batch).all():
+            if not finite[which]:
                 warnings.warn(
                     f"dpkfac: non-finite values in the {which} factor of layer {self.name!r}; "
                     "update skipped, previous factor kept",

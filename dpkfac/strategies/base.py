@@ -31,13 +31,16 @@ class Preconditioned:
 
     Attributes:
         matrix: (d_out, a_dim) update; the averaged gradient when not preconditioned.
-        vg: ``⟨V, ∇W⟩`` for the KL clip (0 when not preconditioned).
-        preconditioned: whether ``matrix`` is a preconditioned gradient.
+        vg: ``⟨V, ∇W⟩`` for the KL clip, a device scalar in at least float32
+            (0 when not preconditioned).
+        preconditioned: whether ``matrix`` is a preconditioned gradient: a
+            bool where this rank computed it, a boolean device scalar where it
+            arrived by broadcast (reading it would cost a host sync).
     """
 
     matrix: torch.Tensor
-    vg: float
-    preconditioned: bool
+    vg: torch.Tensor
+    preconditioned: bool | torch.Tensor
 
 
 @dataclass(frozen=True)

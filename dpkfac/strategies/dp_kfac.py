@@ -149,11 +149,16 @@ class DPKFAC(Strategy):
                 if owner == self.rank:
                     res = results[layer.name]
                     matrix = res.matrix.contiguous()
-                    meta = matrix.new_tensor([res.vg, float(res.preconditioned)])
+                    flag = res.preconditioned
+                    flag_t = (
+                        flag.to(res.vg.dtype) if isinstance(flag, torch.Tensor) else float(flag)
+                    )
+                    meta = torch.stack([res.vg, torch.full_like(res.vg, flag_t)])
                 else:
                     weight = layer.module.weight
                     matrix = weight.grad.new_empty(layer.helper.g_dim, layer.helper.a_dim)
-                    meta = matrix.new_zeros(2)
+                    kl_dtype = torch.promote_types(matrix.dtype, torch.float32)
+                    meta = matrix.new_zeros(2, dtype=kl_dtype)
                 buffers.append(matrix)
                 if with_kl:
                     buffers.append(meta)
@@ -177,9 +182,9 @@ class DPKFAC(Strategy):
                 matrix = buffers[i * step]
                 if with_kl:
                     meta = buffers[i * step + 1]
-                    out[layer.name] = Preconditioned(matrix, float(meta[0]), bool(meta[1] > 0.5))
+                    out[layer.name] = Preconditioned(matrix, meta[0], meta[1] > 0.5)
                 else:
-                    out[layer.name] = Preconditioned(matrix, 0.0, True)
+                    out[layer.name] = Preconditioned(matrix, matrix.new_zeros(()), True)
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,427 @@
+"""Fitting a :class:`~dpkfac.costmodel.Hardware` model to measured runs.
+
+Micro-benchmarks (:mod:`dpkfac.costmodel.calibration`) time kernels and
+collectives alone; a real run also pays Python overhead, allocator traffic
+and contention that only its own phase timings show. This module fits the
+model to such runs, each described by a :class:`Measurement`: what ran
+(shapes, strategy, the preconditioner's options), where (world size, shared
+CPU cores) and what every rank's ``timings()`` reported. It knows nothing
+of any benchmark's file format; ``experiments.bench.predict`` turns its rows
+into measurements.
+
+Measured phase seconds are compared the way the cost model defines them:
+compute phases on the busiest rank, communication phases on the rank that
+waited least (the others also wait for slower ranks, which the model books
+to those ranks' compute). The least wait is best taken step by step
+(:attr:`Measurement.least_wait`), because which rank arrives last changes
+from step to step.
+
+**Shared cores.** The model gives every rank a device of its own. When P
+single-threaded CPU ranks share C cores, above P = C each rank computes at
+C/P of a core's speed: compute seconds of such measurements are multiplied
+by ``min(1, C/P)`` before fitting, and predictions for them use the fitted
+engines ``scaled`` by the same factor. Their collectives do not follow that
+rule: gloo's transfers slow down far less than C/P, while every all-reduce
+gains milliseconds of start-up (ranks wait to be scheduled at each step of
+the ring). So the links are fitted per regime: the one-core-per-rank model
+takes its links from the measurements with a core per rank only, and each
+oversubscribed world size gets a :class:`Regime` of links fitted to its own
+communication phases (:func:`shared_core_links`). Without one (held-out
+predictions) the links are slowed by C/P like the engines.
+
+**Forward/backward.** The model derives the forward/backward time from the
+K-FAC layers' flops alone, and a real network's normalisation and attention
+kernels run at a very different rate, so that rate is fitted per model
+(:func:`with_forward_backward`).
+
+**Overlap.** Pipelined factor traffic runs during the forward/backward; the
+fraction that truly overlaps is a property of the machine, fitted to the
+measured wait (:func:`fit_overlap`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from dpkfac.costmodel.hardware import COLLECTIVE_KINDS, Engine, Hardware, Link, Sample, calibrate
+from dpkfac.costmodel.hardware import scaled as scaled_hardware
+from dpkfac.costmodel.predict import Prediction, predict
+from dpkfac.costmodel.shapes import ModelShapes
+from dpkfac.costmodel.timing import COMM_PHASES, COMPUTE_PHASES, forward_backward_work
+from dpkfac.options import KFACOptions, StrategyOptions
+from dpkfac.strategies import canonical_name, strategy_options
+
+__all__ = [
+    "Fit",
+    "Measurement",
+    "ModelFit",
+    "Regime",
+    "calibrate_measurements",
+    "core_share",
+    "fit",
+    "fit_models",
+    "fit_overlap",
+    "hardware_for",
+    "measured_phases",
+    "phase_samples",
+    "predict_measurement",
+    "shared_core_links",
+    "with_forward_backward",
+]
+
+Key = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured run: what ran, where, and what every rank's ``timings()`` said.
+
+    Attributes:
+        model: name grouping the runs of one model (its forward/backward
+            rate is fitted per model).
+        shapes: the model's K-FAC layer shapes as it ran.
+        strategy: the strategy's name (normalised to the registered
+            spelling), or None for plain data parallelism.
+        world_size: number of ranks ``P``.
+        kfac: the preconditioner's common options (without K-FAC the bucket
+            cap still sets the gradient buckets).
+        options: the strategy's options (default: its defaults; None
+            without a strategy).
+        timings: per rank, ``timings()`` seconds per phase of an update step
+            (factors and decompositions every step), summed over ``steps``.
+        least_wait: per communication phase, the least wait over ranks taken
+            step by step (None: the smallest per-rank total instead).
+        forward_backward: seconds of the forward and backward pass.
+        steps: how many steps ``timings`` cover.
+        cores: CPU cores the ranks shared (None: a device per rank).
+        fusion_plan: the fusion buckets a pipelined strategy fixed in the run.
+        param_itemsize: bytes per parameter element.
+    """
+
+    model: str
+    shapes: ModelShapes
+    strategy: str | None
+    world_size: int
+    kfac: KFACOptions = field(default_factory=KFACOptions)
+    options: StrategyOptions | None = None
+    timings: tuple[Mapping[str, float], ...] = ()
+    least_wait: Mapping[str, float] | None = None
+    forward_backward: float = 0.0
+    steps: int = 1
+    cores: int | None = None
+    fusion_plan: tuple[tuple[Key, ...], ...] | None = None
+    param_itemsize: int = 4
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError(f"cores must be >= 1 or None, got {self.cores}")
+        if self.timings and len(self.timings) != self.world_size:
+            raise ValueError(f"{len(self.timings)} ranks' timings for world size {self.world_size}")
+        if self.strategy is None:
+            if self.options is not None:
+                raise ValueError("strategy options given without a strategy")
+            return
+        name = canonical_name(self.strategy)
+        object.__setattr__(self, "strategy", name)
+        if self.options is None:
+            object.__setattr__(self, "options", strategy_options(name))
+
+
+@dataclass(frozen=True)
+class Regime:
+    """Links (and overlap) fitted to the runs of one oversubscribed world size.
+
+    Attributes:
+        links: alpha-beta model per collective kind.
+        overlap: fraction of pipelined traffic hidden (None: the hardware's).
+    """
+
+    links: Mapping[str, Link]
+    overlap: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelFit:
+    """One model's runs and the hardware fitted for it (its own forward/backward rate)."""
+
+    hardware: Hardware
+    measurements: tuple[Measurement, ...]
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Everything :func:`fit` found.
+
+    Attributes:
+        hardware: the one-core-per-rank model (shared forward/backward rate).
+        regimes: per oversubscribed world size, its links and overlap.
+        models: per model, its runs and its hardware (forward/backward rate
+            and the fitted overlap).
+    """
+
+    hardware: Hardware
+    regimes: Mapping[int, Regime]
+    models: Mapping[str, ModelFit]
+
+
+def core_share(m: Measurement) -> float:
+    """Fraction of a core each rank had: ``min(1, cores / P)`` (1 with a device per rank)."""
+    if m.cores is None:
+        return 1.0
+    return min(1.0, m.cores / m.world_size)
+
+
+def predict_measurement(
+    m: Measurement,
+    hardware: Hardware,
+    *,
+    world_size: int | None = None,
+    replay_plan: bool = True,
+) -> Prediction:
+    """The cost model's prediction of a measured run (optionally at another world size).
+
+    Args:
+        m: the run.
+        hardware: the hardware model to price it on.
+        world_size: predict at this many ranks instead.
+        replay_plan: reuse the run's fusion plan (at its own world size only;
+            elsewhere the plan is made from modelled ready times).
+    """
+    p = int(world_size or m.world_size)
+    plan = m.fusion_plan if replay_plan and p == m.world_size else None
+    return predict(
+        m.shapes,
+        strategy=m.strategy,
+        world_size=p,
+        hardware=hardware,
+        kfac=m.kfac,
+        options=m.options,
+        param_itemsize=m.param_itemsize,
+        fusion_plan=plan,
+    )
+
+
+def measured_phases(m: Measurement) -> dict[str, float]:
+    """Seconds per phase as the cost model defines them (see the module docstring)."""
+    out = {p: max(r[p] for r in m.timings) for p in COMPUTE_PHASES}
+    if m.least_wait:
+        out.update({p: float(m.least_wait[p]) for p in COMM_PHASES})
+    else:
+        out.update({p: min(r[p] for r in m.timings) for p in COMM_PHASES})
+    return out
+
+
+def phase_samples(m: Measurement, hardware: Hardware) -> tuple[list[Sample], list[Sample]]:
+    """Compute and communication calibration samples of a run, as measured.
+
+    ``hardware`` only decides a fusion plan the run did not record; the work
+    of every phase is exact.
+    """
+    pred = predict_measurement(m, hardware)
+    compute: list[Sample] = []
+    comm: list[Sample] = []
+    for s in pred.samples(list(m.timings), steps=m.steps, comm_seconds=measured_phases(m)):
+        (comm if set(s.work) & set(COLLECTIVE_KINDS) else compute).append(s)
+    return compute, comm
+
+
+def calibrate_measurements(
+    measurements: Iterable[Measurement], base: Hardware, name: str = "calibrated"
+) -> Hardware:
+    """The one-core-per-rank hardware fitted to the runs' phase timings.
+
+    Engines come from every run (compute seconds of runs whose ranks shared
+    cores scaled to a full core), links only from runs whose ranks had a core
+    each; kinds the runs do not cover keep ``base``'s values.
+    """
+    samples: list[Sample] = []
+    for m in measurements:
+        share = core_share(m)
+        compute, comm = phase_samples(m, base)
+        samples += [Sample(s.work, s.seconds * share, s.world_size) for s in compute]
+        if share >= 1.0:
+            samples += comm
+    # No per-doubling latency: runs on one machine span too few world sizes
+    # with a core per rank to tell it from the constant start-up.
+    return calibrate(samples, name=name, base=base, log2p=False)
+
+
+def shared_core_links(
+    measurements: Iterable[Measurement], hardware: Hardware
+) -> dict[int, Regime]:
+    """Links fitted to each oversubscribed world size's communication phases, as measured.
+
+    Kinds its runs do not cover fall back to ``hardware``'s links slowed by
+    the core share. Empty without runs whose ranks shared cores.
+    """
+    by_size: dict[int, list[Measurement]] = {}
+    for m in measurements:
+        if core_share(m) < 1.0:
+            by_size.setdefault(m.world_size, []).append(m)
+    out: dict[int, Regime] = {}
+    for p, mine in by_size.items():
+        samples = [s for m in mine for s in phase_samples(m, hardware)[1]]
+        if not samples:
+            continue
+        base = scaled_hardware(hardware, network=core_share(mine[0]))
+        fitted = calibrate(samples, name=f"shared cores, P={p}", base=base, log2p=False)
+        out[p] = Regime(dict(fitted.links))
+    return out
+
+
+def hardware_for(
+    m: Measurement, hardware: Hardware, regimes: Mapping[int, Regime] | None = None
+) -> Hardware:
+    """``hardware`` (one core per rank) as the run's ranks had it.
+
+    Engines are slowed by the core share; links come from the run's world
+    size's :class:`Regime` when there is one, else are slowed alike.
+    """
+    share = core_share(m)
+    if share >= 1.0:
+        return hardware
+    regime = (regimes or {}).get(m.world_size)
+    if regime is None:
+        out = scaled_hardware(hardware, compute=share, network=share)
+    else:
+        overlap = hardware.overlap if regime.overlap is None else regime.overlap
+        out = replace(
+            scaled_hardware(hardware, compute=share), links=dict(regime.links), overlap=overlap
+        )
+    # Pipelined factors are unpacked in step() as each all-reduce is waited
+    # on: the ranks that finished the backward pass early unpack while the
+    # last one still computes, so the rank that waits least (the last)
+    # unpacks alone, on a core of its own.
+    return replace(out, engines={**out.engines, "unpack": hardware.engine("unpack")})
+
+
+def with_forward_backward(hardware: Hardware, measurements: Sequence[Measurement]) -> Hardware:
+    """``hardware`` with the forward/backward rate that reproduces the runs' measured median.
+
+    The runs should be of one model (the first one's shapes are priced);
+    runs whose ranks shared cores are scaled to one core per rank first.
+    """
+    if not measurements:
+        return hardware
+    measured = statistics.median(m.forward_backward * core_share(m) for m in measurements)
+    predicted = hardware.time(forward_backward_work(measurements[0].shapes), 1)
+    if measured <= 0 or predicted <= 0:
+        return hardware
+    engine = hardware.engine("forward_backward")
+    scale = predicted / measured
+    engines = dict(hardware.engines)
+    engines["forward_backward"] = Engine(rate=engine.rate * scale, latency=engine.latency * scale)
+    return replace(hardware, engines=engines)
+
+
+def _best_overlap(
+    models: Iterable[ModelFit],
+    keep: Callable[[Measurement], bool],
+    hardware_at: Callable[[Measurement, Hardware, float], Hardware],
+) -> float | None:
+    """Least-squares overlap (relative error) over the kept runs with overlapped phases."""
+    num = den = 0.0
+    for fitted in models:
+        for m in fitted.measurements:
+            if m.world_size == 1 or not keep(m):
+                continue
+            serial_pred = predict_measurement(m, hardware_at(m, fitted.hardware, 0.0))
+            if not serial_pred.overlapped_phases:
+                continue
+            hidden_pred = predict_measurement(m, hardware_at(m, fitted.hardware, 1.0))
+            measured_all = measured_phases(m)
+            for phase in serial_pred.overlapped_phases:
+                measured = measured_all[phase]
+                if measured <= 0:
+                    continue
+                serial = serial_pred.update.phases[phase]
+                hidden = hidden_pred.update.phases[phase]
+                d, w = hidden - serial, 1.0 / measured**2
+                num += w * d * (measured - serial)
+                den += w * d * d
+    return min(1.0, max(0.0, num / den)) if den > 0 else None
+
+
+def fit_overlap(
+    models: Iterable[ModelFit], regimes: Mapping[int, Regime] | None = None
+) -> tuple[float | None, dict[int, Regime]]:
+    """The ``overlap`` that best explains the measured wait on pipelined traffic, per regime.
+
+    The wait after the backward pass lies between the fully hidden
+    prediction (overlap 1: only the fusion schedule's tail, then unpacking)
+    and the serial one (overlap 0: every transfer after the compute). Least
+    squares in relative error over the runs at P > 1 whose strategy
+    pipelines gives the fraction, separately for the runs with a core per
+    rank and for each oversubscribed world size (there the transfers take
+    turns with compute on shared cores very differently). It is a property
+    of the machine, so one value serves every model.
+
+    Returns:
+        The overlap for one core per rank (None without such runs: keep the
+        hardware's), and the regimes with theirs.
+    """
+    models = list(models)
+    own = _best_overlap(
+        models, lambda m: core_share(m) >= 1.0, lambda m, hw, o: replace(hw, overlap=o)
+    )
+    out: dict[int, Regime] = {}
+    for p, regime in (regimes or {}).items():
+
+        def at(
+            m: Measurement, hw: Hardware, o: float, p: int = p, regime: Regime = regime
+        ) -> Hardware:
+            base = hw if own is None else replace(hw, overlap=own)
+            return replace(hardware_for(m, base, {p: regime}), overlap=o)
+
+        best = _best_overlap(models, lambda m, p=p: m.world_size == p, at)
+        out[p] = regime if best is None else replace(regime, overlap=best)
+    return own, out
+
+
+def fit_models(
+    hardware: Hardware,
+    measurements: Sequence[Measurement],
+    regimes: Mapping[int, Regime] | None = None,
+) -> tuple[dict[str, ModelFit], dict[int, Regime]]:
+    """Per model, ``hardware`` with its forward/backward rate and the fitted overlap.
+
+    Returns:
+        The models by name (in order of first appearance) and the regimes
+        with their fitted overlaps.
+    """
+    by_model: dict[str, list[Measurement]] = {}
+    for m in measurements:
+        by_model.setdefault(m.model, []).append(m)
+    models = {
+        name: ModelFit(with_forward_backward(hardware, mine), tuple(mine))
+        for name, mine in by_model.items()
+    }
+    overlap, fitted_regimes = fit_overlap(models.values(), regimes)
+    if overlap is not None:
+        models = {
+            name: replace(mf, hardware=replace(mf.hardware, overlap=overlap))
+            for name, mf in models.items()
+        }
+    return models, fitted_regimes
+
+
+def fit(measurements: Iterable[Measurement], base: Hardware, name: str = "calibrated") -> Fit:
+    """Calibrate, fit the shared-core regimes, then each model's forward/backward and the overlap.
+
+    Args:
+        measurements: runs of update steps (factors and decompositions every step).
+        base: source of the kinds the runs do not cover (and of the plans
+            of runs that recorded none).
+        name: name of the fitted hardware.
+    """
+    ms = list(measurements)
+    hardware = calibrate_measurements(ms, base, name)
+    shared = shared_core_links(ms, hardware)
+    models, regimes = fit_models(hardware, ms, shared)
+    return Fit(hardware, regimes, models)
