@@ -103,6 +103,8 @@ class KFACOptions:
         pi_damping: π-split of the damping (inverse method only).
         bucket_cap_mb: size cap of fused buffers.
         collective_timeout: seconds before a collective counts as hung.
+        accumulation_steps: micro-batches per optimizer step, each with its
+            loss divided by this number (gradient accumulation).
     """
 
     compute_method: str = "eigen"
@@ -119,6 +121,7 @@ class KFACOptions:
     pi_damping: bool = False
     bucket_cap_mb: float = 25.0
     collective_timeout: float = 300.0
+    accumulation_steps: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.skip_layers, str):
@@ -138,6 +141,9 @@ class KFACOptions:
             check_positive("kl_clip", self.kl_clip)
         _check_steps("factor_update_steps", self.factor_update_steps)
         _check_steps("inv_update_steps", self.inv_update_steps)
+        if callable(self.accumulation_steps):
+            raise ValueError("accumulation_steps must be an int >= 1, not a callable")
+        _check_steps("accumulation_steps", self.accumulation_steps)
         _check_dtype("factor_dtype", self.factor_dtype)
         _check_dtype("decomposition_dtype", self.decomposition_dtype)
         if torch.finfo(self.decomposition_dtype).bits < 32:

@@ -73,6 +73,14 @@ class KFACPreconditioner:
             factors by their mean eigenvalues (π-damping) instead of √γ each.
         bucket_cap_mb: size cap of fused gradient/factor buckets.
         collective_timeout: seconds before a collective is declared hung.
+        accumulation_steps: micro-batches per ``step()``, each captured, each
+            with its loss divided by this number (gradient accumulation).
+        grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision run.
+            G is then built from unscaled output gradients, and the factor
+            update is skipped on steps whose gradients overflowed (the steps
+            the scaler skips). Call ``scaler.unscale_(optimizer)`` before
+            ``pre.step()``. With several ranks the model must be DDP-wrapped,
+            so every rank's scaler sees the same averaged gradients.
         **strategy_options: the strategy's own options (its ``Options``
             dataclass, e.g. :class:`~dpkfac.strategies.DPKFACOptions`).
             Unknown options raise ValueError.
@@ -103,6 +111,8 @@ class KFACPreconditioner:
         pi_damping: bool = False,
         bucket_cap_mb: float = 25.0,
         collective_timeout: float = 300.0,
+        accumulation_steps: int = 1,
+        grad_scaler: torch.amp.GradScaler | None = None,
         **strategy_options_kwargs: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -124,10 +134,12 @@ class KFACPreconditioner:
             pi_damping=pi_damping,
             bucket_cap_mb=bucket_cap_mb,
             collective_timeout=collective_timeout,
+            accumulation_steps=accumulation_steps,
         )
         self._skip = [re.compile(p) for p in self.options.skip_layers]
         self.model = model
         self.ddp = isinstance(model, DistributedDataParallel)
+        self.grad_scaler = grad_scaler
         self.module = model.module if self.ddp else model
         self.method = COMPUTE_METHODS[compute_method]
         self.steps = 0
@@ -145,6 +157,12 @@ class KFACPreconditioner:
             decomposition_dtype=decomposition_dtype,
             bucket_cap_mb=bucket_cap_mb,
         )
+        if grad_scaler is not None and self.comm.active and not self.ddp:
+            raise ValueError(
+                "grad_scaler with more than one rank needs a DistributedDataParallel model: the "
+                "scaler decides whether to skip a step from the gradients it unscales, which "
+                "must already be averaged across ranks or the ranks would disagree"
+            )
         self.layers: dict[str, KFACLayer] = self._register()
         kfac_params = {id(p) for layer in self.layers.values() for p in layer.helper.parameters()}
         self._other_params = [
@@ -165,7 +183,7 @@ class KFACPreconditioner:
                 continue
             if not all(p.requires_grad for p in helper.parameters()):
                 continue
-            layer = KFACLayer(name, module, helper)
+            layer = KFACLayer(name, module, helper, self.options.accumulation_steps)
             module.register_forward_hook(partial(self._forward_hook, layer), with_kwargs=True)
             layers[name] = layer
         return layers
@@ -198,14 +216,23 @@ class KFACPreconditioner:
             return
         with self._timer.phase("factor_compute"):
             layer.accumulate_a(x, self.options.weight_sharing, self._dtype_for(layer))
-        self.strategy.factor_ready(layer, "A")
+        self._factor_ready(layer, "A")
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(partial(self._grad_hook, layer))
 
     def _grad_hook(self, layer: KFACLayer, grad: torch.Tensor) -> None:
         with self._timer.phase("factor_compute"):
             layer.accumulate_g(grad, self.options.weight_sharing, self._dtype_for(layer))
-        self.strategy.factor_ready(layer, "G")
+        self._factor_ready(layer, "G")
+
+    def _factor_ready(self, layer: KFACLayer, which: str) -> None:
+        """Tell the strategy a batch factor is complete, from the last micro-batch on.
+
+        Earlier micro-batches are not announced: a pipelined strategy would
+        send a partial sum and have to send the factor again at step time.
+        """
+        if layer.factors[which].count >= self.options.accumulation_steps:
+            self.strategy.factor_ready(layer, which)
 
     # --------------------------------------------------------------- placement
     def _finalise_placement(self) -> None:
@@ -241,6 +268,7 @@ class KFACPreconditioner:
 
         if any(x.has_pending(w) for x in layers for w in FACTORS) or self._capture:
             strat.reduce_factors(layers)
+            self._unscale_g(layers)
             self._fold_factors(float(value_at(self.options.factor_decay, step)))
 
         damping = float(value_at(self.options.damping, step))
@@ -271,6 +299,27 @@ class KFACPreconditioner:
         self.steps += 1
         self._capture = self._is_factor_step(self.steps)
 
+    def _unscale_g(self, layers: list[KFACLayer]) -> None:
+        """Divide the pending G factors by the loss scale squared (mixed precision).
+
+        Output gradients of a scaled loss are ``s`` times too large, G ``s²``
+        times. The scale is the same for every capture of the step and on
+        every rank, so dividing the reduced batch factor is exact, and it is
+        read as a device tensor, without a host sync.
+        """
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return
+        get_async = getattr(scaler, "_get_scale_async", None)
+        scale = get_async() if get_async is not None else None
+        if scale is None:
+            scale = torch.tensor(scaler.get_scale())
+        for layer in layers:
+            state = layer.factors["G"]
+            if state.batch is not None:
+                inverse = scale.to(state.batch.device, torch.float64).reciprocal().square()
+                state.batch = state.batch * inverse.to(state.batch.dtype)
+
     def _fold_factors(self, decay: float) -> None:
         """Fold every pending batch factor into its running average.
 
@@ -287,6 +336,12 @@ class KFACPreconditioner:
         finite: dict[str, dict[str, bool]] = {}
         for (layer, which, _), ok in zip(checks, flags, strict=True):
             finite.setdefault(layer.name, {})[which] = bool(ok)
+        if self.grad_scaler is not None and not all(flags):
+            # The scaler found an overflow and skips this step: so do the
+            # factors, all of them and without a warning (this is routine).
+            for layer in self._layer_list:
+                layer.clear_pending()
+            return
         for layer in self._layer_list:
             layer.update_factors(decay, finite.get(layer.name, {}))
 

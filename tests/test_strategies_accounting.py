@@ -221,7 +221,7 @@ def test_bucket_cap_splits_collectives_but_not_bytes() -> None:
 
 def _accumulate(rank: int, world_size: int, variant: str):
     model = make_model()
-    pre = make_preconditioner(model, variant)
+    pre = make_preconditioner(model, variant, accumulation_steps=2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(3):
         opt.zero_grad()
@@ -235,7 +235,7 @@ def _accumulate(rank: int, world_size: int, variant: str):
 
 @pytest.mark.distributed
 def test_gradient_accumulation_matches_world_size_one() -> None:
-    """Two micro-batches per step: factors are averaged over them on every strategy."""
+    """Two declared micro-batches per step, the same batches on every rank: the one-rank run."""
     ref = _accumulate(0, 1, "d_kfac")
     for variant in ("dp_kfac", "d_kfac", "spd_kfac"):
         results = run_ranks(_accumulate, 2, variant)

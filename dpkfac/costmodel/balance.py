@@ -83,7 +83,5 @@ def format_balance(rows: Sequence[Balance]) -> str:
     lines = [head, "|---|---:|---:|" + "---:|" * (len(methods) + 1)]
     for r in rows:
         cells = " | ".join(f"{r.imbalance[m]:.3f}" for m in methods)
-        lines.append(
-            f"| {r.model} | {r.world_size} | {r.layers} | {cells} | {r.lower_bound:.3f} |"
-        )
+        lines.append(f"| {r.model} | {r.world_size} | {r.layers} | {cells} | {r.lower_bound:.3f} |")
     return "\n".join(lines)

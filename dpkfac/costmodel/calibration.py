@@ -233,5 +233,5 @@ def calibrate_local(
     )
     # Micro-benchmarks cannot observe overlap: take the value fitted for CPU
     # ranks with a core each (see the cpu_gloo_local preset); refit it from
-    # benchmark rows with experiments.bench.predict.fit_overlap.
+    # measured runs with dpkfac.costmodel.fitting.fit_overlap.
     return Hardware(hw.name, hw.links, hw.engines, (source, *hw.sources), overlap=0.9)

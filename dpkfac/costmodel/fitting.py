@@ -252,9 +252,7 @@ def calibrate_measurements(
     return calibrate(samples, name=name, base=base, log2p=False)
 
 
-def shared_core_links(
-    measurements: Iterable[Measurement], hardware: Hardware
-) -> dict[int, Regime]:
+def shared_core_links(measurements: Iterable[Measurement], hardware: Hardware) -> dict[int, Regime]:
     """Links fitted to each oversubscribed world size's communication phases, as measured.
 
     Kinds its runs do not cover fall back to ``hardware``'s links slowed by

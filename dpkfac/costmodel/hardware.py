@@ -132,7 +132,7 @@ class Hardware:
         engines: compute model per kind (at least "matmul", "eigh", "inverse").
         sources: where the numbers come from (citations or a calibration run).
         overlap: fraction of a collective launched during the forward/backward
-            pass that runs concurrently with it (spd-kfac's pipelined factor
+            pass that runs concurrently with it (spd_kfac's pipelined factor
             all-reduces). 1 on GPUs, whose copy engines and NCCL kernels run
             beside compute; about 0.9 for gloo on CPU ranks with a core each
             (fitted), where the transfer thread takes turns with the compute.

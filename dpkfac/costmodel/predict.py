@@ -110,7 +110,7 @@ class Prediction:
 
     @property
     def setup_comm(self) -> dict[str, dict[str, int]]:
-        """The one-time "setup" collectives (first step, and the end of spd-kfac's profiling)."""
+        """The one-time "setup" collectives (first step, and the end of spd_kfac's profiling)."""
         return tr.comm_counts(self.setup)
 
     @property
@@ -214,7 +214,7 @@ def _interval(name: str, value: Schedule) -> int:
 def _strategy_options(
     name: str, options: StrategyOptions | Mapping[str, Any] | None
 ) -> StrategyOptions:
-    """Validated options of strategy ``name``: a mapping is built as the preconditioner builds it."""
+    """Validated options of strategy ``name`` (a mapping is built as the preconditioner would)."""
     cls = strategy_class(name)
     if options is None or isinstance(options, Mapping):
         return strategy_options(name, options)

@@ -103,8 +103,8 @@ CPU_GLOO_LOCAL = Hardware(
         "(2 CPUs, torch 2.14.1+cu130), 2026-11-29",
         "fitted by dpkfac.costmodel.calibrate (non-negative least squares, relative error)",
     ),
-    # Micro-benchmarks cannot observe overlap. Fitted to spd-kfac's factor wait
-    # in the scaling table on this VM (experiments.bench.predict.fit_overlap,
+    # Micro-benchmarks cannot observe overlap. Fitted to spd_kfac's factor wait
+    # in the scaling table on this VM (fit_overlap, now dpkfac.costmodel.fitting,
     # 2 ranks, 2026-11-29): 0.92 once unpacking became a gather. Earlier,
     # unpacking by a 2-D scatter (3.6 ns per element) made the wait look as
     # long as the serial transfers.

@@ -7,7 +7,7 @@ only travel when its hooks fire:
 
 * whether each K-FAC layer has a bias (its gradient is a separate tensor);
 * whether each layer's capture hooks fire (``nn.MultiheadAttention.out_proj``
-  is called functionally: registered, broadcast under dp-kfac, but never has
+  is called functionally: registered, broadcast under dp_kfac, but never has
   factors);
 * the element counts of the other trainable parameters, in
   ``model.parameters()`` order (their gradients are averaged too).

@@ -18,7 +18,7 @@ Work (``kind -> (calls, amount)``, see :mod:`dpkfac.costmodel.hardware`) per pha
   not modelled;
 * communication phases: one call and its wire bytes per collective, plus
   "unpack" bytes for rebuilding full factors from triangle-packed buffers
-  (spd-kfac), which happens when the collective is waited on.
+  (spd_kfac), which happens when the collective is waited on.
 
 Which rank does which work, and where the step synchronises, come from the
 strategy's :class:`~dpkfac.strategies.Traits` and placement, never from its

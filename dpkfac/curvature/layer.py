@@ -43,6 +43,7 @@ class FactorState:
         batch: the batch factor summed over the step's captures, awaiting
             ``step()`` (or a strategy's cross-rank average of it).
         count: how many captures ``batch`` sums.
+        divisor: what ``batch`` is divided by to give the step's batch factor.
     """
 
     owner: int | None = 0
@@ -50,24 +51,33 @@ class FactorState:
     decomposition: Decomposition | None = None
     batch: torch.Tensor | None = None
     count: int = 0
+    divisor: int = 1
 
-    def add(self, factor: torch.Tensor) -> torch.Tensor:
-        """Add one capture's batch factor; returns the running batch sum."""
+    def add(self, factor: torch.Tensor, divisor: int | None = None) -> torch.Tensor:
+        """Add one capture's batch factor; returns the running batch sum.
+
+        Args:
+            factor: this capture's batch factor.
+            divisor: what the sum is divided by (None: the number of captures,
+                i.e. the captures are averaged).
+        """
         self.batch = factor if self.batch is None else self.batch + factor
         self.count += 1
+        self.divisor = self.count if divisor is None else divisor
         return self.batch
 
     def pending(self) -> torch.Tensor | None:
-        """The batch factor, averaged over the step's captures."""
+        """The step's batch factor: the sum of its captures over ``divisor``."""
         if self.batch is None:
             return None
-        return self.batch / self.count if self.count > 1 else self.batch
+        return self.batch / self.divisor if self.divisor != 1 else self.batch
 
     def set_pending(self, factor: torch.Tensor | None) -> None:
-        self.batch, self.count = factor, int(factor is not None)
+        """Replace the pending batch factor by a final one (a cross-rank average)."""
+        self.batch, self.count, self.divisor = factor, int(factor is not None), 1
 
     def clear_pending(self) -> None:
-        self.batch, self.count = None, 0
+        self.batch, self.count, self.divisor = None, 0, 1
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -92,10 +102,13 @@ class KFACLayer:
     are views of ``factors`` for the public inspection API.
     """
 
-    def __init__(self, name: str, module: nn.Module, helper: ModuleHelper) -> None:
+    def __init__(
+        self, name: str, module: nn.Module, helper: ModuleHelper, accumulation_steps: int = 1
+    ) -> None:
         self.name = name
         self.module = module
         self.helper = helper
+        self.accumulation_steps = accumulation_steps
         self.owner: int = 0
         self.factors: dict[str, FactorState] = {w: FactorState() for w in FACTORS}
         self.positions = 0
@@ -146,9 +159,22 @@ class KFACLayer:
     def accumulate_g(
         self, grad_output: torch.Tensor, weight_sharing: str, dtype: torch.dtype | None
     ) -> torch.Tensor:
-        """Add the batch G factor of ``grad_output``; returns the running batch sum."""
+        """Add the batch G factor of ``grad_output``; returns the running batch sum.
+
+        With ``accumulation_steps = k`` the loss of each micro-batch is the
+        mean divided by k, so each per-example gradient is k times too small
+        and G k² too small: the factor is scaled back by k². G is then summed
+        over the captures of a step and divided by k, not by the number of
+        captures: a module called several times in one forward (a shared
+        layer) contributes one gradient per call to ∇W, which the convention
+        treats like extra positions (averaged in A, summed in G).
+        """
         g = self.helper.g_matrix(grad_output.detach())
-        return self.factors["G"].add(build_g_factor(g, weight_sharing=weight_sharing, dtype=dtype))
+        factor = build_g_factor(g, weight_sharing=weight_sharing, dtype=dtype)
+        k = self.accumulation_steps
+        if k != 1:
+            factor = factor.mul_(k * k)
+        return self.factors["G"].add(factor, divisor=k)
 
     def has_pending(self, which: str) -> bool:
         """Whether a batch factor waits to be folded in (cheap: no averaging)."""

@@ -138,10 +138,16 @@ class SPDKFAC(DKFAC):
             self._t0 = now
         key = (layer.name, which)
         self._layers[layer.name] = layer
+        if key in self._times:
+            # The module ran again in this step (a shared layer, activation
+            # checkpointing, a micro-batch beyond the declared ones): whatever
+            # was or will be launched for it is partial, so step() all-reduces
+            # the complete sum instead. It must not count twice towards its
+            # bucket, or the bucket would launch before its other members exist.
+            self._stale.add(key)
+            return
         self._times[key] = now - self._t0
         if key in self._launched:
-            # A second micro-batch after the launch: the in-flight result is
-            # stale; step() all-reduces the complete sum instead.
             self._stale.add(key)
             return
         bucket = self._bucket_of.get(key)
