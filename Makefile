@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: train test lint venv clean
+.PHONY: train test test-gpu lint venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ train: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check dpkfac experiments tests
 	$(PY) -m pytest -q
+
+# The CUDA paths (skipped without a GPU): every strategy on a GPU, ranks sharing one, NCCL, AMP.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
 
 lint: $(STAMP)
 	$(PY) -m ruff check dpkfac experiments tests

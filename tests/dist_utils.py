@@ -34,13 +34,19 @@ def free_port() -> int:
 
 
 def _worker(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, queue: Any, args: tuple
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    queue: Any,
+    args: tuple,
+    backend: str = "gloo",
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -58,9 +64,17 @@ def _worker(
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = JOIN_TIMEOUT_S
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = JOIN_TIMEOUT_S,
+    backend: str = "gloo",
+    start_method: str = "fork",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked gloo ranks.
+
+    CUDA tests pass ``start_method="spawn"`` (a forked child cannot use a CUDA
+    context its parent created) and may pass ``backend="nccl"``.
 
     Returns:
         The per-rank return values, indexed by rank.
@@ -68,11 +82,13 @@ def run_ranks(
     Raises:
         AssertionError: naming the ranks that failed or did not finish in time.
     """
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(start_method)
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args), daemon=True)
+        ctx.Process(
+            target=_worker, args=(fn, r, world_size, port, queue, args, backend), daemon=True
+        )
         for r in range(world_size)
     ]
     for p in procs:

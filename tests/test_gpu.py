@@ -1,0 +1,97 @@
+"""CUDA paths: every strategy on a GPU, ranks sharing one GPU, NCCL, mixed precision.
+
+Skipped without CUDA (``make test-gpu`` runs only these). The hot path must not
+synchronise the device: the capture hooks run under
+``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising
+call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_ranks
+from strategy_cases import STRATEGY_VARIANTS, batch, make_model, make_preconditioner, max_rel_err
+
+import dpkfac
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _train(variant: str, device: str, steps: int = 3) -> dict[str, torch.Tensor]:
+    model = make_model().to(device)
+    pre = make_preconditioner(model, variant, kl_clip=0.01, inv_update_steps=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = (t.to(device) for t in batch(step, 0))
+        opt.zero_grad()
+        if device.startswith("cuda") and step > 0:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        else:
+            F.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+    assert sum(pre.timings().values()) > 0
+    return {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("variant", sorted(STRATEGY_VARIANTS))
+def test_every_strategy_on_one_gpu_matches_the_cpu(variant: str) -> None:
+    assert max_rel_err(_train(variant, "cuda"), _train(variant, "cpu")) < 1e-8
+
+
+def _shared_gpu(rank: int, world_size: int, variant: str) -> dict[str, torch.Tensor]:
+    return _train(variant, "cuda:0")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("variant", ["dp_kfac", "d_kfac", "spd_kfac"])
+def test_two_ranks_share_one_gpu_over_gloo(variant: str) -> None:
+    results = run_ranks(_shared_gpu, 2, variant, start_method="spawn")
+    for name, t in results[0].items():
+        assert torch.equal(t, results[1][name]), name
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_nccl_on_two_gpus() -> None:
+    results = run_ranks(_nccl_rank, 2, backend="nccl", start_method="spawn")
+    for name, t in results[0].items():
+        assert torch.equal(t, results[1][name]), name
+
+
+def _nccl_rank(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    torch.cuda.set_device(rank)
+    return _train("dp_kfac", f"cuda:{rank}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_with_a_grad_scaler(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+    ).cuda()
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pre = dpkfac.KFACPreconditioner(model, grad_scaler=scaler)
+    for _ in range(3):
+        x, y = torch.randn(8, 16, device="cuda"), torch.randint(0, 4, (8,), device="cuda")
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=dtype):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        pre.step()
+        scaler.step(opt)
+        scaler.update()
+    for layer in pre.layers.values():
+        assert layer.a_factor.dtype == torch.float32
+        assert torch.isfinite(layer.g_factor).all()
