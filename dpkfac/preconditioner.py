@@ -274,6 +274,7 @@ class KFACPreconditioner:
         damping = float(value_at(self.options.damping, step))
         check_positive("damping", damping)
         if self._is_inv_step(step):
+            strat.sync_factors(layers)
             due = {(x.name, w) for x in layers for w in FACTORS if x.factor(w) is not None}
             with self._timer.phase("decomposition"):
                 for name, which in sorted(due):

@@ -13,7 +13,7 @@ from typing import Any
 
 from dpkfac.options import StrategyOptions, make_options
 from dpkfac.strategies.base import Preconditioned, Strategy, Traits
-from dpkfac.strategies.d_kfac import DKFAC
+from dpkfac.strategies.d_kfac import DKFAC, DKFACOptions
 from dpkfac.strategies.dp_kfac import DPKFAC, DPKFACOptions
 from dpkfac.strategies.spd_kfac import SPDKFAC, SPDKFACOptions
 
@@ -52,6 +52,7 @@ __all__ = [
     "DPKFAC",
     "SPDKFAC",
     "STRATEGIES",
+    "DKFACOptions",
     "DPKFACOptions",
     "Preconditioned",
     "SPDKFACOptions",

@@ -63,6 +63,9 @@ class Traits:
             owner does and broadcasts the result).
         owner_grad_reduction: K-FAC layers' gradients are reduced onto their
             owners instead of all-reduced.
+        lazy_factor_sync: with ``factor_comm="allreduce"``, the running
+            averages are all-reduced on decomposition steps only, instead of
+            the batch factors on every factor step.
     """
 
     captures_all: bool
@@ -71,6 +74,7 @@ class Traits:
     decomposition_broadcast: bool
     preconditions_all: bool
     owner_grad_reduction: bool = False
+    lazy_factor_sync: bool = False
 
 
 def layer_shape(layer: KFACLayer, batch_size: int, positions: int) -> LayerShape:
@@ -216,6 +220,9 @@ class Strategy(ABC):
 
     def reduce_factors(self, layers: Sequence[KFACLayer]) -> None:
         """Turn pending local batch factors into what ``update_factors`` should fold in."""
+
+    def sync_factors(self, layers: Sequence[KFACLayer]) -> None:
+        """Called on decomposition steps before decomposing: make the running factors final."""
 
     def share_decompositions(
         self, layers: Sequence[KFACLayer], updated: set[tuple[str, str]]

@@ -101,6 +101,13 @@ class SPDKFAC(DKFAC):
         return options.local_threshold
 
     @classmethod
+    def placement_rule(cls, options: StrategyOptions) -> str:
+        return "lpt"
+
+    def sync_factors(self, layers: Sequence[KFACLayer]) -> None:
+        """Batch factors are already averaged by the pipeline: nothing to sync."""
+
+    @classmethod
     def setup_collectives(  # type: ignore[override]
         cls, options: SPDKFACOptions, num_factors: int
     ) -> list[tuple[str, int]]:
