@@ -36,6 +36,8 @@ __all__ = [
     "compute_cost",
     "compute_cost_inverse",
     "factor_decomposition_cost",
+    "grad_worker_grid",
+    "kaisa_assign",
     "load_imbalance",
     "lpt_assign",
     "memory_cost",
@@ -379,3 +381,53 @@ def load_imbalance(loads: Sequence[float]) -> float:
         raise ValueError("no loads")
     mean = sum(loads) / len(loads)
     return 1.0 if mean == 0 else max(loads) / mean
+
+
+def grad_worker_grid(world_size: int, grad_workers: int) -> tuple[list[list[int]], list[list[int]]]:
+    """KAISA's grid of ranks: gradient-worker groups (columns) and receiver groups (rows).
+
+    The ranks fill a ``grad_workers x (P / grad_workers)`` grid row by row.
+    A layer's gradient workers are one column; each row holds exactly one
+    worker of every column, which sends that layer's preconditioned gradient
+    to the rest of its row.
+
+    Example: P = 8, 2 gradient workers: columns ``[0, 4], [1, 5], [2, 6],
+    [3, 7]``; rows ``[0, 1, 2, 3], [4, 5, 6, 7]``.
+
+    Returns:
+        (columns, rows).
+    """
+    _check_world_size(world_size)
+    if grad_workers < 1 or world_size % grad_workers:
+        raise ValueError(
+            f"the gradient worker count {grad_workers} must divide the world size {world_size}"
+        )
+    n = world_size // grad_workers
+    columns = [list(range(c, world_size, n)) for c in range(n)]
+    rows = [list(range(r * n, (r + 1) * n)) for r in range(grad_workers)]
+    return columns, rows
+
+
+def kaisa_assign(costs: Sequence[float], world_size: int, grad_workers: int) -> list[int]:
+    """KAISA's greedy placement: each layer's two factors on one rank, within a column.
+
+    Layers are taken by cost, largest first; each goes to the column (see
+    :func:`grad_worker_grid`) with the lowest total load and, inside it, to
+    the least-loaded rank (ties: the lowest index). That rank decomposes both
+    factors; its column are the layer's gradient workers.
+
+    Returns:
+        The decomposing rank of each layer.
+    """
+    columns, _ = grad_worker_grid(world_size, grad_workers)
+    for i, c in enumerate(costs):
+        if not (math.isfinite(c) and c >= 0):
+            raise ValueError(f"cost of item {i} must be finite and >= 0, got {c}")
+    loads = [0.0] * world_size
+    result = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        column = min(range(len(columns)), key=lambda c: (sum(loads[r] for r in columns[c]), c))
+        rank = min(columns[column], key=lambda r: (loads[r], r))
+        loads[rank] += float(costs[i])
+        result[i] = rank
+    return result

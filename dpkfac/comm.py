@@ -156,13 +156,63 @@ class Communicator:
         )
         self.stats = stats if stats is not None else CommStats()
         self.timer = timer if timer is not None else PhaseTimer()
-        self.isolate = False
+        self._isolate = False
+        self._parent: Communicator | None = None
         self._in_flight: set[int] = set()
+
+    @property
+    def isolate(self) -> bool:
+        """See the class docstring; a sub-communicator follows its parent's setting."""
+        return self._parent.isolate if self._parent is not None else self._isolate
+
+    @isolate.setter
+    def isolate(self, value: bool) -> None:
+        self._isolate = bool(value)
 
     @property
     def active(self) -> bool:
         """True when collectives actually run (more than one rank)."""
         return self.enabled and self.size > 1
+
+    def subgroups(self, partition: Sequence[Sequence[int]]) -> dict[int, Communicator]:
+        """Communicators over groups of this group's ranks, sharing its accounting.
+
+        A collective: every rank calls it with the same ``partition`` (lists of
+        group ranks), because creating a process group is one. A group of one
+        rank gets a communicator that never communicates, and the whole group
+        is this communicator itself.
+
+        Returns:
+            For each group this rank belongs to, its communicator, keyed by the
+            group's index in ``partition``.
+        """
+        out: dict[int, Communicator] = {}
+        for index, members in enumerate(partition):
+            ranks = sorted(int(r) for r in members)
+            if len(ranks) == self.size or not self.active:
+                if self.rank in ranks:
+                    out[index] = self
+                continue
+            if len(ranks) == 1:
+                if ranks[0] == self.rank:
+                    out[index] = self._solo()
+                continue
+            group = dist.new_group(
+                [self.global_rank(r) for r in ranks],
+                timeout=datetime.timedelta(seconds=self.timeout),
+                use_local_synchronization=False,
+            )
+            if self.rank in ranks:
+                sub = Communicator(group, timeout=self.timeout, stats=self.stats, timer=self.timer)
+                sub._parent = self
+                out[index] = sub
+        return out
+
+    def _solo(self) -> Communicator:
+        """A communicator of this rank alone: every call is a no-op that records nothing."""
+        solo = Communicator(self.group, timeout=self.timeout, stats=self.stats, timer=self.timer)
+        solo.enabled, solo.rank, solo.size, solo._parent = False, 0, 1, self
+        return solo
 
     def global_rank(self, group_rank: int) -> int:
         """Translate a rank of this group to the global rank torch.distributed expects."""

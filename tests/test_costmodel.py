@@ -8,7 +8,9 @@ equal the predicted memory of every rank. Timing is checked for structure
 
 from __future__ import annotations
 
-from dataclasses import replace
+import ast
+from dataclasses import fields, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,12 +27,18 @@ from dpkfac.costmodel import (
     Engine,
     Hardware,
     Link,
+    Measurement,
+    Regime,
     Sample,
+    balance_rows,
     bert_qa,
     calibrate,
+    fit,
+    fitting,
     format_table,
     nnls,
     predict,
+    predict_measurement,
     predict_sgd,
     predicted_table,
     resnet50,
@@ -39,9 +47,13 @@ from dpkfac.costmodel import (
     transformer,
 )
 from dpkfac.costmodel.__main__ import main
+from dpkfac.options import KFACOptions
+from dpkfac.strategies import STRATEGIES, DPKFACOptions, SPDKFACOptions, strategy_options
 
+ROOT = Path(__file__).resolve().parents[1]
 ITEM = 8  # TinyNet is float64
 HW = PRESETS["v100_ib100"]
+NO_KL = KFACOptions(kl_clip=None)
 
 
 class AttnNet(nn.Module):
@@ -66,34 +78,40 @@ def _model(kind: str) -> nn.Module:
     return AttnNet().double()
 
 
-# name -> (model, preconditioner options, predict options); kl_clip None unless given.
-CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
-    "dp-kl": ("tiny", {"kl_clip": 0.001}, {"strategy": "dp-kfac", "kl_clip": True}),
-    "dp-owner": (
-        "tiny",
-        {"grad_reduction": "owner"},
-        {"strategy": "dp-kfac", "kl_clip": False, "grad_reduction": "owner"},
-    ),
+# name -> (model, strategy, preconditioner keyword arguments beyond RUN). The
+# prediction takes the very same values, split into KFACOptions and the
+# strategy's options (_split), so run and prediction cannot drift apart.
+CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "dp-kl": ("tiny", "dp_kfac", {"kl_clip": 0.001}),
+    "dp-owner": ("tiny", "dp_kfac", {"grad_reduction": "owner"}),
     "dp-owner-kl-capped": (
         "tiny",
+        "dp_kfac",
         {"grad_reduction": "owner", "kl_clip": 0.001, "bucket_cap_mb": 30 * ITEM / 2**20},
-        {"strategy": "dp-kfac", "grad_reduction": "owner", "bucket_cap_mb": 30 * ITEM / 2**20},
     ),
-    "dp-attn": ("attn", {}, {"strategy": "dp-kfac", "kl_clip": False}),
-    "d-eigen": ("tiny", {}, {"strategy": "d-kfac"}),
+    "dp-best": ("tiny", "dp_kfac", {"assignment": "best"}),
+    "dp-attn": ("attn", "dp_kfac", {}),
+    "d-eigen": ("tiny", "d_kfac", {}),
     "d-inverse-capped": (
         "tiny",
+        "d_kfac",
         {"compute_method": "inverse", "bucket_cap_mb": 100 * ITEM / 2**20},
-        {"strategy": "d-kfac", "compute_method": "inverse", "bucket_cap_mb": 100 * ITEM / 2**20},
     ),
-    "d-attn": ("attn", {}, {"strategy": "d-kfac"}),
+    "d-attn": ("attn", "d_kfac", {}),
+    "d-lazy-triangle-capped": (
+        "tiny",
+        "d_kfac",
+        {"lazy_factor_sync": True, "triangle": True, "bucket_cap_mb": 100 * ITEM / 2**20},
+    ),
+    "d-layer-round-robin": ("tiny", "d_kfac", {"placement": "layer_round_robin"}),
     "spd-one-bucket": (
         "tiny",
+        "spd_kfac",
         {"local_threshold": 0, "profile_steps": 1, "comm_alpha": 1e3, "comm_beta": 0.0},
-        {"strategy": "spd-kfac", "local_threshold": 0, "comm_alpha": 1e3, "comm_beta": 0.0},
     ),
     "spd-alone-inverse": (
         "tiny",
+        "spd_kfac",
         {
             "local_threshold": 0,
             "profile_steps": 1,
@@ -101,35 +119,33 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
             "comm_beta": 0.0,
             "compute_method": "inverse",
         },
-        {
-            "strategy": "spd-kfac",
-            "local_threshold": 0,
-            "comm_alpha": 0.0,
-            "comm_beta": 0.0,
-            "compute_method": "inverse",
-        },
     ),
-    "spd-measured": ("tiny", {"profile_steps": 1}, {"strategy": "spd-kfac"}),
+    "spd-measured": ("tiny", "spd_kfac", {"profile_steps": 1}),
 }
+#: Preconditioner arguments of every case: factors and decompositions every 2 steps.
+RUN: dict[str, Any] = {
+    "damping": 0.01,
+    "factor_decay": 0.9,
+    "kl_clip": None,
+    "factor_update_steps": 2,
+    "inv_update_steps": 2,
+    "collective_timeout": 60.0,
+}
+KFAC_FIELDS = {f.name for f in fields(KFACOptions)}
+
+
+def _split(kwargs: dict[str, Any]) -> tuple[KFACOptions, dict[str, Any]]:
+    """Preconditioner keyword arguments as predict takes them: common options, strategy's own."""
+    common = {k: v for k, v in kwargs.items() if k in KFAC_FIELDS}
+    return KFACOptions(**common), {k: v for k, v in kwargs.items() if k not in KFAC_FIELDS}
 
 
 def _run_cases(rank: int, world_size: int) -> dict[str, Any]:
     """Steps 0..3 with factors and decompositions every 2 steps; stats of each step."""
     out = {}
-    for name, (kind, case_options, predicted) in CASES.items():
+    for name, (kind, strategy, options) in CASES.items():
         model = _model(kind)
-        options = dict(case_options)
-        pre = dpkfac.KFACPreconditioner(
-            model,
-            strategy=predicted["strategy"],
-            damping=0.01,
-            factor_decay=0.9,
-            kl_clip=options.pop("kl_clip", None),
-            factor_update_steps=2,
-            inv_update_steps=2,
-            collective_timeout=60.0,
-            **options,
-        )
+        pre = dpkfac.KFACPreconditioner(model, strategy=strategy, **{**RUN, **options})
         stats, memory = [], None
         for step in range(4):
             pre.reset_stats()
@@ -159,31 +175,28 @@ def _add(*stats: dict) -> dict:
 def test_predicted_bytes_and_memory_equal_measured(world_size: int) -> None:
     results = run_ranks(_run_cases, world_size)
     x0 = batch(0, 0)[0]
-    for name, (kind, _, options) in CASES.items():
+    for name, (kind, strategy, case_options) in CASES.items():
         shapes = shapes_from_model(_model(kind), x0)
         plan = results[0][name][2]
+        kfac, options = _split({**RUN, **case_options})
+        common = {"world_size": world_size, "hardware": HW, "param_itemsize": ITEM, "kfac": kfac}
         extra = {"fusion_plan": plan} if name == "spd-measured" else {}
-        pred = predict(
-            shapes, world_size=world_size, hardware=HW, param_itemsize=ITEM, **options, **extra
-        )
+        pred = predict(shapes, strategy=strategy, options=options, **common, **extra)
+        pipelined = pred.traits is not None and pred.traits.factor_comm == "pipelined"
         for rank, result in enumerate(results):
             stats, memory, _ = result[name]
             assert stats[2] == pred.update.comm, (name, rank)
             assert stats[3] == pred.plain.comm, (name, rank)
             assert memory == pred.memory[rank], (name, rank)
-            if options["strategy"] != "spd-kfac":
+            if not pipelined:
                 first = _add(pred.update.comm, pred.setup_comm)
             else:  # step 0 profiles: every factor alone, then the plan is fixed
                 alone = predict(
-                    shapes,
-                    world_size=world_size,
-                    hardware=HW,
-                    param_itemsize=ITEM,
-                    **{**options, "fusion": "none"},
+                    shapes, strategy=strategy, options={**options, "fusion": "none"}, **common
                 )
                 first = _add(alone.update.comm, pred.setup_comm)
             assert _add(stats[0]) == first, (name, rank)
-        if options["strategy"] == "spd-kfac" and name != "spd-measured":
+        if pipelined and name != "spd-measured":
             assert plan == pred.plan, name
     # the cases exercise what they are meant to
     tiny = results[0]
@@ -192,34 +205,108 @@ def test_predicted_bytes_and_memory_equal_measured(world_size: int) -> None:
     assert tiny["d-inverse-capped"][0][2]["factor_allreduce"]["calls"] > 1
     assert tiny["dp-owner-kl-capped"][0][2]["precond_broadcast"]["calls"] > world_size
     assert tiny["spd-measured"][0][2]["decomposition_broadcast"]["calls"] == 0  # all local
+    assert tiny["dp-best"][0][0]["setup"]["calls"] == 1  # the placement agreement
+    assert tiny["d-lazy-triangle-capped"][0][2]["factor_allreduce"]["calls"] > 1
 
 
-def test_world_size_one_has_no_traffic_and_exact_memory() -> None:
-    for strategy in ("dp-kfac", "d-kfac", "spd-kfac"):
-        model = make_model()
-        pre = dpkfac.KFACPreconditioner(model, strategy=strategy, kl_clip=None)
-        for step in range(2):
-            model.zero_grad()
-            x, y = batch(step, 0)
-            F.cross_entropy(model(x), y).backward()
-            pre.step()
-        pred = predict(
-            shapes_from_model(model, x),
-            strategy=strategy,
-            world_size=1,
-            hardware=HW,
-            param_itemsize=ITEM,
-        )
-        assert pre.comm_stats() == pred.update.comm
-        assert all(v["bytes"] == 0 for v in pred.update.comm.values())
-        assert pre.memory_usage() == pred.memory[0]
-        assert pred.update.phases["factor_comm"] == 0.0
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_world_size_one_has_no_traffic_and_exact_memory(strategy: str) -> None:
+    model = make_model()
+    pre = dpkfac.KFACPreconditioner(model, strategy=strategy, kl_clip=None)
+    for step in range(2):
+        model.zero_grad()
+        x, y = batch(step, 0)
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+    pred = predict(
+        shapes_from_model(model, x),
+        strategy=strategy,
+        world_size=1,
+        hardware=HW,
+        kfac=pre.options,
+        options=pre.strategy.options,
+        param_itemsize=ITEM,
+    )
+    assert pre.comm_stats() == pred.update.comm
+    assert all(v["bytes"] == 0 for v in pred.update.comm.values())
+    assert pre.memory_usage() == pred.memory[0]
+    assert pred.update.phases["factor_comm"] == 0.0
+
+
+def test_factor_and_decomposition_dtypes_set_memory() -> None:
+    """Factors in factor_dtype; decompositions in at least float32 and the factor dtype."""
+    shapes = resnet50(batch_size=2, image_size=32)
+    dims = sum(s.a_dim**2 + s.g_dim**2 for s in shapes)
+    for factor_dtype, factor_item, decomp_item in (
+        (None, 4, 4),
+        (torch.float16, 2, 4),
+        (torch.float64, 8, 8),
+    ):
+        kfac = KFACOptions(factor_dtype=factor_dtype, compute_method="inverse")
+        mem = predict(shapes, strategy="d_kfac", world_size=2, hardware=HW, kfac=kfac).memory[0]
+        assert mem["factors"] == dims * factor_item
+        assert mem["decompositions"] == dims * decomp_item
+
+
+def test_predict_rejects_what_the_preconditioner_rejects() -> None:
+    shapes = resnet50(batch_size=2, image_size=32)
+    common = {"world_size": 2, "hardware": HW}
+    with pytest.raises(ValueError, match="unknown strategy"):
+        predict(shapes, strategy="nope", **common)
+    with pytest.raises(ValueError, match="local_threshold"):
+        predict(shapes, strategy="d_kfac", options={"local_threshold": 0}, **common)
+    with pytest.raises(ValueError, match="grad_reduction"):
+        predict(shapes, strategy="dp_kfac", options={"grad_reduction": "nope"}, **common)
+    with pytest.raises(TypeError, match="DPKFACOptions"):
+        predict(shapes, strategy="dp_kfac", options=SPDKFACOptions(), **common)
+    with pytest.raises(ValueError, match="without a strategy"):
+        predict(shapes, strategy=None, options={"fusion": "none"}, **common)
+    with pytest.raises(ValueError, match="callable"):
+        kfac = KFACOptions(inv_update_steps=lambda step: 10)
+        predict(shapes, strategy="d_kfac", kfac=kfac, **common)
+    # the hyphenated spelling is read, the registered one is reported
+    assert predict(shapes, strategy="spd-kfac", **common).strategy == "spd_kfac"
+    assert predict(shapes, strategy="dp_kfac", options=DPKFACOptions(), **common).traits
+
+
+def _constants(node: ast.expr) -> list[object]:
+    """String-like constants of an operand (a literal, or the elements of a literal collection)."""
+    if isinstance(node, ast.Constant):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [e.value for e in node.elts if isinstance(e, ast.Constant)]
+    return []
+
+
+def test_no_strategy_name_is_compared_in_the_cost_model() -> None:
+    """The cost model asks the strategy classes; it never branches on a name.
+
+    Flags comparisons (``==``, ``!=``, ``in``, ...) and ``startswith``/``endswith``
+    calls against a literal strategy name, in either spelling, or the old "sgd".
+    """
+    names = {n for key in STRATEGIES for n in (key, key.replace("_", "-"))} | {"sgd"}
+    offenders = []
+    for path in sorted((ROOT / "dpkfac" / "costmodel").glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            operands: list[ast.expr] = []
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("startswith", "endswith")
+            ):
+                operands = list(node.args)
+            if any(c in names for op in operands for c in _constants(op)):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []
 
 
 def test_ddp_flag_removes_gradient_traffic_but_not_its_time() -> None:
     shapes = resnet50(batch_size=32)
-    plain = predict(shapes, strategy="d-kfac", world_size=8, hardware=HW)
-    ddp = predict(shapes, strategy="d-kfac", world_size=8, hardware=HW, ddp=True)
+    plain = predict(shapes, strategy="d_kfac", world_size=8, hardware=HW)
+    ddp = predict(shapes, strategy="d_kfac", world_size=8, hardware=HW, ddp=True)
     assert ddp.update.comm["grad_allreduce"]["bytes"] == 0
     assert plain.update.comm["grad_allreduce"]["bytes"] == shapes.num_params * 4
     assert ddp.update.breakdown["ddp_grad_comm"] == pytest.approx(plain.update.phases["grad_comm"])
@@ -228,23 +315,30 @@ def test_ddp_flag_removes_gradient_traffic_but_not_its_time() -> None:
 def test_byte_formulas_on_a_large_model() -> None:
     shapes = resnet50(batch_size=32)
     p = 64
-    d = predict(shapes, strategy="d-kfac", world_size=p, hardware=HW)
+    d = predict(shapes, strategy="d_kfac", world_size=p, hardware=HW)
     full = sum(s.a_dim**2 + s.g_dim**2 for s in shapes) * 4
     assert d.update.comm["factor_allreduce"]["bytes"] == full
     assert 1 < d.update.comm["factor_allreduce"]["calls"] < 2 * len(shapes)  # 25 MiB cap
     eig = sum(x * x + x for s in shapes for x in (s.a_dim, s.g_dim)) * 4
     assert d.update.comm["decomposition_broadcast"]["bytes"] == eig
-    spd = predict(shapes, strategy="spd-kfac", world_size=p, hardware=HW, local_threshold=0)
+    spd = predict(
+        shapes, strategy="spd_kfac", world_size=p, hardware=HW, options={"local_threshold": 0}
+    )
     tri = sum(x * (x + 1) // 2 for s in shapes for x in (s.a_dim, s.g_dim)) * 4
     assert spd.update.comm["factor_allreduce"]["bytes"] == tri
-    dp = predict(shapes, strategy="dp-kfac", world_size=p, hardware=HW, kl_clip=False)
+    dp = predict(shapes, strategy="dp_kfac", world_size=p, hardware=HW, kfac=NO_KL)
     layer_params = sum(s.a_dim * s.g_dim for s in shapes) * 4
     assert dp.update.comm["precond_broadcast"]["bytes"] == layer_params
     assert dp.update.comm["factor_allreduce"]["bytes"] == 0
-    # dp-kfac splits exactly what every d-kfac rank holds
+    # dp_kfac splits exactly what every d_kfac rank holds
     assert sum(sum(m.values()) for m in dp.memory) == sum(d.memory[0].values())
     owner = predict(
-        shapes, strategy="dp-kfac", world_size=p, hardware=HW, grad_reduction="owner", kl_clip=False
+        shapes,
+        strategy="dp_kfac",
+        world_size=p,
+        hardware=HW,
+        kfac=NO_KL,
+        options={"grad_reduction": "owner"},
     )
     sgd = predict_sgd(shapes, world_size=p, hardware=HW)
     colls = owner.update.collectives + sgd.update.collectives
@@ -336,7 +430,7 @@ def _synthetic(hw: Hardware, noise: float = 0.0) -> list[Sample]:
         for n in (1e3, 1e5, 1e6, 1e7):
             for kind in ("allreduce", "broadcast", "reduce"):
                 out.append(Sample.collective(kind, int(n), 0.0, p, calls=3))
-        # a phase that mixes kinds, as dp-kfac's owner reduction does
+        # a phase that mixes kinds, as dp_kfac's owner reduction does
         out.append(Sample({"reduce": (2, 3e6), "allreduce": (1, 1e5)}, 0.0, p))
     for flops in (1e6, 1e8, 1e10):
         for kind in ("matmul", "eigh", "inverse", "precondition", "forward_backward"):
@@ -365,7 +459,7 @@ def test_spd_kfac_triangle_unpacking_is_timed_and_never_hidden() -> None:
     phases = {}
     for overlap in (0.0, 1.0):
         pred = predict(
-            shapes, strategy="spd-kfac", world_size=4, hardware=replace(hw, overlap=overlap)
+            shapes, strategy="spd_kfac", world_size=4, hardware=replace(hw, overlap=overlap)
         )
         colls = [c for c in pred.update.collectives if c.category == "factor_allreduce"]
         assert sum(c.unpack_bytes for c in colls) == unpack
@@ -373,8 +467,8 @@ def test_spd_kfac_triangle_unpacking_is_timed_and_never_hidden() -> None:
         transfer = sum(hw.link("allreduce").time(1, c.wire_bytes, 4) for c in colls)
     assert phases[0.0] == pytest.approx(transfer + unpack / rate, rel=1e-9)
     assert unpack / rate <= phases[1.0] < phases[0.0]
-    # d-kfac sends full factors: nothing to unpack.
-    d = predict(shapes, strategy="d-kfac", world_size=4, hardware=hw).update.collectives
+    # d_kfac sends full factors: nothing to unpack.
+    d = predict(shapes, strategy="d_kfac", world_size=4, hardware=hw).update.collectives
     assert all(c.unpack_bytes == 0 for c in d)
 
 
@@ -421,20 +515,24 @@ def test_calibrate_from_predicted_phase_samples_round_trips() -> None:
     truth = scaled(_truth(), compute=0.5)
     shapes = resnet50(batch_size=8, image_size=64)
     samples = []
-    for strategy in ("dp-kfac", "d-kfac"):
+    for strategy, options in (
+        ("dp_kfac", {"grad_reduction": "owner"}),
+        ("dp_kfac", {"grad_reduction": "allreduce"}),
+        ("d_kfac", {}),
+    ):
         for method in ("eigen", "inverse"):
             pred = predict(
                 shapes,
                 strategy=strategy,
                 world_size=4,
                 hardware=truth,
-                compute_method=method,
-                grad_reduction="owner" if method == "eigen" else "allreduce",
+                kfac=KFACOptions(compute_method=method),
+                options=options,
             )
             samples += pred.samples(pred.update.phases_per_rank, steps=1)
     fit = calibrate(samples, base=HW)
-    again = predict(shapes, strategy="d-kfac", world_size=4, hardware=fit)
-    want = predict(shapes, strategy="d-kfac", world_size=4, hardware=truth)
+    again = predict(shapes, strategy="d_kfac", world_size=4, hardware=fit)
+    want = predict(shapes, strategy="d_kfac", world_size=4, hardware=truth)
     for phase, seconds in want.update.phases.items():
         assert again.update.phases[phase] == pytest.approx(seconds, rel=1e-3), phase
 
@@ -452,8 +550,8 @@ def test_timing_scales_sensibly() -> None:
     shapes = resnet50(batch_size=32)
     prev: dict[str, Any] = {}
     for p in (2, 4, 8, 16, 64, 256):
-        dp = predict(shapes, strategy="dp-kfac", world_size=p, hardware=HW)
-        d = predict(shapes, strategy="d-kfac", world_size=p, hardware=HW)
+        dp = predict(shapes, strategy="dp_kfac", world_size=p, hardware=HW)
+        d = predict(shapes, strategy="d_kfac", world_size=p, hardware=HW)
         if prev:
             assert dp.computation <= prev["dp"].computation + 1e-12  # work is split
             assert dp.memory_max <= prev["dp"].memory_max
@@ -461,35 +559,34 @@ def test_timing_scales_sensibly() -> None:
             assert d.update.phases["factor_compute"] == prev["d"].update.phases["factor_compute"]
             assert d.update.phases["factor_comm"] > prev["d"].update.phases["factor_comm"]
         prev = {"dp": dp, "d": d}
-    base = predict(shapes, strategy="d-kfac", world_size=16, hardware=HW)
-    fast_net = predict(shapes, strategy="d-kfac", world_size=16, hardware=scaled(HW, network=2))
-    fast_gpu = predict(shapes, strategy="d-kfac", world_size=16, hardware=scaled(HW, compute=2))
+    base = predict(shapes, strategy="d_kfac", world_size=16, hardware=HW)
+    fast_net = predict(shapes, strategy="d_kfac", world_size=16, hardware=scaled(HW, network=2))
+    fast_gpu = predict(shapes, strategy="d_kfac", world_size=16, hardware=scaled(HW, compute=2))
     assert fast_net.communication == pytest.approx(base.communication / 2)
     assert fast_gpu.computation == pytest.approx(base.computation / 2)
     assert fast_net.iteration < base.iteration and fast_gpu.iteration < base.iteration
-    base = predict(shapes, strategy="spd-kfac", world_size=16, hardware=HW)
-    fast_net = predict(shapes, strategy="spd-kfac", world_size=16, hardware=scaled(HW, network=2))
+    base = predict(shapes, strategy="spd_kfac", world_size=16, hardware=HW)
+    fast_net = predict(shapes, strategy="spd_kfac", world_size=16, hardware=scaled(HW, network=2))
     assert fast_net.communication < base.communication  # the fusion plan may change too
-    # spd-kfac overlaps factor traffic with the backward pass; d-kfac does not
+    # spd_kfac overlaps factor traffic with the backward pass; d_kfac does not
     assert base.update.phases["factor_comm"] <= base.update.comm_serial["factor_comm"]
     # a bigger batch costs more factor work, never less
-    big = predict(shapes.with_batch_size(64), strategy="d-kfac", world_size=16, hardware=HW)
-    small = predict(shapes, strategy="d-kfac", world_size=16, hardware=HW)
+    big = predict(shapes.with_batch_size(64), strategy="d_kfac", world_size=16, hardware=HW)
+    small = predict(shapes, strategy="d_kfac", world_size=16, hardware=HW)
     assert big.update.phases["factor_compute"] > small.update.phases["factor_compute"]
 
 
 def test_iteration_composition_and_intervals() -> None:
     shapes = resnet50(batch_size=32)
-    every = predict(shapes, strategy="d-kfac", world_size=8, hardware=HW)
+    every = predict(shapes, strategy="d_kfac", world_size=8, hardware=HW)
     assert every.iteration_avg == pytest.approx(every.iteration)
     assert every.update.iteration == pytest.approx(sum(every.update.breakdown.values()))
     sparse = predict(
         shapes,
-        strategy="d-kfac",
+        strategy="d_kfac",
         world_size=8,
         hardware=HW,
-        factor_update_steps=10,
-        inv_update_steps=100,
+        kfac=KFACOptions(factor_update_steps=10, inv_update_steps=100),
     )
     assert every.plain.iteration < sparse.iteration_avg < every.iteration
     expected = (
@@ -504,10 +601,25 @@ def test_iteration_composition_and_intervals() -> None:
     assert set(sgd.update.comm) >= {"grad_allreduce"} and sgd.memory_max == 0
 
 
+def test_lazy_factor_sync_moves_factor_traffic_to_decomposition_steps() -> None:
+    shapes = resnet50(batch_size=8, image_size=64)
+    kfac = KFACOptions(factor_update_steps=1, inv_update_steps=5)
+    common = {"strategy": "d_kfac", "world_size": 8, "hardware": HW, "kfac": kfac}
+    eager = predict(shapes, **common)
+    lazy = predict(shapes, options={"lazy_factor_sync": True, "triangle": True}, **common)
+    calls = {k: s.comm["factor_allreduce"]["calls"] for k, s in lazy.steps.items()}
+    assert calls[(True, False)] == calls[(False, False)] == 0
+    assert calls[(False, True)] == calls[(True, True)] > 0
+    tri = sum(x * (x + 1) // 2 for s in shapes for x in (s.a_dim, s.g_dim)) * 4
+    assert lazy.update.comm["factor_allreduce"]["bytes"] == tri
+    assert lazy.iteration_avg < eager.iteration_avg
+
+
 def test_spd_plan_follows_the_fusion_rule() -> None:
     shapes = shapes_from_model(make_model(), batch(0, 0)[0])
-    kw = {"strategy": "spd-kfac", "world_size": 2, "hardware": HW, "local_threshold": 0}
-    one = predict(shapes, comm_alpha=1e3, comm_beta=0.0, **kw)
+    kw = {"strategy": "spd_kfac", "world_size": 2, "hardware": HW}
+    base = {"local_threshold": 0}
+    one = predict(shapes, options={**base, "comm_alpha": 1e3, "comm_beta": 0.0}, **kw)
     assert len(one.plan) == 1
     assert one.plan[0] == [
         ("conv", "A"),
@@ -517,9 +629,10 @@ def test_spd_plan_follows_the_fusion_rule() -> None:
         ("fc1", "G"),
         ("conv", "G"),
     ]
-    alone = predict(shapes, comm_alpha=0.0, comm_beta=0.0, **kw)
+    alone = predict(shapes, options={**base, "comm_alpha": 0.0, "comm_beta": 0.0}, **kw)
     assert len(alone.plan) == 6
-    assert predict(shapes, fusion="none", **kw).update.comm["factor_allreduce"]["calls"] == 6
+    unfused = predict(shapes, options={**base, "fusion": "none"}, **kw)
+    assert unfused.update.comm["factor_allreduce"]["calls"] == 6
 
 
 # ------------------------------------------------------------------------ table
@@ -528,12 +641,12 @@ def test_predicted_table_and_printout(capsys) -> None:
     assert {r["model"] for r in rows} == set(PAPER_MODELS)
     assert len(rows) == 4 * len(PAPER_MODELS)
     for r in rows:
-        if r["strategy"] == "dp-kfac":
+        if r["strategy"] == "dp_kfac":
             # no factor traffic and a fraction of the factors per rank
             assert r["communication_s_x_best"] > 1 and r["memory_mb_x_best"] > 1
-            assert r["computation_s_x_d-kfac"] > 1
+            assert r["computation_s_x_d_kfac"] > 1
     text = format_table(rows)
-    assert "ResNet-50" in text and "spd-kfac" in text
+    assert "ResNet-50" in text and "spd_kfac" in text
     main(["--world-size", "16"])
     assert "BERT-large" in capsys.readouterr().out
 
@@ -544,7 +657,7 @@ def test_overlap_interpolates_spd_factor_wait_between_hidden_and_serial() -> Non
     shapes = resnet50(batch_size=32)
     waits = {
         o: predict(
-            shapes, strategy="spd-kfac", world_size=16, hardware=replace(HW, overlap=o)
+            shapes, strategy="spd_kfac", world_size=16, hardware=replace(HW, overlap=o)
         ).update
         for o in (0.0, 0.5, 1.0)
     }
@@ -555,3 +668,67 @@ def test_overlap_interpolates_spd_factor_wait_between_hidden_and_serial() -> Non
     assert waits[0.5].phases["factor_comm"] == pytest.approx((hidden + serial) / 2)
     with pytest.raises(ValueError, match="overlap"):
         replace(HW, overlap=1.5)
+
+
+# ---------------------------------------------------------------------- balance
+def test_balance_reports_busiest_over_mean_per_assignment(capsys) -> None:
+    models = {name: shapes for name, (shapes, _) in PAPER_MODELS.items()}
+    rows = balance_rows(models, world_size=16)
+    assert [r.model for r in rows] == list(PAPER_MODELS)
+    for r in rows:
+        assert set(r.imbalance) == {"lpt", "round_robin", "best"}
+        assert all(v >= r.lower_bound - 1e-12 for v in r.imbalance.values())
+        assert r.imbalance["best"] == min(r.imbalance["lpt"], r.imbalance["round_robin"])
+    assert balance_rows(models, world_size=1)[0].imbalance["lpt"] == pytest.approx(1.0)
+    main(["balance", "--world-size", "8", "--models", "BERT-large"])
+    out = capsys.readouterr().out
+    assert "| BERT-large | 8 | 145 |" in out and "ResNet-50" not in out
+    assert "round_robin" in out
+
+
+# ---------------------------------------------------------------------- fitting
+def _measured(
+    hw: Hardware, strategy: str | None, p: int, cores: int | None, options: dict[str, Any]
+) -> Measurement:
+    """A run whose timings are what ``hw`` predicts, as a benchmark would record them."""
+    shapes = resnet50(batch_size=2, image_size=32)
+    m = Measurement("resnet", shapes, strategy, p, options=None, cores=cores)
+    if strategy is not None:
+        m = replace(m, options=strategy_options(strategy, options))
+    pred = predict_measurement(m, hw)
+    ranks = tuple(pred.update.phases_per_rank)
+    least = {ph: min(r[ph] for r in ranks) for ph in ranks[0] if ph.endswith("_comm")}
+    fb = pred.update.breakdown["forward_backward"]
+    return replace(m, timings=ranks, least_wait=least, forward_backward=fb)
+
+
+def test_fit_recovers_the_hardware_that_generated_the_runs() -> None:
+    """Runs the model itself generates give back its links, engines and overlap."""
+    truth = replace(scaled(PRESETS["cpu_gloo_local"], network=0.5), overlap=0.3)
+    runs = [
+        _measured(truth, strategy, 2, None, options)
+        for strategy, options in (
+            (None, {}),
+            ("dp_kfac", {"grad_reduction": "owner"}),
+            ("d_kfac", {}),
+            ("spd_kfac", {"local_threshold": 0, "comm_alpha": 0.0, "comm_beta": 0.0}),
+        )
+    ]
+    assert fitting.core_share(runs[0]) == 1.0
+    got = fit(runs, PRESETS["cpu_gloo_local"])
+    assert got.regimes == {}
+    assert got.models["resnet"].hardware.overlap == pytest.approx(0.3, abs=0.01)
+    for m in runs:
+        again = predict_measurement(m, got.models["resnet"].hardware).update.phases
+        for phase, seconds in fitting.measured_phases(m).items():
+            assert again[phase] == pytest.approx(seconds, rel=0.01, abs=1e-9), phase
+    # Ranks sharing cores: compute slowed by the share, links of their own regime.
+    shared = _measured(scaled(truth, compute=0.5), "d_kfac", 4, 2, {})
+    assert fitting.core_share(shared) == 0.5
+    slow = fitting.hardware_for(shared, truth)
+    assert slow.engine("eigh").rate == pytest.approx(truth.engine("eigh").rate / 2)
+    regime = Regime({"allreduce": Link(1e-3, 1e-9)}, overlap=0.7)
+    own = fitting.hardware_for(shared, truth, {4: regime})
+    assert own.link("allreduce") == Link(1e-3, 1e-9) and own.overlap == 0.7
+    with pytest.raises(ValueError, match="ranks' timings"):
+        replace(shared, timings=shared.timings[:1])

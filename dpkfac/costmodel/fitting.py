@@ -63,9 +63,11 @@ __all__ = [
     "fit",
     "fit_models",
     "fit_overlap",
+    "hardware_at_share",
     "hardware_for",
     "measured_phases",
     "phase_samples",
+    "phases_from_timings",
     "predict_measurement",
     "shared_core_links",
     "with_forward_backward",
@@ -207,14 +209,25 @@ def predict_measurement(
     )
 
 
-def measured_phases(m: Measurement) -> dict[str, float]:
-    """Seconds per phase as the cost model defines them (see the module docstring)."""
-    out = {p: max(r[p] for r in m.timings) for p in COMPUTE_PHASES}
-    if m.least_wait:
-        out.update({p: float(m.least_wait[p]) for p in COMM_PHASES})
+def phases_from_timings(
+    timings: Sequence[Mapping[str, float]], least_wait: Mapping[str, float] | None = None
+) -> dict[str, float]:
+    """Seconds per phase as the cost model defines them, from per-rank timings.
+
+    Compute phases: the busiest rank. Communication phases: ``least_wait``
+    when given, else the smallest per-rank total.
+    """
+    out = {p: max(r[p] for r in timings) for p in COMPUTE_PHASES}
+    if least_wait:
+        out.update({p: float(least_wait[p]) for p in COMM_PHASES})
     else:
-        out.update({p: min(r[p] for r in m.timings) for p in COMM_PHASES})
+        out.update({p: min(r[p] for r in timings) for p in COMM_PHASES})
     return out
+
+
+def measured_phases(m: Measurement) -> dict[str, float]:
+    """Seconds per phase of a run as the cost model defines them (see the module docstring)."""
+    return phases_from_timings(m.timings, m.least_wait)
 
 
 def phase_samples(m: Measurement, hardware: Hardware) -> tuple[list[Sample], list[Sample]]:
@@ -276,15 +289,18 @@ def shared_core_links(measurements: Iterable[Measurement], hardware: Hardware) -
 def hardware_for(
     m: Measurement, hardware: Hardware, regimes: Mapping[int, Regime] | None = None
 ) -> Hardware:
-    """``hardware`` (one core per rank) as the run's ranks had it.
+    """``hardware`` (one core per rank) as the run's ranks had it (:func:`hardware_at_share`)."""
+    return hardware_at_share(hardware, core_share(m), (regimes or {}).get(m.world_size))
 
-    Engines are slowed by the core share; links come from the run's world
-    size's :class:`Regime` when there is one, else are slowed alike.
+
+def hardware_at_share(hardware: Hardware, share: float, regime: Regime | None = None) -> Hardware:
+    """``hardware`` (one core per rank) for ranks with ``share`` of a core each.
+
+    Engines are slowed by the share; links come from the world size's
+    :class:`Regime` when there is one, else are slowed alike.
     """
-    share = core_share(m)
     if share >= 1.0:
         return hardware
-    regime = (regimes or {}).get(m.world_size)
     if regime is None:
         out = scaled_hardware(hardware, compute=share, network=share)
     else:

@@ -352,10 +352,14 @@ def predict(
                 model, p, placement, compute_method=method, itemsize=di, cap_bytes=cap
             )
     ddp_grad = sgd_grad_comm if ddp else 0.0  # DDP all-reduces, whatever the traits say
+    # Lazy synchronisation sends the running factors before each decomposition
+    # instead of the batch factors of each factor update.
+    lazy = traits is not None and traits.lazy_factor_sync
     steps = {}
     for factor in (True, False):
         for decomp in (True, False):
-            colls = every + (factor_colls if factor else []) + (decomp_colls if decomp else [])
+            sync = decomp if lazy else factor
+            colls = every + (factor_colls if sync else []) + (decomp_colls if decomp else [])
             steps[(factor, decomp)] = step_prediction(
                 model,
                 p,

@@ -165,9 +165,12 @@ def factor_collectives(
     """Factor averaging, as ``traits.factor_comm`` says.
 
     "none": nothing. "allreduce": the factors in capped buckets, from
-    ``step()``. "pipelined": one collective per fusion bucket of ``plan``
-    (None: the profiling steps, where each factor travels alone), launched
-    from the capture hooks. With ``traits.triangle`` only upper triangles
+    ``step()`` (batch factors on factor steps, or with
+    ``traits.lazy_factor_sync`` the running factors on decomposition steps:
+    the same buffers; the caller decides on which steps they travel).
+    "pipelined": one collective per fusion bucket of ``plan`` (None: the
+    profiling steps, where each factor travels alone), launched from the
+    capture hooks. With ``traits.triangle`` only upper triangles
     travel and the full matrices are rebuilt on arrival (``unpack_bytes``).
     """
     keys = factor_keys(model)

@@ -1,7 +1,8 @@
 """Distribution schemes behind one interface, looked up by name.
 
 Every strategy has one name, spelled the same in Python, Hydra (``strategy=``),
-the command line, tables and W&B: ``dp_kfac``, ``d_kfac``, ``spd_kfac``. The
+the command line, tables and W&B: ``dp_kfac``, ``d_kfac``, ``spd_kfac``,
+``kaisa``. The
 hyphenated spellings of the papers (``dp-kfac``, ...) are accepted as input
 and normalised by :func:`canonical_name`; nothing is ever written with them.
 """
@@ -15,9 +16,10 @@ from dpkfac.options import StrategyOptions, make_options
 from dpkfac.strategies.base import Preconditioned, Strategy, Traits
 from dpkfac.strategies.d_kfac import DKFAC, DKFACOptions
 from dpkfac.strategies.dp_kfac import DPKFAC, DPKFACOptions
+from dpkfac.strategies.kaisa import KAISA, KAISAOptions
 from dpkfac.strategies.spd_kfac import SPDKFAC, SPDKFACOptions
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (DPKFAC, DKFAC, SPDKFAC)}
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (DPKFAC, DKFAC, SPDKFAC, KAISA)}
 
 
 def canonical_name(name: str) -> str:
@@ -50,10 +52,12 @@ def strategy_options(name: str, values: Mapping[str, Any] | None = None) -> Stra
 __all__ = [
     "DKFAC",
     "DPKFAC",
+    "KAISA",
     "SPDKFAC",
     "STRATEGIES",
     "DKFACOptions",
     "DPKFACOptions",
+    "KAISAOptions",
     "Preconditioned",
     "SPDKFACOptions",
     "Strategy",

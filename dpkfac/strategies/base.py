@@ -12,7 +12,7 @@ accounted in one place.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -22,6 +22,8 @@ from torch import nn
 from dpkfac.assignment import LayerShape, Placement
 from dpkfac.comm import Communicator
 from dpkfac.curvature import Decomposition, KFACLayer
+from dpkfac.curvature.decomposition import working_dtype
+from dpkfac.curvature.layer import FACTORS
 from dpkfac.options import StrategyOptions
 
 
@@ -252,6 +254,127 @@ class Strategy(ABC):
             The update of every layer that has a gradient, by layer name.
         """
         return results
+
+    # --------------------------------------------- helpers of the rooted schemes
+    def broadcast_decompositions(
+        self,
+        comm: Communicator,
+        members: Sequence[int],
+        layers: Sequence[KFACLayer],
+        updated: set[tuple[str, str]],
+    ) -> None:
+        """Each member broadcasts the due decompositions it computed, one fused bucket each.
+
+        Args:
+            comm: the communicator of the group (``members[i]`` is its rank i).
+            members: ranks of the preconditioner's group, in group order.
+            layers: all K-FAC layers.
+            updated: (layer name, factor) pairs whose decompositions were due.
+        """
+        if not comm.active:
+            return
+        pending = []
+        for position, src in enumerate(members):
+            items = [
+                (layer, w)
+                for layer in layers
+                for w in FACTORS
+                if (layer.name, w) in updated and layer.factors[w].owner == src
+            ]
+            if not items:
+                continue
+            tensors: list[torch.Tensor] = []
+            for layer, which in items:
+                if src == self.rank:
+                    tensors += layer.decomposition(which).tensors()
+                else:
+                    factor = layer.factor(which)
+                    dtype = working_dtype(factor.dtype, self.decomposition_dtype)
+                    tensors += [
+                        torch.empty(shape, dtype=dtype, device=factor.device)
+                        for shape in self.method.shapes(factor.shape[0])
+                    ]
+            handle = comm.broadcast(
+                tensors,
+                position,
+                "decomposition_broadcast",
+                cap_bytes=self.bucket_cap_bytes,
+                async_op=True,
+            )
+            pending.append((src, items, tensors, handle))
+        count = len(self.method.shapes(1))
+        for src, items, tensors, handle in pending:
+            comm.wait(handle)
+            if src == self.rank:
+                continue
+            for i, (layer, which) in enumerate(items):
+                chunk = tensors[i * count : (i + 1) * count]
+                layer.set_decomposition(which, self.method.from_tensors(chunk))
+
+    def broadcast_updates(
+        self,
+        comm: Communicator,
+        members: Sequence[int],
+        sends: Callable[[int], list[KFACLayer]],
+        results: dict[str, Preconditioned],
+        *,
+        with_kl: bool,
+    ) -> dict[str, Preconditioned]:
+        """Each member broadcasts the updates of its layers, one fused bucket per member.
+
+        With the KL clip on, each update travels with two scalars, ⟨V, ∇W⟩ and
+        whether it is preconditioned, in at least float32 (a half-precision
+        model would overflow the first).
+
+        Args:
+            comm: the communicator of the group (``members[i]`` is its rank i).
+            members: ranks of the preconditioner's group, in group order.
+            sends: the layers a member sends (those with a gradient).
+            results: what this rank computed, by layer name.
+            with_kl: whether the KL-clip scalars travel too.
+
+        Returns:
+            Every sent layer's update, by layer name.
+        """
+        out: dict[str, Preconditioned] = {}
+        handles = []
+        for position, src in enumerate(members):
+            sent = sends(src)
+            if not sent:
+                continue
+            buffers: list[torch.Tensor] = []
+            for layer in sent:
+                if src == self.rank:
+                    res = results[layer.name]
+                    matrix = res.matrix.contiguous()
+                    # This rank computed the update itself: its flag is a bool.
+                    flag = torch.full_like(res.vg, float(bool(res.preconditioned)))
+                    meta = torch.stack([res.vg, flag])
+                else:
+                    grad = layer.module.weight.grad
+                    matrix = grad.new_empty(layer.helper.g_dim, layer.helper.a_dim)
+                    kl_dtype = torch.promote_types(matrix.dtype, torch.float32)
+                    meta = matrix.new_zeros(2, dtype=kl_dtype)
+                buffers += [matrix, meta] if with_kl else [matrix]
+            handle = comm.broadcast(
+                buffers,
+                position,
+                "precond_broadcast",
+                cap_bytes=self.bucket_cap_bytes,
+                async_op=True,
+            )
+            handles.append((sent, buffers, handle))
+        step = 2 if with_kl else 1
+        for sent, buffers, handle in handles:
+            comm.wait(handle)
+            for i, layer in enumerate(sent):
+                matrix = buffers[i * step]
+                if with_kl:
+                    meta = buffers[i * step + 1]
+                    out[layer.name] = Preconditioned(matrix, meta[0], meta[1] > 0.5)
+                else:
+                    out[layer.name] = Preconditioned(matrix, matrix.new_zeros(()), True)
+        return out
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

@@ -20,8 +20,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from dpkfac.assignment import (
     LayerShape,
     Placement,
@@ -29,7 +27,6 @@ from dpkfac.assignment import (
     round_robin_assign,
 )
 from dpkfac.curvature import KFACLayer
-from dpkfac.curvature.decomposition import working_dtype
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.options import StrategyOptions, check_choice
 from dpkfac.strategies.base import Strategy, Traits
@@ -135,45 +132,4 @@ class DKFAC(Strategy):
     def share_decompositions(
         self, layers: Sequence[KFACLayer], updated: set[tuple[str, str]]
     ) -> None:
-        if not self.comm.active:
-            return
-        pending = []
-        for src in range(self.world_size):
-            items = [
-                (layer, w)
-                for layer in layers
-                for w in FACTORS
-                if (layer.name, w) in updated and layer.factors[w].owner == src
-            ]
-            if not items:
-                continue
-            tensors: list[torch.Tensor] = []
-            for layer, which in items:
-                if src == self.rank:
-                    tensors += layer.decomposition(which).tensors()
-                else:
-                    factor = layer.factor(which)
-                    dtype = working_dtype(factor.dtype, self.decomposition_dtype)
-                    tensors += [
-                        torch.empty(shape, dtype=dtype, device=factor.device)
-                        for shape in self.method.shapes(factor.shape[0])
-                    ]
-            handle = self.comm.broadcast(
-                tensors,
-                src,
-                "decomposition_broadcast",
-                cap_bytes=self.bucket_cap_bytes,
-                async_op=True,
-            )
-            pending.append((src, items, tensors, handle))
-        for src, items, tensors, handle in pending:
-            self.comm.wait(handle)
-            if src == self.rank:
-                continue
-            offset = 0
-            for layer, which in items:
-                count = len(self.method.shapes(1))
-                layer.set_decomposition(
-                    which, self.method.from_tensors(tensors[offset : offset + count])
-                )
-                offset += count
+        self.broadcast_decompositions(self.comm, range(self.world_size), layers, updated)

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from dpkfac.assignment import ASSIGNMENTS, COSTS, CostFn, LayerShape, Placement, assign_layers
@@ -134,58 +133,13 @@ class DPKFAC(Strategy):
     ) -> dict[str, Preconditioned]:
         if not self.comm.active:
             return results
-        out: dict[str, Preconditioned] = {}
-        handles = []
-        for owner in range(self.world_size):
-            owned = [
-                layer
-                for layer in layers
-                if layer.owner == owner and layer.module.weight.grad is not None
-            ]
-            if not owned:
-                continue
-            buffers: list[torch.Tensor] = []
-            for layer in owned:
-                if owner == self.rank:
-                    res = results[layer.name]
-                    matrix = res.matrix.contiguous()
-                    flag = res.preconditioned
-                    flag_t = (
-                        flag.to(res.vg.dtype) if isinstance(flag, torch.Tensor) else float(flag)
-                    )
-                    meta = torch.stack([res.vg, torch.full_like(res.vg, flag_t)])
-                else:
-                    weight = layer.module.weight
-                    matrix = weight.grad.new_empty(layer.helper.g_dim, layer.helper.a_dim)
-                    kl_dtype = torch.promote_types(matrix.dtype, torch.float32)
-                    meta = matrix.new_zeros(2, dtype=kl_dtype)
-                buffers.append(matrix)
-                if with_kl:
-                    buffers.append(meta)
-            handles.append(
-                (
-                    owned,
-                    buffers,
-                    self.comm.broadcast(
-                        buffers,
-                        owner,
-                        "precond_broadcast",
-                        cap_bytes=self.bucket_cap_bytes,
-                        async_op=True,
-                    ),
-                )
-            )
-        for owned, buffers, handle in handles:
-            self.comm.wait(handle)
-            step = 2 if with_kl else 1
-            for i, layer in enumerate(owned):
-                matrix = buffers[i * step]
-                if with_kl:
-                    meta = buffers[i * step + 1]
-                    out[layer.name] = Preconditioned(matrix, meta[0], meta[1] > 0.5)
-                else:
-                    out[layer.name] = Preconditioned(matrix, matrix.new_zeros(()), True)
-        return out
+
+        def owned_by(rank: int) -> list[KFACLayer]:
+            return [x for x in layers if x.owner == rank and x.module.weight.grad is not None]
+
+        return self.broadcast_updates(
+            self.comm, range(self.world_size), owned_by, results, with_kl=with_kl
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"grad_reduction": self.options.grad_reduction}

@@ -1,55 +1,46 @@
 """Benchmark rows meet the cost model (:mod:`dpkfac.costmodel`).
 
-Three uses, all through the cost model's public functions:
+A thin adapter: :func:`measurement` turns a row of ``experiments.benchmark``
+into a :class:`dpkfac.costmodel.Measurement` (shapes, strategy, the
+preconditioner's options, per-rank timings, least waits, shared cores), and
+everything else is the cost model's own code (:mod:`dpkfac.costmodel.fitting`,
+whose docstring explains the fitting: phases compared on the busiest rank
+for compute and the least-waiting rank for communication, shared-core
+regimes, the per-model forward/backward rate and the overlap of pipelined
+traffic). Three uses:
 
 * **Exact bytes.** :func:`predict_row` replays a measured job (same shapes,
-  strategy, options and, for spd-kfac, the fusion plan the run fixed) and
-  :func:`byte_mismatches` compares every category's bytes, calls and wire
-  bytes with what the run counted.
+  strategy, options and, for a pipelined strategy, the fusion plan the run
+  fixed) and :func:`byte_mismatches` compares every category's bytes, calls
+  and wire bytes with what the run counted.
 * **Calibration.** :func:`calibrate_rows` fits a ``Hardware`` to the
-  measured per-rank phase timings (``Prediction.samples``), starting from
-  the ``cpu_gloo_local`` preset for kinds the rows do not cover. The
-  forward/backward rate is then rescaled per model, because the model
-  derives it from the K-FAC layers' flops alone and a real network's
-  normalisation and attention kernels run at a very different rate.
+  measured per-rank phase timings of paper-setting rows, starting from the
+  ``cpu_gloo_local`` preset for kinds the rows do not cover.
 * **Scaling.** :func:`scaling_frames` puts measured rows beside
   predictions at P = 1..256 on (a) the calibrated model with the measured
   (CPU-sized) shapes and (b) the ``v100_ib100`` preset with the paper's
   shapes, and reports measured-vs-predicted error per phase.
 
-Measured phase seconds are compared the way the cost model defines them:
-compute phases on the busiest rank, communication phases on the rank that
-waited least (the others also wait for slower ranks, which the model books
-to those ranks' compute). The least wait is taken step by step
-(``least_wait`` of :func:`experiments.bench.aggregate.least_wait`), because
-which rank arrives last changes from step to step.
-
-**Shared cores.** The model gives every rank a device of its own. Here P
-single-threaded CPU ranks share C cores, so above P = C each rank computes
-at C/P of a core's speed: compute seconds of such rows are multiplied by
-``min(1, C/P)`` before fitting, and predictions for them use the fitted
-engines ``scaled`` by the same factor. Their collectives do not follow that
-rule: gloo's transfers slow down far less than C/P, while every all-reduce
-gains milliseconds of start-up (ranks wait to be scheduled at each step of
-the ring). So the links are fitted per regime: the one-core-per-rank model
-(the ``calibrated`` hardware, which every prediction beyond the measured
-world sizes uses, as for a cluster of such machines) takes its links from
-the rows with a core per rank only, and the rows of each oversubscribed
-world size get links fitted to their own communication phases
-(:func:`shared_core_links`). Without such rows (held-out predictions) the
-links are slowed by C/P like the engines.
+Whether a row is K-FAC is read from its ``kfac_options`` (JSON ``null``:
+first order), never from its strategy label; the strategy of a K-FAC row is
+``kfac_options["strategy"]`` and the rest of ``kfac_options`` splits into the
+preconditioner's common options and the strategy's own.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
+from collections.abc import Iterable, Mapping
+from dataclasses import fields
 from typing import Any
 
 import pandas as pd
+
+from dpkfac.costmodel import PRESETS, Hardware, Measurement, ModelShapes, Prediction
+from dpkfac.costmodel import fitting as fitting_lib
+from dpkfac.options import KFACOptions
+from dpkfac.strategies import canonical_name, strategy_options
 
 COMPUTE = ("factor_compute", "decomposition", "precondition")
 COMM = ("grad_comm", "factor_comm", "decomposition_comm", "precond_comm")
@@ -59,13 +50,20 @@ CATEGORIES = ("grad_allreduce", "factor_allreduce", "decomposition_broadcast", "
 PAPER_PRESET = "v100_ib100"
 #: The base of calibration: kinds the measurements do not cover come from here.
 BASE_PRESET = "cpu_gloo_local"
+_KFAC_FIELDS = frozenset(f.name for f in fields(KFACOptions))
+_DTYPE_FIELDS = ("factor_dtype", "decomposition_dtype")
+
+#: Oversubscribed world size -> ``{"links": ..., "overlap": ...}`` fitted to its own rows.
+Regimes = Mapping[int, Mapping[str, Any]]
+#: Per model: its hardware (forward/backward rate of its own), rows, shapes, weight sharing.
+ModelFit = tuple[Hardware, list[Mapping[str, Any]], ModelShapes, str]
 
 
 def _json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
-def row_shapes(row: Mapping[str, Any], *, paper: bool = False) -> tuple[Any, str]:
+def row_shapes(row: Mapping[str, Any], *, paper: bool = False) -> tuple[ModelShapes, str]:
     """K-FAC shapes of a row's model (or of its paper-sized version) and its weight sharing.
 
     The model is built on the ``meta`` device when that works (no memory,
@@ -99,44 +97,92 @@ def row_shapes(row: Mapping[str, Any], *, paper: bool = False) -> tuple[Any, str
     raise AssertionError("unreachable")
 
 
-def predict_row(
-    row: Mapping[str, Any],
-    hardware: Any,
-    *,
-    world_size: int | None = None,
-    shapes: Any = None,
-    weight_sharing: str | None = None,
-    replay_plan: bool = True,
-) -> Any:
-    """The cost model's prediction of a row's job (optionally at another P or shapes)."""
-    from dpkfac.costmodel import predict, predict_sgd
+def _kfac_split(
+    row: Mapping[str, Any], weight_sharing: str | None
+) -> tuple[str | None, KFACOptions, dict[str, Any]]:
+    """Strategy name, common options and strategy options of a row (None: first order).
 
+    ``kfac_options`` holds the strategy's name under ``strategy``, then
+    :class:`~dpkfac.options.KFACOptions` fields and the strategy's own
+    options (Hydra's private keys, such as ``_target_``, are not options).
+    Common options the row does not record come from its columns
+    (``compute_method``, ``factor_every``, ``inv_every``) or the defaults;
+    ``weight_sharing``, when given, is the model's and wins.
+    """
+    import torch
+
+    raw = _json(row.get("kfac_options"))
+    if raw is None:
+        name, values = None, {}
+    elif "strategy" not in raw:
+        raise ValueError(f"kfac_options {raw!r} of a K-FAC row name no strategy")
+    else:
+        values = {k: v for k, v in raw.items() if not k.startswith("_")}
+        name = canonical_name(values.pop("strategy"))
+    common = {k: values.pop(k) for k in list(values) if k in _KFAC_FIELDS}
+    for key in _DTYPE_FIELDS:
+        if isinstance(common.get(key), str):
+            common[key] = getattr(torch, common[key].removeprefix("torch."))
+    common.setdefault("compute_method", row.get("compute_method", "eigen"))
+    common.setdefault("factor_update_steps", int(row.get("factor_every", 1)))
+    common.setdefault("inv_update_steps", int(row.get("inv_every", 1)))
+    if weight_sharing:
+        common["weight_sharing"] = weight_sharing
+    return name, KFACOptions(**common), values
+
+
+def _cores(row: Mapping[str, Any]) -> int | None:
+    """CPU cores the row's ranks shared (None: a device per rank)."""
+    if not str(row.get("device", "cpu")).startswith("cpu"):
+        return None
+    return int(row.get("cpus") or os.cpu_count() or 1)
+
+
+def measurement(
+    row: Mapping[str, Any],
+    *,
+    shapes: ModelShapes | None = None,
+    weight_sharing: str | None = None,
+) -> Measurement:
+    """The cost model's record of a row (``shapes``: of the row's model unless given)."""
     if shapes is None:
-        shapes, weight_sharing = row_shapes(row)
-    p = int(world_size or row["world_size"])
-    common = {"world_size": p, "hardware": hardware, "bucket_cap_mb": 25.0}
-    if row["strategy"] == "sgd":
-        return predict_sgd(shapes, **common)
-    options = dict(_json(row["kfac_options"]))
-    strategy = options.pop("strategy")
-    options.pop("profile_steps", None)
+        shapes, model_sharing = row_shapes(row)
+        weight_sharing = weight_sharing or model_sharing
+    name, kfac, own = _kfac_split(row, weight_sharing)
     plan = _json(row.get("fusion_plan"))
-    if strategy == "spd-kfac" and replay_plan and plan and p == int(row["world_size"]):
-        options["fusion_plan"] = [[tuple(k) for k in bucket] for bucket in plan]
-    return predict(
-        shapes,
-        strategy=strategy,
-        compute_method=row.get("compute_method", "eigen"),
-        kl_clip=True,
-        weight_sharing=weight_sharing or "expand",
-        factor_update_steps=int(row.get("factor_every", 1)),
-        inv_update_steps=int(row.get("inv_every", 1)),
-        **common,
-        **options,
+    least = _json(row.get("least_wait"))
+    return Measurement(
+        model=str(row.get("model", "")),
+        shapes=shapes,
+        strategy=name,
+        world_size=int(row["world_size"]),
+        kfac=kfac,
+        options=strategy_options(name, own) if name is not None else None,
+        timings=tuple(_json(row.get("rank_timings")) or ()),
+        least_wait=least if isinstance(least, dict) and least else None,
+        forward_backward=float(row.get("fwd_bwd_s") or 0.0),
+        cores=_cores(row),
+        fusion_plan=tuple(tuple((k[0], k[1]) for k in bucket) for bucket in plan) if plan else None,
     )
 
 
-def predicted_counts(row: Mapping[str, Any], prediction: Any) -> dict[str, dict[str, float]]:
+def predict_row(
+    row: Mapping[str, Any],
+    hardware: Hardware,
+    *,
+    world_size: int | None = None,
+    shapes: ModelShapes | None = None,
+    weight_sharing: str | None = None,
+    replay_plan: bool = True,
+) -> Prediction:
+    """The cost model's prediction of a row's job (optionally at another P or shapes)."""
+    m = measurement(row, shapes=shapes, weight_sharing=weight_sharing)
+    return fitting_lib.predict_measurement(
+        m, hardware, world_size=world_size, replay_plan=replay_plan
+    )
+
+
+def predicted_counts(row: Mapping[str, Any], prediction: Prediction) -> dict[str, dict[str, float]]:
     """Bytes, calls and wire bytes per category per step, weighted like the row.
 
     The paper setting is the update step itself; the practical setting
@@ -156,7 +202,7 @@ def predicted_counts(row: Mapping[str, Any], prediction: Any) -> dict[str, dict[
     return out
 
 
-def byte_mismatches(row: Mapping[str, Any], prediction: Any) -> list[str]:
+def byte_mismatches(row: Mapping[str, Any], prediction: Prediction) -> list[str]:
     """Categories whose measured bytes, calls or wire bytes differ from the prediction."""
     predicted = predicted_counts(row, prediction)
     out = []
@@ -170,14 +216,35 @@ def byte_mismatches(row: Mapping[str, Any], prediction: Any) -> list[str]:
 
 def core_share(row: Mapping[str, Any]) -> float:
     """Fraction of a core each rank of a CPU row had: ``min(1, cores / P)``."""
-    if not str(row.get("device", "cpu")).startswith("cpu"):
-        return 1.0
-    cores = int(row.get("cpus") or os.cpu_count() or 1)
-    return min(1.0, cores / max(int(row["world_size"]), 1))
+    cores = _cores(row)
+    return 1.0 if cores is None else min(1.0, cores / max(int(row["world_size"]), 1))
 
 
-def hardware_for(row: Mapping[str, Any], hardware: Any, shared: Regimes | None = None) -> Any:
-    """``hardware`` as the row's ranks had it (see "Shared cores" in the module docstring).
+def _paper(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Rows of the paper setting (factors and decompositions every step): the ones fitted."""
+    return [r for r in rows if r.get("setting", "paper") == "paper"]
+
+
+def _to_regimes(shared: Regimes | None) -> dict[int, fitting_lib.Regime]:
+    return {
+        int(p): fitting_lib.Regime(dict(r["links"]), r.get("overlap"))
+        for p, r in (shared or {}).items()
+    }
+
+
+def _from_regimes(regimes: Mapping[int, fitting_lib.Regime]) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for p, r in regimes.items():
+        out[p] = {"links": dict(r.links)}
+        if r.overlap is not None:
+            out[p]["overlap"] = r.overlap
+    return out
+
+
+def hardware_for(
+    row: Mapping[str, Any], hardware: Hardware, shared: Regimes | None = None
+) -> Hardware:
+    """``hardware`` as the row's ranks had it (:func:`dpkfac.costmodel.fitting.hardware_for`).
 
     Args:
         row: a benchmark row.
@@ -185,210 +252,71 @@ def hardware_for(row: Mapping[str, Any], hardware: Any, shared: Regimes | None =
         shared: links (and overlap) per oversubscribed world size
             (:func:`shared_core_links`, :func:`fit_overlap`).
     """
-    from dpkfac.costmodel import scaled
-
-    share = core_share(row)
-    if share >= 1.0:
-        return hardware
-    regime = (shared or {}).get(int(row["world_size"]))
-    if regime is None:
-        out = scaled(hardware, compute=share, network=share)
-    else:
-        out = replace(
-            scaled(hardware, compute=share),
-            links=dict(regime["links"]),
-            overlap=float(regime.get("overlap", hardware.overlap)),
-        )
-    # spd-kfac's unpacking runs in step() as each pipelined all-reduce is
-    # waited on: the ranks that finished the backward pass early unpack while
-    # the last one still computes, so the rank that waits least (the last)
-    # unpacks alone, on a core of its own.
-    return replace(out, engines={**out.engines, "unpack": hardware.engine("unpack")})
+    regime = _to_regimes(shared).get(int(row["world_size"]))
+    return fitting_lib.hardware_at_share(hardware, core_share(row), regime)
 
 
 def measured_phases(row: Mapping[str, Any]) -> dict[str, float]:
-    """Seconds per phase as the cost model defines them (see the module docstring)."""
-    ranks = _json(row["rank_timings"])
-    out = {p: max(r[p] for r in ranks) for p in COMPUTE}
+    """Seconds per phase as the cost model defines them (busiest rank / least wait)."""
     least = _json(row.get("least_wait"))
-    if isinstance(least, dict) and least:
-        out.update({p: float(least[p]) for p in COMM})
-    else:  # rows written before ``least_wait`` existed
-        out.update({p: min(r[p] for r in ranks) for p in COMM})
-    return out
+    least = least if isinstance(least, dict) and least else None
+    return fitting_lib.phases_from_timings(_json(row["rank_timings"]), least)
 
 
-def _row_samples(row: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
-    """Compute and communication calibration samples of a paper-setting row, as measured."""
-    from dpkfac.costmodel import PRESETS
-    from dpkfac.costmodel.hardware import COLLECTIVE_KINDS
+def calibrate_rows(rows: Iterable[Mapping[str, Any]], name: str = "calibrated") -> Hardware:
+    """The one-core-per-rank ``Hardware`` fitted to the paper-setting rows' phase timings.
 
-    pred = predict_row(row, PRESETS[BASE_PRESET])
-    timings = _json(row["rank_timings"])
-    compute, comm = [], []
-    for s in pred.samples(timings, steps=1, comm_seconds=measured_phases(row)):
-        (comm if set(s.work) & set(COLLECTIVE_KINDS) else compute).append(s)
-    return compute, comm
-
-
-def calibrate_rows(rows: Iterable[Mapping[str, Any]], name: str = "calibrated") -> Any:
-    """The one-core-per-rank ``Hardware`` fitted to the rows' phase timings.
-
-    Engines come from every paper-setting row (compute seconds of rows whose
-    ranks shared cores scaled to a full core), links only from rows whose
-    ranks had a core each; kinds the rows do not cover keep the
-    ``cpu_gloo_local`` preset's values.
+    Engines come from every such row (compute seconds of rows whose ranks
+    shared cores scaled to a full core), links only from rows whose ranks had
+    a core each; kinds the rows do not cover keep the ``cpu_gloo_local``
+    preset's values.
     """
-    from dpkfac.costmodel import PRESETS, Sample, calibrate
-
-    samples = []
-    for row in rows:
-        if row.get("setting", "paper") != "paper":
-            continue
-        share = core_share(row)
-        compute, comm = _row_samples(row)
-        samples += [Sample(s.work, s.seconds * share, s.world_size) for s in compute]
-        if share >= 1.0:
-            samples += comm
-    # No per-doubling latency: the rows span too few world sizes with a core
-    # per rank to tell it from the constant start-up.
-    return calibrate(samples, name=name, base=PRESETS[BASE_PRESET], log2p=False)
+    ms = [measurement(r) for r in _paper(rows)]
+    return fitting_lib.calibrate_measurements(ms, PRESETS[BASE_PRESET], name)
 
 
-def shared_core_links(rows: Iterable[Mapping[str, Any]], hardware: Any) -> dict[int, dict]:
+def shared_core_links(
+    rows: Iterable[Mapping[str, Any]], hardware: Hardware
+) -> dict[int, dict[str, Any]]:
     """Links fitted to each oversubscribed world size's communication phases, as measured.
-
-    Kinds its rows do not cover fall back to ``hardware``'s links slowed by
-    the core share. Empty without rows whose ranks shared cores.
 
     Returns:
         World size -> ``{"links": ...}`` (:func:`fit_overlap` adds ``"overlap"``).
     """
-    from dpkfac.costmodel import calibrate, scaled
-
-    by_size: dict[int, list[Any]] = {}
-    for row in rows:
-        if row.get("setting", "paper") != "paper" or core_share(row) >= 1.0:
-            continue
-        by_size.setdefault(int(row["world_size"]), []).append(row)
-    out = {}
-    for p, mine in by_size.items():
-        samples = [s for row in mine for s in _row_samples(row)[1]]
-        if not samples:
-            continue
-        base = scaled(hardware, network=core_share(mine[0]))
-        fit = calibrate(samples, name=f"shared cores, P={p}", base=base, log2p=False)
-        out[p] = {"links": fit.links}
-    return out
+    ms = [measurement(r) for r in _paper(rows)]
+    return _from_regimes(fitting_lib.shared_core_links(ms, hardware))
 
 
-def with_forward_backward(hardware: Any, rows: list[Mapping[str, Any]], shapes: Any) -> Any:
-    """``hardware`` with the forward/backward rate that reproduces the rows' measured median.
-
-    Rows whose ranks shared cores are scaled to one core per rank first.
-    """
-    from dpkfac.costmodel import Engine, predict_sgd
-
-    measured = statistics.median(float(r["fwd_bwd_s"]) * core_share(r) for r in rows)
-    predicted = predict_sgd(shapes, world_size=1, hardware=hardware).update.breakdown[
-        "forward_backward"
-    ]
-    if measured <= 0 or predicted <= 0:
-        return hardware
-    engine = hardware.engine("forward_backward")
-    scale = predicted / measured
-    engines = dict(hardware.engines)
-    engines["forward_backward"] = Engine(rate=engine.rate * scale, latency=engine.latency * scale)
-    return replace(hardware, engines=engines)
-
-
-#: Oversubscribed world size -> ``{"links": ..., "overlap": ...}`` fitted to its own rows.
-Regimes = Mapping[int, Mapping[str, Any]]
-#: Per model: its hardware (forward/backward rate of its own), rows, shapes, weight sharing.
-ModelFit = tuple[Any, list[Mapping[str, Any]], Any, str]
-
-
-def _best_overlap(
-    models: Iterable[ModelFit],
-    keep: Callable[[Mapping[str, Any]], bool],
-    hardware_at: Callable[[Mapping[str, Any], Any, float], Any],
-) -> float | None:
-    """Least-squares overlap (relative error) over the kept spd-kfac rows; None without any."""
-    num = den = 0.0
-    for hardware, rows, shapes, weight_sharing in models:
-        for r in rows:
-            if r["strategy"] != "spd-kfac" or int(r["world_size"]) == 1 or not keep(r):
-                continue
-            measured = measured_phases(r)["factor_comm"]
-            if measured <= 0:
-                continue
-            serial, hidden = (
-                predict_row(
-                    r, hardware_at(r, hardware, o), shapes=shapes, weight_sharing=weight_sharing
-                ).update.phases["factor_comm"]
-                for o in (0.0, 1.0)
-            )
-            d, w = hidden - serial, 1.0 / measured**2
-            num += w * d * (measured - serial)
-            den += w * d * d
-    return min(1.0, max(0.0, num / den)) if den > 0 else None
+def with_forward_backward(
+    hardware: Hardware, rows: list[Mapping[str, Any]], shapes: ModelShapes
+) -> Hardware:
+    """``hardware`` with the forward/backward rate that reproduces the rows' measured median."""
+    ms = [measurement(r, shapes=shapes) for r in rows]
+    return fitting_lib.with_forward_backward(hardware, ms)
 
 
 def fit_overlap(
     models: Iterable[ModelFit], shared: Regimes | None = None
-) -> tuple[float | None, dict[int, Mapping[str, Any]]]:
-    """The ``overlap`` that best explains spd-kfac's measured factor wait, per regime.
+) -> tuple[float | None, dict[int, dict[str, Any]]]:
+    """The overlap of pipelined traffic per regime (:func:`dpkfac.costmodel.fitting.fit_overlap`).
 
-    The wait after the backward pass lies between the fully hidden prediction
-    (overlap 1: only the fusion schedule's tail, then unpacking) and the
-    serial one (overlap 0: every transfer after the compute). Least squares
-    in relative error over the spd-kfac rows at P > 1 of every model gives
-    the fraction, separately for the rows with a core per rank and for each
-    oversubscribed world size (there the transfers take turns with compute on
-    shared cores very differently). It is a property of the machine, so one
-    value serves every model.
-
-    Returns:
-        The overlap for one core per rank (None without such rows: keep the
-        hardware's), and the regimes with theirs.
+    Args:
+        models: per model, (hardware, rows, shapes, weight sharing).
+        shared: the regimes of :func:`shared_core_links`.
     """
-    models = list(models)
-    own = _best_overlap(
-        models, lambda r: core_share(r) >= 1.0, lambda r, hw, o: replace(hw, overlap=o)
-    )
-    regimes: dict[int, Mapping[str, Any]] = {}
-    for p, regime in (shared or {}).items():
-        best = _best_overlap(
-            models,
-            lambda r, p=p: int(r["world_size"]) == p,
-            lambda r, hw, o, regime=regime, p=p: replace(
-                hardware_for(r, hw if own is None else replace(hw, overlap=own), {p: regime}),
-                overlap=o,
-            ),
+    fits = [
+        fitting_lib.ModelFit(
+            hw, tuple(measurement(r, shapes=shapes, weight_sharing=ws) for r in rows)
         )
-        regimes[p] = regime if best is None else {**regime, "overlap": best}
-    return own, regimes
+        for hw, rows, shapes, ws in models
+    ]
+    own, regimes = fitting_lib.fit_overlap(fits, _to_regimes(shared))
+    return own, _from_regimes(regimes)
 
 
-def _fitted(
-    calibrated: Any, rows: list[Mapping[str, Any]], shared: Regimes
-) -> tuple[dict[str, ModelFit], dict[int, Mapping[str, Any]]]:
-    """Per model, the calibrated hardware with its forward/backward rate and the fitted overlap."""
-    models: dict[str, ModelFit] = {}
-    for model in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == model]
-        shapes, ws = row_shapes(mine[0])
-        models[model] = (with_forward_backward(calibrated, mine, shapes), mine, shapes, ws)
-    overlap, regimes = fit_overlap(models.values(), shared)
-    if overlap is not None:
-        models = {
-            m: (replace(hw, overlap=overlap), mine, shapes, ws)
-            for m, (hw, mine, shapes, ws) in models.items()
-        }
-    return models, regimes
-
-
-def _prediction_row(model: str, strategy: str, source: str, p: int, pred: Any) -> dict[str, Any]:
+def _prediction_row(
+    model: str, strategy: str, source: str, p: int, pred: Prediction
+) -> dict[str, Any]:
     step = pred.update
     phases = step.phases
     entry = {"model": model, "strategy": strategy, "source": source, "world_size": p}
@@ -412,11 +340,9 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
         and held out (calibrated without the rows of that P); ``notes``:
         markdown lines describing the sources.
     """
-    from dpkfac.costmodel import PRESETS
-
     if df.empty:
         return pd.DataFrame(), pd.DataFrame(), ["No measured rows."]
-    rows = [r for r in df.to_dict("records") if r.get("setting", "paper") == "paper"]
+    rows = _paper(df.to_dict("records"))
     records = []
     for r in rows:
         entry = {"model": r["model"], "strategy": r["strategy"], "source": "measured"}
@@ -429,45 +355,47 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
         entry["memory_MiB"] = r["mem_kfac"] / 2**20
         records.append(entry)
 
-    calibrated = calibrate_rows(rows)
-    shared = shared_core_links(rows, calibrated)
-    sizes = sorted({int(r["world_size"]) for r in rows})
-    held_out, held_shared = {}, {}
-    for p in sizes:
-        if p > 1 and len(set(sizes) - {p}) > 0:
-            others = [r for r in rows if int(r["world_size"]) != p]
-            held_out[p] = calibrate_rows(others, f"without P={p}")
-            held_shared[p] = shared_core_links(others, held_out[p])
+    # One build of each model's shapes; every row of a model shares them.
+    shapes_of = {m: row_shapes(next(r for r in rows if r["model"] == m)) for m in _models(rows)}
+    ms = [
+        measurement(r, shapes=shapes_of[r["model"]][0], weight_sharing=shapes_of[r["model"]][1])
+        for r in rows
+    ]
+    base = PRESETS[BASE_PRESET]
+    fitted = fitting_lib.fit(ms, base, "calibrated")
+    sizes = sorted({m.world_size for m in ms})
+    held = {
+        p: fitting_lib.fit([m for m in ms if m.world_size != p], base, f"without P={p}")
+        for p in sizes
+        if p > 1 and len(set(sizes) - {p}) > 0
+    }
     errors = []
     paper_hw = PRESETS[PAPER_PRESET]
-    fitted, regimes = _fitted(calibrated, rows, shared)
-    held = {
-        p: _fitted(held_out[p], [r for r in rows if int(r["world_size"]) != p], held_shared[p])
-        for p in held_out
-    }
-    for model, (hw, mine, shapes, ws) in fitted.items():
-        paper_shapes, paper_ws = row_shapes(mine[0], paper=True)
-        for r in mine:
-            if int(r["world_size"]) == 1:
+    for model, model_fit in fitted.models.items():
+        hw = model_fit.hardware
+        mine = [(r, m) for r, m in zip(rows, ms, strict=True) if m.model == model]
+        paper_shapes, paper_ws = row_shapes(mine[0][0], paper=True)
+        for r, m in mine:
+            if m.world_size == 1:
                 continue
-            fit_hw = hardware_for(r, hw, regimes)
-            fit = predict_row(r, fit_hw, shapes=shapes, weight_sharing=ws).update.phases
-            p = int(r["world_size"])
-            hold = {}
-            if p in held and model in held[p][0]:
-                hold_hw = held[p][0][model][0]
-                hold = predict_row(
-                    r, hardware_for(r, hold_hw, held[p][1]), shapes=shapes, weight_sharing=ws
-                ).update.phases
-            for phase, seconds in measured_phases(r).items():
+            pred = fitting_lib.predict_measurement(
+                m, fitting_lib.hardware_for(m, hw, fitted.regimes)
+            )
+            fit = pred.update.phases
+            hold: dict[str, float] = {}
+            out = held.get(m.world_size)
+            if out is not None and model in out.models:
+                hold_hw = fitting_lib.hardware_for(m, out.models[model].hardware, out.regimes)
+                hold = fitting_lib.predict_measurement(m, hold_hw).update.phases
+            for phase, seconds in fitting_lib.measured_phases(m).items():
                 if seconds <= 0 and fit.get(phase, 0.0) <= 0:
                     continue
-                overlapped = phase == "factor_comm" and r["strategy"] == "spd-kfac"
+                overlapped = phase in pred.overlapped_phases
                 errors.append(
                     {
                         "model": model,
                         "strategy": r["strategy"],
-                        "world_size": int(r["world_size"]),
+                        "world_size": m.world_size,
                         "phase": phase + (" (overlapped)" if overlapped else ""),
                         "measured_ms": 1e3 * seconds,
                         "predicted_ms": 1e3 * fit.get(phase, 0.0),
@@ -478,30 +406,26 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
                         else float("nan"),
                     }
                 )
-        for strategy in dict.fromkeys(r["strategy"] for r in mine):
-            ref = next(r for r in mine if r["strategy"] == strategy)
+        labels = dict.fromkeys(r["strategy"] for r, _ in mine)
+        for label in labels:
+            runs = [(r, m) for r, m in mine if r["strategy"] == label]
+            ref_row, ref = runs[0]
+            paper_ref = measurement(ref_row, shapes=paper_shapes, weight_sharing=paper_ws)
             for p in PREDICTED_P:
-                pred = predict_row(ref, hw, world_size=p, shapes=shapes, weight_sharing=ws)
-                records.append(_prediction_row(model, strategy, "calibrated", p, pred))
-                measured_here = [r for r in mine if r["strategy"] == strategy]
-                here = next((r for r in measured_here if int(r["world_size"]) == p), None)
-                if here is not None and core_share(here) < 1.0:
-                    pred = predict_row(
-                        here, hardware_for(here, hw, regimes), shapes=shapes, weight_sharing=ws
+                pred = fitting_lib.predict_measurement(ref, hw, world_size=p)
+                records.append(_prediction_row(model, label, "calibrated", p, pred))
+                here = next((m for _, m in runs if m.world_size == p), None)
+                if here is not None and fitting_lib.core_share(here) < 1.0:
+                    pred = fitting_lib.predict_measurement(
+                        here, fitting_lib.hardware_for(here, hw, fitted.regimes)
                     )
                     records.append(
-                        _prediction_row(model, strategy, "calibrated, shared cores", p, pred)
+                        _prediction_row(model, label, "calibrated, shared cores", p, pred)
                     )
                 if p >= 8:
-                    pred = predict_row(
-                        ref,
-                        paper_hw,
-                        world_size=p,
-                        shapes=paper_shapes,
-                        weight_sharing=paper_ws,
-                    )
+                    pred = fitting_lib.predict_measurement(paper_ref, paper_hw, world_size=p)
                     records.append(
-                        _prediction_row(model, strategy, f"{PAPER_PRESET}, paper size", p, pred)
+                        _prediction_row(model, label, f"{PAPER_PRESET}, paper size", p, pred)
                     )
     notes = [
         f"Sources: `measured` here ({_machine(rows)});",
@@ -519,6 +443,11 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
         "phase's collectives), least wait over ranks per step.",
     ]
     return pd.DataFrame(records), pd.DataFrame(errors), notes
+
+
+def _models(rows: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Model names in order of first appearance."""
+    return list(dict.fromkeys(str(r["model"]) for r in rows))
 
 
 def _machine(rows: list[Mapping[str, Any]]) -> str:
