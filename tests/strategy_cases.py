@@ -17,7 +17,11 @@ STRATEGY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "d_kfac": ("d_kfac", {}),
     "spd_kfac": ("spd_kfac", {"local_threshold": 0, "profile_steps": 1}),
     "spd_kfac_local": ("spd_kfac", {}),
+    "kaisa_comm_opt": ("kaisa", {"grad_worker_fraction": "comm_opt"}),
+    "kaisa_mem_opt": ("kaisa", {"grad_worker_fraction": "mem_opt"}),
 }
+#: Variants whose curvature is the whole (all-ranks) batch's.
+REPLICATED_VARIANTS = ("d_kfac", "spd_kfac", "spd_kfac_local", "kaisa_comm_opt", "kaisa_mem_opt")
 
 
 class TinyNet(nn.Module):

@@ -121,6 +121,22 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "spd-measured": ("tiny", "spd_kfac", {"profile_steps": 1}),
+    "kaisa-comm-opt": ("tiny", "kaisa", {"grad_worker_fraction": "comm_opt"}),
+    "kaisa-mem-opt-kl": ("tiny", "kaisa", {"grad_worker_fraction": "mem_opt", "kl_clip": 0.001}),
+    "kaisa-mem-opt-lazy-rr": (
+        "attn",
+        "kaisa",
+        {
+            "grad_worker_fraction": "mem_opt",
+            "lazy_factor_sync": True,
+            "placement": "layer_round_robin",
+        },
+    ),
+}
+#: KAISA's hybrid: 2 gradient workers per layer at P = 4 (rank groups differ per column).
+HYBRID_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "kaisa-hybrid-kl": ("tiny", "kaisa", {"grad_worker_fraction": 0.5, "kl_clip": 0.001}),
+    "kaisa-hybrid-attn": ("attn", "kaisa", {"grad_worker_fraction": 0.5, "triangle": True}),
 }
 #: Preconditioner arguments of every case: factors and decompositions every 2 steps.
 RUN: dict[str, Any] = {
@@ -140,10 +156,12 @@ def _split(kwargs: dict[str, Any]) -> tuple[KFACOptions, dict[str, Any]]:
     return KFACOptions(**common), {k: v for k, v in kwargs.items() if k not in KFAC_FIELDS}
 
 
-def _run_cases(rank: int, world_size: int) -> dict[str, Any]:
+def _run_cases(
+    rank: int, world_size: int, cases: dict[str, tuple[str, str, dict[str, Any]]] | None = None
+) -> dict[str, Any]:
     """Steps 0..3 with factors and decompositions every 2 steps; stats of each step."""
     out = {}
-    for name, (kind, strategy, options) in CASES.items():
+    for name, (kind, strategy, options) in (CASES if cases is None else cases).items():
         model = _model(kind)
         pre = dpkfac.KFACPreconditioner(model, strategy=strategy, **{**RUN, **options})
         stats, memory = [], None
@@ -174,30 +192,7 @@ def _add(*stats: dict) -> dict:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_predicted_bytes_and_memory_equal_measured(world_size: int) -> None:
     results = run_ranks(_run_cases, world_size)
-    x0 = batch(0, 0)[0]
-    for name, (kind, strategy, case_options) in CASES.items():
-        shapes = shapes_from_model(_model(kind), x0)
-        plan = results[0][name][2]
-        kfac, options = _split({**RUN, **case_options})
-        common = {"world_size": world_size, "hardware": HW, "param_itemsize": ITEM, "kfac": kfac}
-        extra = {"fusion_plan": plan} if name == "spd-measured" else {}
-        pred = predict(shapes, strategy=strategy, options=options, **common, **extra)
-        pipelined = pred.traits is not None and pred.traits.factor_comm == "pipelined"
-        for rank, result in enumerate(results):
-            stats, memory, _ = result[name]
-            assert stats[2] == pred.update.comm, (name, rank)
-            assert stats[3] == pred.plain.comm, (name, rank)
-            assert memory == pred.memory[rank], (name, rank)
-            if not pipelined:
-                first = _add(pred.update.comm, pred.setup_comm)
-            else:  # step 0 profiles: every factor alone, then the plan is fixed
-                alone = predict(
-                    shapes, strategy=strategy, options={**options, "fusion": "none"}, **common
-                )
-                first = _add(alone.update.comm, pred.setup_comm)
-            assert _add(stats[0]) == first, (name, rank)
-        if pipelined and name != "spd-measured":
-            assert plan == pred.plan, name
+    _check_cases(CASES, results, world_size)
     # the cases exercise what they are meant to
     tiny = results[0]
     assert tiny["spd-one-bucket"][0][2]["factor_allreduce"]["calls"] == 1
@@ -207,6 +202,48 @@ def test_predicted_bytes_and_memory_equal_measured(world_size: int) -> None:
     assert tiny["spd-measured"][0][2]["decomposition_broadcast"]["calls"] == 0  # all local
     assert tiny["dp-best"][0][0]["setup"]["calls"] == 1  # the placement agreement
     assert tiny["d-lazy-triangle-capped"][0][2]["factor_allreduce"]["calls"] > 1
+    assert tiny["kaisa-comm-opt"][0][2]["precond_broadcast"]["calls"] == 0
+    assert tiny["kaisa-mem-opt-kl"][0][2]["decomposition_broadcast"]["calls"] == 0
+
+
+@pytest.mark.distributed
+def test_kaisa_hybrid_bytes_and_memory_per_rank_equal_measured() -> None:
+    """At P = 4 with 2 gradient workers, each column's ranks see their own decompositions."""
+    results = run_ranks(_run_cases, 4, HYBRID_CASES)
+    _check_cases(HYBRID_CASES, results, 4)
+    stats = [r["kaisa-hybrid-kl"][0][2]["decomposition_broadcast"] for r in results]
+    assert all(s["calls"] > 0 for s in stats)
+    memory = [r["kaisa-hybrid-attn"][1]["decompositions"] for r in results]
+    assert len(set(memory)) > 1  # columns hold different layers' decompositions
+
+
+def _check_cases(
+    cases: dict[str, tuple[str, str, dict[str, Any]]], results: list[Any], world_size: int
+) -> None:
+    x0 = batch(0, 0)[0]
+    for name, (kind, strategy, case_options) in cases.items():
+        shapes = shapes_from_model(_model(kind), x0)
+        plan = results[0][name][2]
+        kfac, options = _split({**RUN, **case_options})
+        common = {"world_size": world_size, "hardware": HW, "param_itemsize": ITEM, "kfac": kfac}
+        extra = {"fusion_plan": plan} if name == "spd-measured" else {}
+        pred = predict(shapes, strategy=strategy, options=options, **common, **extra)
+        pipelined = pred.traits is not None and pred.traits.factor_comm == "pipelined"
+        for rank, result in enumerate(results):
+            stats, memory, _ = result[name]
+            assert stats[2] == pred.update.comm_of(rank), (name, rank)
+            assert stats[3] == pred.plain.comm_of(rank), (name, rank)
+            assert memory == pred.memory[rank], (name, rank)
+            if not pipelined:
+                first = _add(pred.update.comm_of(rank), pred.setup_comm)
+            else:  # step 0 profiles: every factor alone, then the plan is fixed
+                alone = predict(
+                    shapes, strategy=strategy, options={**options, "fusion": "none"}, **common
+                )
+                first = _add(alone.update.comm, pred.setup_comm)
+            assert _add(stats[0]) == first, (name, rank)
+        if pipelined and name != "spd-measured":
+            assert plan == pred.plan, name
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))

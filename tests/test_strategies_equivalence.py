@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from dist_utils import run_ranks
 from strategy_cases import (
+    REPLICATED_VARIANTS,
     STRATEGY_VARIANTS,
     batch,
     concat_batch,
@@ -74,7 +75,7 @@ def test_different_batches(world_size: int) -> None:
     results = run_ranks(_train_all_variants, world_size, False, None)
     # d-kfac / spd-kfac: the world-size-1 run on the concatenated batch.
     ref = _reference([concat_batch(s, world_size) for s in range(STEPS)], None)
-    for variant in ("d_kfac", "spd_kfac", "spd_kfac_local"):
+    for variant in REPLICATED_VARIANTS:
         for step in range(STEPS):
             err = max_rel_err(results[0][variant]["params"][step], ref["params"][step])
             assert err < TOL, (variant, step, err)

@@ -308,27 +308,35 @@ def predict(
     sgd_grad_comm = (
         sum(hw.link(c.kind).time(1, c.wire_bytes, p) for c in sgd_grads) if active else 0.0
     )
-    placement = plan = None
+    placement = plan = roles = None
     every: list[tr.Collective] = [] if ddp else list(sgd_grads)
+    updates: list[list[tr.Collective]] = [[] for _ in range(p)]
     setup: list[tr.Collective] = []
     factor_colls: list[tr.Collective] = []
-    decomp_colls: list[tr.Collective] = []
+    decomp_colls: list[list[tr.Collective]] = [[] for _ in range(p)]
     if name is not None and opts is not None and traits is not None:
         cls = strategy_class(name)
         placement = cls.placement(list(model), p, opts)
+        roles = tr.Roles(
+            tuple(cls.preconditioners(o, p, opts) for o in placement.owner),
+            tuple(tuple(g) for g in cls.decomposition_groups(p, opts)),
+            tuple(tuple(g) for g in cls.update_groups(p, opts)),
+        )
         if traits.owner_grad_reduction and active and not ddp:
             every = tr.grad_collectives(
                 model, p, itemsize=param_itemsize, cap_bytes=cap, owners=placement.owner
             )
-        if not traits.preconditions_all:
-            every += tr.precond_collectives(
+        updates = [
+            tr.precond_collectives(
                 model,
-                p,
-                placement.owner,
+                roles,
+                r,
                 itemsize=param_itemsize,
                 cap_bytes=cap,
                 kl_clip=kfac.kl_clip is not None,
             )
+            for r in range(p)
+        ]
         if cls.placement_uses_batch(opts):
             # (batch_size, positions) of every layer, as float64, agreed by a max-reduce.
             setup.append(tr.Collective("setup", "allreduce", 16 * len(model), p))
@@ -347,10 +355,12 @@ def predict(
         factor_colls = tr.factor_collectives(
             model, p, traits, itemsize=fi, cap_bytes=cap, plan=plan
         )
-        if traits.decomposition_broadcast:
-            decomp_colls = tr.decomposition_collectives(
-                model, p, placement, compute_method=method, itemsize=di, cap_bytes=cap
+        decomp_colls = [
+            tr.decomposition_collectives(
+                model, placement, roles, r, compute_method=method, itemsize=di, cap_bytes=cap
             )
+            for r in range(p)
+        ]
     ddp_grad = sgd_grad_comm if ddp else 0.0  # DDP all-reduces, whatever the traits say
     # Lazy synchronisation sends the running factors before each decomposition
     # instead of the batch factors of each factor update.
@@ -359,14 +369,21 @@ def predict(
     for factor in (True, False):
         for decomp in (True, False):
             sync = decomp if lazy else factor
-            colls = every + (factor_colls if sync else []) + (decomp_colls if decomp else [])
+            rank_colls = [
+                every
+                + updates[r]
+                + (factor_colls if sync else [])
+                + (decomp_colls[r] if decomp else [])
+                for r in range(p)
+            ]
             steps[(factor, decomp)] = step_prediction(
                 model,
                 p,
                 traits,
                 placement,
+                roles,
                 hw,
-                colls if active else [],
+                rank_colls if active else [],
                 factor=factor,
                 decomp=decomp,
                 compute_method=method,
@@ -381,11 +398,12 @@ def predict(
             p,
             traits,
             placement,
+            roles,
             compute_method=method,
             factor_itemsize=fi,
             decomposition_itemsize=di,
         )
-        if traits is not None and placement is not None
+        if traits is not None and placement is not None and roles is not None
         else [{"factors": 0, "decompositions": 0, "buffers": 0} for _ in range(p)]
     )
     return Prediction(

@@ -69,7 +69,8 @@ class StepPrediction:
     """One step: its collectives, per-rank work and seconds, and the critical path.
 
     Attributes:
-        collectives: every buffer handed to torch.distributed (same on all ranks).
+        rank_collectives: per rank, every buffer it hands to torch.distributed
+            (the same on every rank unless a strategy broadcasts within groups).
         work: per rank, phase -> work.
         phases_per_rank: per rank, phase -> seconds (the ``timings()`` keys).
         breakdown: critical-path seconds per phase plus ``forward_backward``
@@ -77,16 +78,25 @@ class StepPrediction:
         comm_serial: phase -> seconds of its collectives run back to back.
     """
 
-    collectives: list[tr.Collective]
+    rank_collectives: list[list[tr.Collective]]
     work: list[dict[str, Work]]
     phases_per_rank: list[dict[str, float]]
     breakdown: dict[str, float]
     comm_serial: dict[str, float]
 
     @property
+    def collectives(self) -> list[tr.Collective]:
+        """Rank 0's collectives (every rank's, unless ranks differ in groups)."""
+        return self.rank_collectives[0] if self.rank_collectives else []
+
+    @property
     def comm(self) -> dict[str, dict[str, int]]:
-        """``comm_stats()`` of this step, identical on every rank."""
-        return tr.comm_counts(self.collectives)
+        """``comm_stats()`` of this step on rank 0 (see :meth:`comm_of` for the others)."""
+        return self.comm_of(0)
+
+    def comm_of(self, rank: int) -> dict[str, dict[str, int]]:
+        """``comm_stats()`` of this step on ``rank``."""
+        return tr.comm_counts(self.rank_collectives[rank] if self.rank_collectives else [])
 
     @property
     def phases(self) -> dict[str, float]:
@@ -178,6 +188,7 @@ def _rank_work(
     rank: int,
     traits: Traits | None,
     placement: Placement | None,
+    roles: tr.Roles | None,
     *,
     factor: bool,
     decomp: bool,
@@ -191,7 +202,7 @@ def _rank_work(
     pre_coeff = 4.0 if compute_method == "eigen" else 2.0
     w: dict[str, Work] = {}
     for i, s in enumerate(model):
-        if traits is None or placement is None or not model.captured[i]:
+        if traits is None or placement is None or roles is None or not model.captured[i]:
             continue
         owned = placement.owner[i] == rank
         if factor and (traits.captures_all or owned):
@@ -202,7 +213,7 @@ def _rank_work(
             for d, o in ((s.a_dim, placement.a_owner[i]), (s.g_dim, placement.g_owner[i])):
                 if o is None or o == rank:
                     add_work(w.setdefault("decomposition", {}), dec_kind, 1, dec_flops * d**3)
-        if traits.preconditions_all or owned:
+        if rank in roles.preconditioners[i]:
             flops = pre_coeff * s.g_dim * s.a_dim * (s.g_dim + s.a_dim)
             add_work(w.setdefault("precondition", {}), "precondition", 1, flops)
     return w
@@ -213,8 +224,9 @@ def step_prediction(
     p: int,
     traits: Traits | None,
     placement: Placement | None,
+    roles: tr.Roles | None,
     hw: Hardware,
-    colls: list[tr.Collective],
+    rank_colls: list[list[tr.Collective]],
     *,
     factor: bool,
     decomp: bool,
@@ -224,25 +236,31 @@ def step_prediction(
     ddp_grad: float,
     plan: list[list[Key]] | None,
 ) -> StepPrediction:
-    """Work, seconds and critical path of one step that sends ``colls``.
+    """Work, seconds and critical path of one step where each rank sends ``rank_colls[r]``.
 
     ``traits`` None is plain data parallelism (no K-FAC work).
     """
-    comm_work: dict[str, Work] = {}
-    for c in colls:
-        phase = comm_work.setdefault(PHASE_OF_CATEGORY[c.category], {})
-        add_work(phase, c.kind, 1, c.wire_bytes)
-        if c.unpack_bytes:
-            add_work(phase, "unpack", 0, c.unpack_bytes)
+    rank_comm_work: list[dict[str, Work]] = []
+    for colls in rank_colls or [[] for _ in range(p)]:
+        comm_work: dict[str, Work] = {}
+        for c in colls:
+            phase = comm_work.setdefault(PHASE_OF_CATEGORY[c.category], {})
+            add_work(phase, c.kind, 1, c.wire_bytes)
+            if c.unpack_bytes:
+                add_work(phase, "unpack", 0, c.unpack_bytes)
+        rank_comm_work.append(comm_work)
+    comm_work = rank_comm_work[0]
+    colls = rank_colls[0] if rank_colls else []
     work, seconds = [], []
     for r in range(p):
-        w = {k: dict(v) for k, v in comm_work.items()}
+        w = {k: dict(v) for k, v in rank_comm_work[r].items()}
         w.update(
             _rank_work(
                 model,
                 r,
                 traits,
                 placement,
+                roles,
                 factor=factor,
                 decomp=decomp,
                 compute_method=compute_method,
@@ -284,4 +302,4 @@ def step_prediction(
     else:
         breakdown.update(critical(["decomposition", "precondition"]))
     breakdown["precond_comm"] = seconds[0]["precond_comm"]
-    return StepPrediction(colls, work, seconds, breakdown, serial)
+    return StepPrediction(rank_colls, work, seconds, breakdown, serial)

@@ -35,6 +35,7 @@ from dpkfac.strategies import Traits
 __all__ = [
     "Collective",
     "Placement",
+    "Roles",
     "bucket_bytes",
     "comm_counts",
     "decomposition_collectives",
@@ -112,29 +113,56 @@ def grad_collectives(
     return out + _collectives(cat, "allreduce", others, cap_bytes, world_size)
 
 
+@dataclass(frozen=True)
+class Roles:
+    """Who holds and who sends what, per layer and rank group (from the strategy class).
+
+    Attributes:
+        preconditioners: per layer, the ranks that precondition it and hold its
+            decompositions (``Strategy.preconditioners``).
+        decomposition_groups: groups within which decompositions are broadcast
+            from their decomposer (``Strategy.decomposition_groups``).
+        update_groups: groups within which preconditioned updates are
+            broadcast, each by the group's member among the layer's
+            preconditioners (``Strategy.update_groups``).
+    """
+
+    preconditioners: tuple[tuple[int, ...], ...]
+    decomposition_groups: tuple[tuple[int, ...], ...]
+    update_groups: tuple[tuple[int, ...], ...]
+
+    @staticmethod
+    def group_of(groups: Sequence[Sequence[int]], rank: int) -> tuple[int, ...] | None:
+        """The group holding ``rank``, when it is in one of more than one rank."""
+        group = next((tuple(g) for g in groups if rank in g), None)
+        return group if group is not None and len(group) > 1 else None
+
+
 def precond_collectives(
     model: ModelShapes,
-    world_size: int,
-    owners: Sequence[int],
+    roles: Roles,
+    rank: int,
     *,
     itemsize: int,
     cap_bytes: int,
     kl_clip: bool,
 ) -> list[Collective]:
-    """Each owner broadcasts its layers' updates (and KL scalars), capped.
+    """The update broadcasts ``rank`` takes part in: per sender of its group, one capped bucket.
 
-    What a strategy that does not precondition everywhere
-    (``Traits.preconditions_all`` False) sends.
+    Each layer's update matrix travels with its two KL scalars when the clip is on.
     """
+    group = Roles.group_of(roles.update_groups, rank)
+    if group is None:
+        return []
     out: list[Collective] = []
-    for r in range(world_size):
+    for src in group:
         sizes: list[int] = []
         for i, s in enumerate(model):
-            if owners[i] == r:
+            if src in roles.preconditioners[i]:
                 sizes.append(s.g_dim * s.a_dim * itemsize)
                 if kl_clip:
                     sizes.append(2 * itemsize)
-        out += _collectives("precond_broadcast", "broadcast", sizes, cap_bytes, world_size)
+        out += _collectives("precond_broadcast", "broadcast", sizes, cap_bytes, len(group))
     return out
 
 
@@ -205,24 +233,29 @@ def decomposition_numel(dim: int, compute_method: str) -> list[int]:
 
 def decomposition_collectives(
     model: ModelShapes,
-    world_size: int,
     placement: Placement,
+    roles: Roles,
+    rank: int,
     *,
     compute_method: str,
     itemsize: int,
     cap_bytes: int,
 ) -> list[Collective]:
-    """Each source rank broadcasts the decompositions it computed (``decomposition_broadcast``)."""
+    """The decomposition broadcasts ``rank`` takes part in: per decomposer of its group, one
+    capped bucket (layer by layer, A before G, eigenvectors before eigenvalues)."""
+    group = Roles.group_of(roles.decomposition_groups, rank)
+    if group is None:
+        return []
     out: list[Collective] = []
-    for r in range(world_size):
+    for src in group:
         sizes: list[int] = []
         for i, s in enumerate(model):
             if not model.captured[i]:
                 continue
             for dim, owner in ((s.a_dim, placement.a_owner[i]), (s.g_dim, placement.g_owner[i])):
-                if owner == r:
+                if owner == src:
                     sizes += [n * itemsize for n in decomposition_numel(dim, compute_method)]
-        out += _collectives("decomposition_broadcast", "broadcast", sizes, cap_bytes, world_size)
+        out += _collectives("decomposition_broadcast", "broadcast", sizes, cap_bytes, len(group))
     return out
 
 
@@ -244,6 +277,7 @@ def memory_per_rank(
     world_size: int,
     traits: Traits,
     placement: Placement,
+    roles: Roles,
     *,
     compute_method: str,
     factor_itemsize: int,
@@ -252,19 +286,21 @@ def memory_per_rank(
     """``memory_usage()`` of each rank after a factor and decomposition step.
 
     Where every rank captures every layer (``traits.captures_all``) every
-    rank holds all factors, batch factors and decompositions (after the
-    broadcast, or computed locally); otherwise a rank holds its own layers'.
+    rank holds all factors and batch factors, otherwise a rank holds its own
+    layers'; a rank holds the decompositions of the layers it preconditions.
     """
     out = []
     for r in range(world_size):
         factors = decomps = 0
         for i, s in enumerate(model):
-            if not model.captured[i] or (not traits.captures_all and placement.owner[i] != r):
+            if not model.captured[i]:
                 continue
-            factors += (s.a_dim**2 + s.g_dim**2) * factor_itemsize
-            decomps += (
-                sum(sum(decomposition_numel(d, compute_method)) for d in (s.a_dim, s.g_dim))
-                * decomposition_itemsize
-            )
+            if traits.captures_all or placement.owner[i] == r:
+                factors += (s.a_dim**2 + s.g_dim**2) * factor_itemsize
+            if r in roles.preconditioners[i]:
+                decomps += (
+                    sum(sum(decomposition_numel(d, compute_method)) for d in (s.a_dim, s.g_dim))
+                    * decomposition_itemsize
+                )
         out.append({"factors": factors, "decompositions": decomps, "buffers": factors})
     return out

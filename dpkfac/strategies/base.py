@@ -176,6 +176,37 @@ class Strategy(ABC):
         """One-time collectives of the strategy itself, as (kind, bytes), in order."""
         return []
 
+    @classmethod
+    def preconditioners(
+        cls, owner: int, world_size: int, options: StrategyOptions
+    ) -> tuple[int, ...]:
+        """The ranks that precondition (and hold the decompositions of) a layer of ``owner``."""
+        if cls.traits(options).preconditions_all:
+            return tuple(range(world_size))
+        return (owner,)
+
+    @classmethod
+    def decomposition_groups(cls, world_size: int, options: StrategyOptions) -> list[list[int]]:
+        """Groups of ranks within which decompositions are broadcast from their decomposer.
+
+        Each rank is in at most one group; a decomposition travels to the
+        group of its decomposer only.
+        """
+        if cls.traits(options).decomposition_broadcast:
+            return [list(range(world_size))]
+        return []
+
+    @classmethod
+    def update_groups(cls, world_size: int, options: StrategyOptions) -> list[list[int]]:
+        """Groups of ranks within which preconditioned updates are broadcast.
+
+        In each group, a layer's update is sent by the one member among the
+        layer's :meth:`preconditioners`.
+        """
+        if cls.traits(options).preconditions_all:
+            return []
+        return [list(range(world_size))]
+
     @property
     def replicated_state(self) -> bool:
         """Whether every rank holds every layer's factors (False: owners only)."""

@@ -41,8 +41,12 @@ from dpkfac.assignment import (
 )
 from dpkfac.comm import Communicator
 from dpkfac.curvature import KFACLayer
+from dpkfac.options import check_choice
 from dpkfac.strategies.base import Preconditioned, Traits
 from dpkfac.strategies.d_kfac import DKFAC, DKFACOptions
+
+#: Named fractions: COMM-OPT is 1, MEM-OPT is 1/P (resolved with the world size).
+NAMED_FRACTIONS = ("comm_opt", "mem_opt")
 
 
 @dataclass(frozen=True)
@@ -51,20 +55,25 @@ class KAISAOptions(DKFACOptions):
 
     Attributes:
         grad_worker_fraction: fraction f of the ranks that precondition each
-            layer, in (0, 1]; f·P must be an integer dividing P. 1 is
-            COMM-OPT, 1/P is MEM-OPT.
+            layer, in (0, 1], with f·P an integer dividing P; or "comm_opt"
+            (f = 1) or "mem_opt" (f = 1/P), which name the two ends without
+            knowing P (what a config file needs).
         triangle / placement / lazy_factor_sync: as for d_kfac
             (:class:`~dpkfac.strategies.d_kfac.DKFACOptions`); "lpt" is
             KAISA's greedy placement within gradient-worker columns.
     """
 
-    grad_worker_fraction: float = 1.0
+    grad_worker_fraction: float | str = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         f = self.grad_worker_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
-            raise ValueError(f"grad_worker_fraction must be in (0, 1], got {f!r}")
+        if isinstance(f, str):
+            check_choice("grad_worker_fraction", f, NAMED_FRACTIONS)
+        elif isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(
+                f"grad_worker_fraction must be in (0, 1], 'comm_opt' or 'mem_opt', got {f!r}"
+            )
 
     def grad_workers(self, world_size: int) -> int:
         """W = f·P, the gradient workers per layer.
@@ -72,12 +81,16 @@ class KAISAOptions(DKFACOptions):
         Raises:
             ValueError: f·P is not an integer dividing P.
         """
-        workers = max(1.0, self.grad_worker_fraction * world_size)
+        f = self.grad_worker_fraction
+        if f == "comm_opt":
+            return world_size
+        if f == "mem_opt":
+            return 1
+        workers = max(1.0, float(f) * world_size)
         if abs(workers - round(workers)) > 1e-9 or world_size % round(workers):
             raise ValueError(
-                f"grad_worker_fraction={self.grad_worker_fraction} gives "
-                f"{workers:g} gradient workers at world size {world_size}; "
-                "f·P must be an integer that divides P"
+                f"grad_worker_fraction={f} gives {workers:g} gradient workers at world size "
+                f"{world_size}; f·P must be an integer that divides P"
             )
         return round(workers)
 
@@ -96,7 +109,7 @@ class KAISA(DKFAC):
             factor_comm="allreduce",
             triangle=options.triangle,
             decomposition_broadcast=True,
-            preconditions_all=options.grad_worker_fraction >= 1,
+            preconditions_all=options.grad_worker_fraction in (1, 1.0, "comm_opt"),
             lazy_factor_sync=options.lazy_factor_sync,
         )
 
@@ -111,6 +124,28 @@ class KAISA(DKFAC):
         ]
         workers = options.grad_workers(world_size)
         return Placement.per_layer(kaisa_assign(costs, world_size, workers))
+
+    @classmethod
+    def preconditioners(  # type: ignore[override]
+        cls, owner: int, world_size: int, options: KAISAOptions
+    ) -> tuple[int, ...]:
+        """The gradient workers of a layer: the column of its inverse worker."""
+        columns, _ = grad_worker_grid(world_size, options.grad_workers(world_size))
+        return tuple(columns[owner % len(columns)])
+
+    @classmethod
+    def decomposition_groups(  # type: ignore[override]
+        cls, world_size: int, options: KAISAOptions
+    ) -> list[list[int]]:
+        columns, _ = grad_worker_grid(world_size, options.grad_workers(world_size))
+        return columns
+
+    @classmethod
+    def update_groups(  # type: ignore[override]
+        cls, world_size: int, options: KAISAOptions
+    ) -> list[list[int]]:
+        workers = options.grad_workers(world_size)
+        return [] if workers == world_size else grad_worker_grid(world_size, workers)[1]
 
     def __init__(self, comm: Communicator, *args: Any, **kwargs: Any) -> None:
         super().__init__(comm, *args, **kwargs)
