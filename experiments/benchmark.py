@@ -1,25 +1,30 @@
 """Hydra entry point: ``python -m experiments.benchmark [overrides]``.
 
-Measures, for one model, strategy (or several, interleaved step by step:
-``strategies=[sgd,dp-kfac,d-kfac]``), world size and update setting, the
+Measures, for one model, strategy config (or several, interleaved step by step:
+``strategies=[none,dp_kfac,d_kfac]``), world size and update setting, the
 seconds of every phase of an iteration (forward/backward, gradient
 communication, factor computation and communication, decomposition and its
 communication, preconditioning and its communication, the optimizer step),
 the bytes of every collective category and the K-FAC memory of the busiest
-rank, and writes one row per strategy (``rows.json`` in the job's output folder).
+rank, and writes one row per strategy config (``rows.json`` in the job's output folder).
+
+The configuration is the training side's tree (``conf/benchmark.yaml`` composes
+the same ``model`` and ``strategy`` groups as ``conf/config.yaml``), so
+``model=resnet32 strategy=dp_kfac`` is the network and the preconditioner
+arguments that ``experiments.train`` would use; the workload chosen with the
+model (``conf/workload``) adds the synthetic batch and the CPU sizes.
 
 The job starts its own ``world_size`` local ranks through torch's elastic
 launcher (:mod:`experiments.bench.launch`), so a Hydra multirun sweeps world
 sizes without a shell loop::
 
-    python -m experiments.benchmark model=resnet32 strategy=d-kfac world_size=2
-    python -m experiments.benchmark -m model=resnet32,bert_base strategy=dp-kfac,d-kfac
+    python -m experiments.benchmark strategy=dp_kfac model=resnet32 world_size=2
+    python -m experiments.benchmark -m model=resnet32,bert_base strategy=dp_kfac,d_kfac
     python -m experiments.benchmark -m table=second_order_update
 
 Under ``torchrun --nproc_per_node=N -m experiments.benchmark world_size=N``
 every rank measures itself and rank 0 writes the row. ``task=convergence``
-trains the digits CNN instead (:mod:`experiments.bench.convergence`).
-Configuration: ``conf/bench/benchmark.yaml`` and its groups under ``conf/bench``.
+trains with the training entry point instead (:mod:`experiments.bench.convergence`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ import logging
 import os
 import platform
 import socket
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,81 +45,209 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.bench.aggregate import aggregate, kind_weights
 from experiments.bench.measure import step_kinds
+from experiments.config import ExperimentError, validate, validate_benchmark, validate_strategy
+from experiments.preconditioning import (
+    node_options,
+    preconditioner_kwargs,
+    strategy_name,
+    uses_preconditioner,
+)
 
 log = logging.getLogger(__name__)
 
-TASKS = ("timing", "convergence")
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "bench"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+#: Preconditioner arguments the benchmark decides itself (the setting's update
+#: intervals, its own learning rate), whatever the strategy config says.
+BENCHMARK_DECIDES = ("factor_update_steps", "inv_update_steps", "lr")
+#: K-FAC's view of the model, recorded for every row (first order too) for the cost model.
+VIEW_KEYS = ("compute_method", "skip_layers", "weight_sharing", "bucket_cap_mb")
 
 
-def job_spec(cfg: DictConfig) -> dict[str, Any]:
-    """The plain, picklable description every rank receives.
+def compose_config(config_name: str, overrides: Sequence[str] = ()) -> DictConfig:
+    """Compose a primary config of ``conf/``, inside a running Hydra app or not.
+
+    Inside ``python -m experiments.benchmark`` Hydra is already initialised on
+    ``conf/``; elsewhere (tests, notebooks) the tree is opened for the call.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name, overrides=list(overrides))
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose(config_name, overrides=list(overrides))
+
+
+def _without(overrides: Sequence[str], keys: Sequence[str]) -> list[str]:
+    """The overrides minus those choosing one of ``keys`` (``strategy=x``, not ``strategy.x=1``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return [o.input_line for o in parsed if o.key_or_group not in keys]
+
+
+def member_configs(cfg: DictConfig, overrides: Sequence[str] = ()) -> list[DictConfig]:
+    """The job's config once per strategy config it measures.
+
+    Without ``strategies`` that is ``cfg`` itself. With it, every entry is
+    composed as this job would be with ``strategy=<entry>`` (the same
+    overrides, the same workload), so an interleaved job and a job per
+    strategy config measure the same preconditioner arguments.
+
+    Args:
+        cfg: The job's composed config.
+        overrides: The job's command-line overrides.
 
     Raises:
-        ValueError: an unknown task, a world size below 1 or too few steps.
+        ExperimentError: an entry that is no strategy config, or that the
+            job's overrides do not fit.
     """
-    if cfg.task not in TASKS:
-        raise ValueError(f"task must be one of {TASKS}, got {cfg.task!r}")
-    if int(cfg.world_size) < 1:
-        raise ValueError(f"world_size must be >= 1, got {cfg.world_size}")
-    if int(cfg.steps) < 1 or int(cfg.warmup) < 0:
-        raise ValueError(f"need steps >= 1 and warmup >= 0, got {cfg.steps}, {cfg.warmup}")
-    spec = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(spec, dict)
-    spec.pop("hydra", None)
-    if spec.get("strategies"):
-        if spec["task"] != "timing":
-            raise ValueError("strategies (interleaved measurement) is for task=timing only")
-        spec["strategies"] = [strategy_config(name) for name in spec["strategies"]]
-        spec["strategy"] = {"name": "+".join(s["name"] for s in spec["strategies"]), "kfac": {}}
+    from hydra.errors import HydraException
+
+    names = cfg.get("strategies")
+    if not names:
+        return [cfg]
+    base = _without(overrides, ("strategy", "strategies"))
+    members = []
+    for name in names:
+        try:
+            member = compose_config("benchmark", [*base, f"strategy={name}", "strategies=null"])
+        except HydraException as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ExperimentError(
+                f"invalid value strategies={list(names)!r}: cannot compose strategy={name} "
+                f"with this job's overrides ({first})"
+            ) from None
+        validate_strategy(member.strategy)
+        members.append(member)
+    return members
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def _member(cfg: DictConfig) -> dict[str, Any]:
+    """What a rank needs of one strategy config: name, preconditioner arguments, K-FAC's view."""
+    from dpkfac.options import KFACOptions
+
+    node = cfg.strategy
+    kwargs = preconditioner_kwargs(node)
+    if kwargs is not None:
+        kwargs = {k: _plain(v) for k, v in kwargs.items() if k not in BENCHMARK_DECIDES}
+    defaults = KFACOptions()
+    given = node_options(node)
+    view = {key: _plain(given.get(key, getattr(defaults, key))) for key in VIEW_KEYS}
+    view["skip_layers"] = list(view["skip_layers"])
+    return {"name": strategy_name(node), "kfac": kwargs, "view": view}
+
+
+def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
+    """The training config a convergence job runs: the preset, this job's strategy, its ranks.
+
+    ``experiment=<convergence.experiment> strategy=<this job's strategy config>``
+    with the preset's own values; only what belongs to the job (seed, device,
+    timeout, output folder, no tracker or progress bar) and
+    ``convergence.overrides`` are added.
+    """
+    from hydra.errors import HydraException
+
+    name = strategy_name(cfg.strategy)
+    overrides = [
+        f"experiment={cfg.convergence.experiment}",
+        f"strategy={name}",
+        "logger=none",
+        "trainer.progress_bar=false",
+        f"seed={cfg.seed}",
+        f"trainer.device={cfg.device}",
+        f"trainer.dist_timeout_s={cfg.timeout_s}",
+        f"output_dir={output_dir}",
+        *cfg.convergence.overrides,
+    ]
+    try:
+        train_cfg = compose_config("config", overrides)
+    except HydraException as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ExperimentError(f"cannot compose the convergence training config: {first}") from None
+    validate(train_cfg)
+    return train_cfg
+
+
+def job_spec(
+    cfg: DictConfig, overrides: Sequence[str] = (), output_dir: str | Path | None = None
+) -> dict[str, Any]:
+    """The plain, picklable description every rank receives.
+
+    Args:
+        cfg: The job's composed config.
+        overrides: The job's command-line overrides (to compose ``strategies``).
+        output_dir: The job's folder (convergence runs write theirs below it).
+
+    Raises:
+        ExperimentError: a value the checks reject (naming key and value).
+    """
+    validate_benchmark(cfg)
+    members = member_configs(cfg, overrides)
+    batch = _plain(cfg.workload.batch)
+    spec: dict[str, Any] = {
+        key: _plain(cfg[key])
+        for key in (
+            "task",
+            "world_size",
+            "warmup",
+            "steps",
+            "seed",
+            "isolate_comm",
+            "lr",
+            "threads",
+            "device",
+            "timeout_s",
+        )
+    }
+    spec["model"] = {
+        "name": str(cfg.workload.name),
+        "label": str(cfg.workload.label),
+        "config": _plain(cfg.model),
+        "batch": batch,
+        "paper": _plain(cfg.workload.get("paper")) or {},
+    }
+    spec["setting"] = _plain(cfg.setting)
+    spec["strategies"] = [_member(m) for m in members]
+    spec["interleaved"] = len(members) > 1
     kinds = step_kinds(int(cfg.setting.factor_every), int(cfg.setting.inv_every))
-    members = spec.get("strategies") or [spec["strategy"]]
-    cycle = len(kinds) if any(s["kfac"] is not None for s in members) else 1
+    cycle = len(kinds) if any(uses_preconditioner(m.strategy) for m in members) else 1
     # Whole cycles, so every step kind is measured equally often.
     spec["warmup"] = -(-int(cfg.warmup) // cycle) * cycle
     spec["steps"] = max(-(-int(cfg.steps) // cycle), 1) * cycle
     spec["factor_every"] = int(cfg.setting.factor_every)
     spec["inv_every"] = int(cfg.setting.inv_every)
+    if spec["task"] == "convergence":
+        out = Path(output_dir) if output_dir is not None else Path(cfg.paths.log_dir) / "adhoc"
+        train_cfg = training_config(cfg, out / "train")
+        spec["train_config"] = OmegaConf.to_container(train_cfg, resolve=True)
     return spec
 
 
-def strategy_config(name: str) -> dict[str, Any]:
-    """One option of the ``strategy`` group (``conf/bench/strategy/<name>.yaml``) as a dict.
-
-    Interleaved jobs measure several strategies, but a Hydra group selects
-    one option; the others are read from the same files so both paths share
-    one definition of every strategy.
-    """
-    path = CONF_DIR / "strategy" / f"{name}.yaml"
-    if not path.exists():
-        options = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise ValueError(f"unknown strategy {name!r} in strategies; expected one of {options}")
-    loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    assert isinstance(loaded, dict)
-    return loaded
-
-
-def _identity(spec: dict[str, Any]) -> dict[str, Any]:
+def _identity(spec: dict[str, Any], member: dict[str, Any]) -> dict[str, Any]:
     """Columns that say what was measured, where and when."""
     import torch
 
-    kwargs = spec["model"]["kwargs"]
     return {
         "task": spec["task"],
         "model": spec["model"]["name"],
         "label": spec["model"]["label"],
-        "strategy": spec["strategy"]["name"],
+        "strategy": member["name"],
         "world_size": int(spec["world_size"]),
         "setting": spec["setting"]["name"],
         "factor_every": spec["setting"]["factor_every"],
         "inv_every": spec["setting"]["inv_every"],
-        "batch_size": kwargs.get("batch_size"),
+        "batch_size": spec["model"]["batch"].get("batch_size"),
         "warmup": spec["warmup"],
         "steps": spec["steps"],
         "threads": spec["threads"],
         "isolate_comm": bool(spec.get("isolate_comm", False)),
         "cpus": os.cpu_count(),
-        "compute_method": spec["kfac"]["compute_method"],
+        "compute_method": member["view"]["compute_method"],
         "torch": torch.__version__,
         "host": socket.gethostname(),
         "cpu": platform.processor() or platform.machine(),
@@ -120,23 +255,29 @@ def _identity(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def kfac_options(spec: dict[str, Any], member: dict[str, Any]) -> dict[str, Any] | None:
+    """The preconditioner's keyword arguments as a row records them (None: first order).
+
+    Everything passed to ``KFACPreconditioner`` but the model and the update
+    intervals (callables of the setting's step kinds; the row has
+    ``factor_every``/``inv_every``).
+    """
+    if member["kfac"] is None:
+        return None
+    return {**member["kfac"], "lr": spec["lr"]}
+
+
 def timing_rows(spec: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One benchmark row per strategy from every rank's timing results."""
-    members = spec.get("strategies") or [spec["strategy"]]
-    interleaved = len(members) > 1
-    return [_timing_row(spec, s, results, interleaved) for s in members]
+    """One benchmark row per strategy config from every rank's timing results."""
+    return [_timing_row(spec, member, results) for member in spec["strategies"]]
 
 
 def _timing_row(
-    spec: dict[str, Any],
-    strategy: dict[str, Any],
-    results: list[dict[str, Any]],
-    interleaved: bool,
+    spec: dict[str, Any], member: dict[str, Any], results: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    row = _identity(spec)
-    row["strategy"] = strategy["name"]
-    row["interleaved"] = interleaved
-    first = results[0]["strategies"][strategy["name"]]
+    row = _identity(spec, member)
+    row["interleaved"] = bool(spec["interleaved"])
+    first = results[0]["strategies"][member["name"]]
     row.update(
         device=results[0]["device"],
         backend=results[0]["backend"],
@@ -144,15 +285,16 @@ def _timing_row(
         params=first["params"],
     )
     mine = [
-        {"rank": r["rank"], "records": r["strategies"][strategy["name"]]["records"]}
-        for r in results
+        {"rank": r["rank"], "records": r["strategies"][member["name"]]["records"]} for r in results
     ]
     row.update(aggregate(mine, spec["factor_every"], spec["inv_every"]))
     row.update(
-        model_kind=spec["model"]["kind"],
-        model_kwargs=json.dumps(spec["model"]["kwargs"]),
-        model_paper=json.dumps(spec["model"].get("paper") or {}),
-        kfac_options=json.dumps(strategy["kfac"]),
+        model_config=json.dumps(spec["model"]["config"]),
+        model_batch=json.dumps(spec["model"]["batch"]),
+        model_paper=json.dumps(spec["model"]["paper"]),
+        skip_layers=json.dumps(member["view"]["skip_layers"]),
+        weight_sharing=member["view"]["weight_sharing"],
+        kfac_options=json.dumps(kfac_options(spec, member), default=str),
         rank_timings=json.dumps(row["rank_timings"]),
         least_wait=json.dumps(row["least_wait"]),
         fusion_plan=json.dumps(first.get("fusion_plan")),
@@ -167,33 +309,64 @@ def _timing_row(
 
 def convergence_rows(spec: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per run: the accuracy curve as JSON plus the final and best accuracy."""
-    row = _identity(spec)
-    row["model"], row["label"] = "digits_cnn", "DigitsCNN on sklearn digits"
-    row["batch_size"] = spec["convergence"]["batch_size"]
-    history = results[0]["epochs"]
+    from experiments.bench.convergence import curve
+
+    train_cfg = spec["train_config"]
+    member = spec["strategies"][0]
+    row = _identity(spec, member)
+    main = results[0]
+    history = curve(main["history"] or [])
+    result = main["result"]
     row.update(
+        model=train_cfg["name"],
+        label=f"{train_cfg['model']['_target_'].rsplit('.', 1)[-1]} ({train_cfg['name']} preset)",
+        batch_size=train_cfg["data"]["batch_size"],
         epochs=len(history),
-        steps_per_epoch=results[0]["steps_per_epoch"],
-        final_acc=history[-1]["test_acc"] if history else float("nan"),
+        steps_per_epoch=round(result["steps"] / result["epochs"]) if result["epochs"] else 0,
+        final_acc=result.get("accuracy", float("nan")),
         best_acc=max((h["test_acc"] for h in history), default=float("nan")),
-        seconds=history[-1]["seconds"] if history else float("nan"),
+        seconds=result["wall_time_s"],
         curve=json.dumps(history),
-        replicas_identical=all(r["replicas_identical"] for r in results),
+        # The trainer compares the ranks' parameters bitwise at the end and fails otherwise.
+        replicas_identical=bool(train_cfg["trainer"]["check_replicas"]),
+        kfac_options=json.dumps(preconditioner_kwargs(train_cfg["strategy"]), default=str),
         error="",
     )
     return [row]
 
 
-def run(cfg: DictConfig) -> list[dict[str, Any]]:
-    """Run one job and return its rows (one per strategy measured)."""
+def run(
+    cfg: DictConfig, overrides: Sequence[str] = (), output_dir: str | Path | None = None
+) -> list[dict[str, Any]]:
+    """Run one job and return its rows (one per strategy config measured).
+
+    Args:
+        cfg: The job's composed config.
+        overrides: The job's command-line overrides (to compose ``strategies``).
+        output_dir: The job's folder.
+    """
     from experiments.bench.convergence import run_convergence
     from experiments.bench.launch import launch
     from experiments.bench.measure import run_rank
 
-    spec = job_spec(cfg)
+    spec = job_spec(cfg, overrides, output_dir)
     fn, make_rows = (
         (run_rank, timing_rows) if spec["task"] == "timing" else (run_convergence, convergence_rows)
     )
+    names = "+".join(m["name"] for m in spec["strategies"])
+    if spec["task"] == "timing":
+        log.info(
+            "timing %s on %s, P=%s, %s setting",
+            names,
+            spec["model"]["name"],
+            spec["world_size"],
+            spec["setting"]["name"],
+        )
+    else:
+        experiment = spec["train_config"]["name"]
+        log.info(
+            "convergence: experiment=%s strategy=%s, P=%s", experiment, names, spec["world_size"]
+        )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks started by torchrun
         spec["world_size"] = int(os.environ["WORLD_SIZE"])
         spec["gather"] = True
@@ -230,31 +403,39 @@ def _summary(row: dict[str, Any]) -> str:
     )
 
 
-@hydra.main(config_path="../conf/bench", config_name="benchmark", version_base="1.3")
+@hydra.main(config_path="../conf", config_name="benchmark", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    """Measure one configuration and write its row; failures are recorded, not fatal.
+    """Measure one configuration and write its rows; failures are recorded, not fatal.
 
-    A failing job of a sweep (a rank crashing, a timeout) writes a row whose
-    ``error`` column says why, so the rest of the sweep and the table still
-    come out; the table writers list failed rows instead of dropping them.
+    A bad value stops the job with a one-line message (exit status 2), as in
+    training. A job that fails while measuring (a rank crashing, a timeout)
+    writes a row whose ``error`` column says why, so the rest of the sweep and
+    the table still come out; the table writers list failed rows instead of
+    dropping them.
     """
     from hydra.core.hydra_config import HydraConfig
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        rows = run(cfg)
+        rows = run(cfg, list(hydra_cfg.overrides.task), out_dir)
+    except ExperimentError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     except SignalException:  # the user stopped the sweep: do not go on to the next job
         raise
     except Exception as err:  # recorded in the row; the table shows it
         log.exception("benchmark job failed")
-        names = cfg.get("strategies") or [cfg.strategy.name]
+        names = cfg.get("strategies") or [strategy_name(cfg.strategy)]
         message = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
         rows = [
             {
                 "task": cfg.task,
-                "model": cfg.model.name,
-                "label": cfg.model.label,
+                "model": cfg.convergence.experiment
+                if cfg.task == "convergence"
+                else cfg.workload.name,
+                "label": cfg.workload.label,
                 "strategy": name,
                 "world_size": int(cfg.world_size),
                 "setting": cfg.setting.name,

@@ -2,27 +2,33 @@
 
 Hydra already rejects unknown group options (``strategy=nope``) and unknown keys
 with a short message. Values it cannot judge (``trainer.max_steps=-3``, a damping
-of zero, an unknown ``compute_method``) are checked here before anything is built,
-so a bad override costs a second, not a crashed run an hour later, and the
-message names the key and the value.
+of zero, an unknown ``compute_method`` or ``assignment``) are checked here before
+anything is built, so a bad override costs a second, not a crashed run an hour
+later, and the message names the key and the value.
+
+The ``strategy`` node is checked by the library itself: its values build
+:class:`dpkfac.options.KFACOptions` and the strategy's own options dataclass
+(:func:`dpkfac.strategies.strategy_options`), the same objects the
+preconditioner builds, so what passes here is what the preconditioner accepts,
+in the library's words. Both entry points use these checks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import fields
 from typing import Any
 
 from omegaconf import DictConfig
 
-STRATEGIES = ("dp-kfac", "d-kfac", "spd-kfac")
-COMPUTE_METHODS = ("eigen", "inverse")
-WEIGHT_SHARING = ("expand", "reduce")
+from experiments.preconditioning import node_options, uses_preconditioner
 
 
 class ExperimentError(Exception):
     """A mistake in the configuration, the data or a checkpoint.
 
-    The entry point prints these as one line and exits with status 2 instead of
+    The entry points print these as one line and exit with status 2 instead of
     showing a traceback: they are the user's to fix, not the code's.
     """
 
@@ -51,14 +57,10 @@ def _non_negative(value: Any) -> bool:
     return _is_number(value) and value >= 0
 
 
-def _update_interval(value: Any) -> bool:
-    # A callable of the step is allowed by the library; from a config that means a
-    # `_target_` node, which is instantiated later.
-    return _positive_int(value) or isinstance(value, DictConfig)
+#: key -> (check, what a valid value is)
+Checks = dict[str, tuple[Callable[[Any], bool], str]]
 
-
-# key -> (check, what a valid value is)
-_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+_TRAINING: Checks = {
     "seed": (_is_int, "an integer"),
     "trainer.max_epochs": (_positive_int, "a positive integer"),
     "trainer.max_steps": (_optional(_positive_int), "a positive integer or null"),
@@ -72,37 +74,26 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.num_workers": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
     "optimizer.lr": (_positive, "a positive number"),
     "optimizer.weight_decay": (_optional(_non_negative), "a non-negative number"),
-    "strategy.strategy": (lambda v: v in STRATEGIES, f"one of {', '.join(STRATEGIES)}"),
-    "strategy.compute_method": (lambda v: v in COMPUTE_METHODS, " or ".join(COMPUTE_METHODS)),
-    "strategy.weight_sharing": (lambda v: v in WEIGHT_SHARING, " or ".join(WEIGHT_SHARING)),
-    "strategy.damping": (_positive, "a positive number"),
-    "strategy.factor_decay": (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
-    "strategy.kl_clip": (_optional(_positive), "a positive number or null"),
-    "strategy.factor_update_steps": (_update_interval, "a positive integer"),
-    "strategy.inv_update_steps": (_update_interval, "a positive integer"),
 }
 
-_KFAC_ONLY = "strategy."
+TASKS = ("timing", "convergence")
+
+_BENCHMARK: Checks = {
+    "seed": (_is_int, "an integer"),
+    "task": (lambda v: v in TASKS, " or ".join(TASKS)),
+    "world_size": (_positive_int, "a positive integer"),
+    "warmup": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    "steps": (_positive_int, "a positive integer"),
+    "threads": (_positive_int, "a positive integer"),
+    "timeout_s": (_positive, "a positive number of seconds"),
+    "lr": (_positive, "a positive number"),
+    "setting.factor_every": (_positive_int, "a positive integer"),
+    "setting.inv_every": (_positive_int, "a positive integer"),
+}
 
 
-def uses_preconditioner(cfg: DictConfig) -> bool:
-    """Whether the strategy group builds a K-FAC preconditioner (``strategy=none`` does not)."""
-    return cfg.strategy.get("_target_") is not None
-
-
-def validate(cfg: DictConfig) -> None:
-    """Reject values that would fail, or silently misbehave, later.
-
-    Args:
-        cfg: The composed configuration.
-
-    Raises:
-        ExperimentError: Naming the first offending key, its value and what is allowed.
-    """
-    kfac = uses_preconditioner(cfg)
-    for key, (check, allowed) in _CHECKS.items():
-        if key.startswith(_KFAC_ONLY) and not kfac:
-            continue
+def _check_values(cfg: DictConfig, checks: Checks) -> None:
+    for key, (check, allowed) in checks.items():
         node: Any = cfg
         present = True
         for part in key.split("."):
@@ -112,13 +103,115 @@ def validate(cfg: DictConfig) -> None:
             node = node[part]
         if present and not check(node):
             raise ExperimentError(f"invalid value {key}={node!r}: expected {allowed}")
-    if kfac:
-        skip = cfg.strategy.get("skip_layers", [])
-        if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
-            raise ExperimentError(
-                f"invalid value strategy.skip_layers={skip!r}: expected a list of regexes"
-            )
+
+
+def _is_schedule(value: Any) -> bool:
+    """A ``_target_`` node: a value computed per step, instantiated later."""
+    return isinstance(value, DictConfig | Mapping) and "_target_" in value
+
+
+def _culprit(message: str, values: Mapping[str, Any]) -> str | None:
+    """The first option a library message mentions (for checks across options)."""
+    mentioned = [
+        (match.start(), key)
+        for key in values
+        if (match := re.search(rf"\b{re.escape(key)}\b", message)) is not None
+    ]
+    return min(mentioned)[1] if mentioned else None
+
+
+def _build_each(
+    build: Callable[[dict[str, Any]], Any], values: dict[str, Any], prefix: str
+) -> None:
+    """Build the options one value at a time, then all together; name what fails.
+
+    One value at a time pins a bad value to its key whatever the library's
+    message says; the final build catches rules that join several options.
+    """
+    for key, value in values.items():
+        try:
+            build({key: value})
+        except (TypeError, ValueError) as err:
+            raise ExperimentError(f"invalid value {prefix}.{key}={value!r}: {err}") from None
+    try:
+        build(values)
+    except (TypeError, ValueError) as err:
+        key = _culprit(str(err), values) or next(iter(values))
+        raise ExperimentError(f"invalid value {prefix}.{key}={values[key]!r}: {err}") from None
+
+
+def validate_strategy(node: DictConfig, prefix: str = "strategy") -> None:
+    """Check a ``strategy`` node with the library's option dataclasses.
+
+    Values that are ``_target_`` nodes (schedules of the step) are allowed and
+    skipped; the first-order baseline (no ``_target_``) has nothing to check.
+
+    Args:
+        node: The strategy config node.
+        prefix: Its key, for messages.
+
+    Raises:
+        ExperimentError: Naming the offending key, its value and the library's reason.
+    """
+    from dpkfac.options import KFACOptions
+    from dpkfac.strategies import STRATEGIES, canonical_name, strategy_options
+
+    name = node.get("name")
+    if not isinstance(name, str) or not name:
+        raise ExperimentError(f"invalid value {prefix}.name={name!r}: expected a config name")
+    if not uses_preconditioner(node):
+        return
+    algorithm = node.get("algorithm")
+    try:
+        algorithm = canonical_name(algorithm)
+    except (TypeError, ValueError):
+        raise ExperimentError(
+            f"invalid value {prefix}.algorithm={algorithm!r}: expected one of {sorted(STRATEGIES)}"
+        ) from None
+    options = {k: v for k, v in node_options(node).items() if not _is_schedule(v)}
+    common_keys = {f.name for f in fields(KFACOptions)}
+    common = {k: v for k, v in options.items() if k in common_keys}
+    own = {k: v for k, v in options.items() if k not in common_keys}
+    _build_each(lambda values: KFACOptions(**values), common, prefix)
+    _build_each(lambda values: strategy_options(algorithm, values), own, prefix)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Reject training values that would fail, or silently misbehave, later.
+
+    Args:
+        cfg: The composed configuration of ``experiments.train``.
+
+    Raises:
+        ExperimentError: Naming the first offending key, its value and what is allowed.
+    """
+    _check_values(cfg, _TRAINING)
+    validate_strategy(cfg.strategy)
     if cfg.trainer.resume is not None and not isinstance(cfg.trainer.resume, str):
         raise ExperimentError(
             f"invalid value trainer.resume={cfg.trainer.resume!r}: expected a path"
         )
+
+
+def validate_benchmark(cfg: DictConfig) -> None:
+    """Reject benchmark values that would fail, or silently misbehave, later.
+
+    Args:
+        cfg: The composed configuration of ``experiments.benchmark``.
+
+    Raises:
+        ExperimentError: Naming the first offending key, its value and what is allowed.
+    """
+    _check_values(cfg, _BENCHMARK)
+    strategies = cfg.get("strategies")
+    if strategies is not None:
+        if isinstance(strategies, str) or not all(isinstance(s, str) for s in strategies):
+            raise ExperimentError(
+                f"invalid value strategies={strategies!r}: expected a list of strategy configs"
+            )
+        if cfg.task != "timing":
+            raise ExperimentError(
+                f"invalid value strategies={list(strategies)!r}: interleaved strategies are "
+                "for task=timing only"
+            )
+    validate_strategy(cfg.strategy)

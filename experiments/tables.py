@@ -11,8 +11,9 @@ redrawn from saved rows without measuring again::
 Tables (see the README, "Reproducing the tables", for what each column means):
 
 * ``second_order_update``: computation, communication (seconds and bytes)
-  and K-FAC memory of one second-order update, d-kfac and spd-kfac relative
-  to dp-kfac (the DP-KFAC paper's headline), and iteration time relative to SGD;
+  and K-FAC memory of one second-order update, d_kfac and spd_kfac relative
+  to dp_kfac (the DP-KFAC paper's headline), and iteration time relative to
+  SGD alone (the first-order row, ``strategy=none``);
 * ``time_breakdown``: per-phase milliseconds of one iteration per strategy
   and model (the SPD-KFAC paper's stacked bars);
 * ``scaling``: measured iteration and phase times against P, with the cost
@@ -39,11 +40,22 @@ from omegaconf import DictConfig
 
 from experiments.bench import plots, smoke
 from experiments.bench.aggregate import ITERATION_PARTS
+from experiments.bench.plots import COMPARED, REFERENCE
 
 log = logging.getLogger(__name__)
 
-KFAC_STRATEGIES = ("dp-kfac", "d-kfac", "spd-kfac")
 MiB = 2**20
+
+
+def first_order(row: dict[str, Any]) -> bool:
+    """Whether a row measured no preconditioner: its ``kfac_options`` are null.
+
+    Decided from what was configured, not from the strategy config's name.
+    """
+    value = row.get("kfac_options")
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else None
+    return value is None or (isinstance(value, float) and value != value)
 
 
 # ------------------------------------------------------------------ rows in
@@ -129,24 +141,26 @@ def to_markdown(df: pd.DataFrame, digits: int | dict[str, int] = 2) -> str:
 
 # ------------------------------------------------------- second_order_update
 def second_order_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Per (model, P, setting, strategy) costs with ratios to dp-kfac, and the headline.
+    """Per (model, P, setting, strategy) costs with ratios to dp_kfac, and the headline.
 
     Returns:
-        ``long``: one row per strategy with milliseconds of K-FAC computation
-        (factor compute + decomposition + preconditioning on the busiest
-        rank) and communication (factor, decomposition and
+        ``long``: one row per strategy config with milliseconds of K-FAC
+        computation (factor compute + decomposition + preconditioning on the
+        busiest rank) and communication (factor, decomposition and
         preconditioned-gradient collectives), bytes and wire bytes of those
         collectives per rank, K-FAC memory of the busiest rank, iteration
-        time and its ratio to SGD, and each cost's ratio to dp-kfac's.
+        time and its ratio to SGD alone (the first-order row), and each
+        cost's ratio to dp_kfac's.
         ``headline``: one row per model with ``<cost>_<strategy>/dp`` ratios
-        and ``<cost>_best/dp`` against the cheaper of d-kfac and spd-kfac.
+        and ``<cost>_best/dp`` against the cheaper of d_kfac and spd_kfac.
     """
     df = ok_rows(df)
     long_rows, head_rows = [], []
     for (model, p, setting), group in df.groupby(["model", "world_size", "setting"], sort=False):
-        by = {r["strategy"]: r for r in group.to_dict("records")}
-        sgd = by.get("sgd")
-        dp = by.get("dp-kfac")
+        records = group.to_dict("records")
+        by = {r["strategy"]: r for r in records}
+        sgd = next((r for r in records if first_order(r)), None)
+        dp = by.get(REFERENCE)
         for strategy in plots.ordered(list(by)):
             r = by[strategy]
             costs = _costs(r)
@@ -166,7 +180,7 @@ def second_order_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         base = _costs(dp)
         for key in ("compute", "comm", "MB", "memory"):
             ratios = {}
-            for strategy in ("d-kfac", "spd-kfac"):
+            for strategy in COMPARED:
                 if strategy in by:
                     ratio = _costs(by[strategy])[key] / base[key] if base[key] else float("nan")
                     head[f"{key}_{strategy}/dp"] = ratio
@@ -199,7 +213,8 @@ def write_second_order_update(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     md = [
         "# Cost of one second-order update (factors and decompositions every step)",
         "",
-        "Ratios > 1 mean DP-KFAC is cheaper. `best` is the cheaper of d-kfac and spd-kfac.",
+        f"Ratios > 1 mean {REFERENCE} is cheaper. `best` is the cheaper of "
+        f"{' and '.join(COMPARED)}.",
         "computation = factor compute + decomposition + preconditioning (busiest rank);",
         "communication = factor, decomposition and preconditioned-gradient collectives",
         "(seconds and MB per rank; with `isolate_comm` the ranks meet at a barrier first, so",
@@ -230,11 +245,12 @@ def breakdown_frame(df: pd.DataFrame) -> pd.DataFrame:
             entry[f"{part}_ms"] = 1e3 * float(r.get(f"{part}_s", 0.0) or 0.0)
         entry["sum_ms"] = sum(entry[f"{p}_ms"] for p in ITERATION_PARTS)
         entry["iteration_ms"] = 1e3 * r["iteration_s"]
+        entry["first_order"] = first_order(r)
         rows.append(entry)
     wide = pd.DataFrame(rows)
     if wide.empty:
         return wide
-    sgd = wide[wide["strategy"] == "sgd"].set_index(["model", "setting", "world_size"])
+    sgd = wide[wide["first_order"]].set_index(["model", "setting", "world_size"])
     wide["vs_sgd"] = [
         r.iteration_ms / sgd.loc[(r.model, r.setting, r.world_size), "iteration_ms"]
         if (r.model, r.setting, r.world_size) in sgd.index

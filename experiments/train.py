@@ -3,7 +3,9 @@
 Composes ``conf/config.yaml`` (default ``experiment=digits_cnn``), validates it,
 joins the process group torchrun describes (if any), builds data, model,
 optimizer, LR schedule and K-FAC preconditioner from the config's ``_target_``
-nodes and hands them to the :class:`~experiments.trainer.Trainer`.
+nodes (the ``strategy`` node through
+:func:`experiments.preconditioning.build_preconditioner`) and hands them to the
+:class:`~experiments.trainer.Trainer`.
 
 Under ``torchrun --nproc_per_node=N -m experiments.train ...`` every rank runs
 this; logging, the progress bar, W&B and checkpoints are rank 0's.
@@ -26,10 +28,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from experiments.config import ExperimentError, uses_preconditioner, validate
+from experiments.config import ExperimentError, validate
 from experiments.data.loading import DataModule
 from experiments.distributed import DistEnv, distributed_context
 from experiments.loggers import NullLogger
+from experiments.preconditioning import strategy_name, uses_preconditioner
 from experiments.trainer import Trainer, total_steps
 
 log = logging.getLogger(__name__)
@@ -68,7 +71,7 @@ def _wrap_model(model: nn.Module, cfg: DictConfig, env: DistEnv) -> nn.Module:
     unless ``trainer.ddp`` asks for DDP; the first-order baseline has nobody else
     to do it, so it always gets DDP when there is more than one rank.
     """
-    if not env.distributed or (uses_preconditioner(cfg) and not cfg.trainer.ddp):
+    if not env.distributed or (uses_preconditioner(cfg.strategy) and not cfg.trainer.ddp):
         return model
     device_ids = [env.device.index] if env.device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
@@ -125,7 +128,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             total_steps=total_steps(cfg.trainer, steps_per_epoch),
         )
         preconditioner = None
-        if uses_preconditioner(cfg):
+        log.info("strategy %s, %d rank(s)", strategy_name(cfg.strategy), env.world_size)
+        if uses_preconditioner(cfg.strategy):
             # kl_clip needs the lr actually applied, which the schedule changes.
             preconditioner = _instantiate(
                 cfg.strategy,

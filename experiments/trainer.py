@@ -34,6 +34,7 @@ from experiments.checkpoint import (
 from experiments.data.loading import DataModule, epoch_sampler
 from experiments.distributed import DistEnv, broadcast_buffers, check_replicas, unwrap
 from experiments.loggers import NullLogger, flatten_stats, write_json
+from experiments.preconditioning import strategy_name
 from experiments.tasks.base import evaluate, to_device
 
 log = logging.getLogger(__name__)
@@ -85,9 +86,8 @@ class Trainer:
         self.pre = preconditioner
         self.logger = logger
         self.output_dir = output_dir
-        self.strategy = (
-            cfg.strategy.get("strategy", "none") if preconditioner is not None else "none"
-        )
+        # The strategy config's name (``none`` for first order), as runs report it.
+        self.strategy = strategy_name(cfg.strategy) if preconditioner is not None else "none"
         self.train_loader = data.train_loader(env, cfg.seed)
         self.eval_loader = data.eval_loader(env)
         self.steps_per_epoch = data.steps_per_epoch(env)
@@ -171,11 +171,27 @@ class Trainer:
         self.logger.log(metrics, step=self.step)
         return loss
 
-    def _evaluate(self) -> dict[str, float]:
+    def _evaluate(
+        self, train_loss: float = math.nan, seconds: float = math.nan
+    ) -> dict[str, float]:
+        """Score the model; the history entry also keeps the training side of the interval.
+
+        Args:
+            train_loss: Mean training loss (over ranks) since the previous evaluation.
+            seconds: Wall-clock seconds of this run so far.
+        """
         broadcast_buffers(self.model, self.env)
         metrics = evaluate(self.task, self.model, self.eval_loader, self.env)
         epoch = self.step / self.steps_per_epoch
-        self.history.append({"step": self.step, "epoch": epoch, **metrics})
+        self.history.append(
+            {
+                "step": self.step,
+                "epoch": epoch,
+                **metrics,
+                "train_loss": train_loss,
+                "wall_time_s": seconds,
+            }
+        )
         self.logger.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.step)
         shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "examples")
         log.info("epoch %.4g (step %d): test %s", epoch, self.step, shown)
@@ -200,6 +216,9 @@ class Trainer:
         final: dict[str, float] | None = None
         loss_sum = torch.zeros((), device=self.env.device)
         count, interval_start, last_loss = 0, time.perf_counter(), math.nan
+        # Training loss since the last evaluation (for the history, e.g. per epoch).
+        eval_loss_sum = torch.zeros((), device=self.env.device)
+        eval_count = 0
         bar = tqdm(
             total=self.total_steps,
             initial=self.step,
@@ -212,9 +231,12 @@ class Trainer:
                 epoch, position = divmod(self.step, self.steps_per_epoch)
                 sampler.set_epoch(epoch, position * self.data.batch_size)
                 for batch in self.train_loader:
-                    loss_sum += self.train_step(batch)
+                    loss = self.train_step(batch)
+                    loss_sum += loss
+                    eval_loss_sum += loss
                     self.step += 1
                     count += 1
+                    eval_count += 1
                     bar.update(1)
                     if self._due(self.settings.log_every_steps):
                         last_loss = self._log_training(
@@ -227,7 +249,10 @@ class Trainer:
                     epoch_end = self.step % self.steps_per_epoch == 0
                     epochs_done = self.step // self.steps_per_epoch
                     if done or (epoch_end and epochs_done % self.settings.eval_every_epochs == 0):
-                        final = self._evaluate()
+                        train_loss = float(self.env.mean(eval_loss_sum / eval_count))
+                        final = self._evaluate(train_loss, time.perf_counter() - started_at)
+                        eval_loss_sum.zero_()
+                        eval_count = 0
                     if done or self._due(self.settings.checkpoint_every_steps):
                         self.save_checkpoint()
                     if done:
@@ -236,7 +261,7 @@ class Trainer:
         if count:
             last_loss = self._log_training(loss_sum, count, time.perf_counter() - interval_start)
         if final is None:  # resumed from the final checkpoint: nothing left to train
-            final = self._evaluate()
+            final = self._evaluate(seconds=time.perf_counter() - started_at)
         if self.settings.check_replicas:
             check_replicas(self.model, self.env)
         result = {

@@ -1,10 +1,10 @@
-"""The benchmark's configs, and one real tiny sweep at world size 2.
+"""The benchmark's configs (the training side's tree), its checks, and real tiny runs.
 
 The sweep goes through the real command line (Hydra multirun, the elastic
-launcher starting two gloo ranks, every strategy interleaved in one job, the
-table callback), then the bytes, calls
-and wire bytes the ranks counted are compared with the cost model's
-prediction, which must be exact. No wall time is asserted.
+launcher starting two gloo ranks, every strategy config interleaved in one
+job, the table callback), then the bytes, calls and wire bytes the ranks
+counted are compared with the cost model's prediction, which must be exact.
+No wall time is asserted.
 """
 
 from __future__ import annotations
@@ -16,50 +16,202 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+import torch
 
-from experiments.bench.models import BUILDERS
-from experiments.benchmark import job_spec
+from experiments.bench.models import build, row_model
+from experiments.benchmark import compose_config, job_spec
+from experiments.config import ExperimentError
+from experiments.preconditioning import uses_preconditioner
 from experiments.tables import load_rows
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf" / "bench"
+CONF = ROOT / "conf"
+BENCHMARK_MODELS = ["bert_base", "bert_large", "mlp", "resnet110", "resnet32", "resnet50"]
+BENCHMARK_MODELS += ["transformer"]
 
 
 def _compose(*overrides: str):
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        return compose("benchmark", overrides=list(overrides))
+    return compose_config("benchmark", overrides)
+
+
+def _spec(*overrides: str) -> dict:
+    return job_spec(_compose(*overrides), overrides)
 
 
 def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-@pytest.mark.parametrize("model", _options("model"))
-def test_every_model_config_composes(model: str) -> None:
+def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "experiments.benchmark", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_one_tree() -> None:
+    assert (CONF / "benchmark.yaml").exists() and not (CONF / "bench").exists()
+    assert set(_options("workload")) == set(BENCHMARK_MODELS)
+    assert set(BENCHMARK_MODELS) <= set(_options("model"))
+
+
+@pytest.mark.parametrize("model", _options("workload"))
+def test_every_model_config_composes_and_builds(model: str) -> None:
     cfg = _compose(f"model={model}")
-    assert cfg.model.kind in BUILDERS and cfg.model.name == model
-    assert "batch_size" in cfg.model.kwargs
+    assert cfg.workload.name == model and cfg.workload.label
+    assert cfg.workload.batch._target_.startswith("experiments.bench.models.")
+    spec = job_spec(cfg)
+    with torch.device("meta"):
+        bench = build(spec["model"]["config"], spec["model"]["batch"])
+    assert bench.batch_size == cfg.workload.batch.batch_size
+    assert sum(p.numel() for p in bench.model.parameters()) > 0
+
+
+@pytest.mark.parametrize("model", _options("workload"))
+def test_benchmark_models_are_the_training_networks(model: str, compose) -> None:
+    """``model=NAME`` is the same network in both entry points (the workload only resizes it)."""
+    bench, train = _compose(f"model={model}").model, compose(f"model={model}", "~experiment").model
+    assert bench._target_ == train._target_
+    assert set(bench) == set(train)
+
+
+@pytest.mark.parametrize("strategy", _options("strategy"))
+def test_strategy_selects_the_training_arguments(strategy: str, compose) -> None:
+    """``strategy=NAME`` gives the benchmark the preconditioner arguments training gets."""
+    bench = _compose(f"strategy={strategy}").strategy
+    assert bench == compose(f"strategy={strategy}", "~experiment").strategy
+    assert bench.name == strategy
 
 
 @pytest.mark.parametrize("table", _options("table"))
 def test_every_table_preset_composes(table: str) -> None:
-    cfg = _compose(f"table={table}")
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("benchmark", [f"table={table}"], return_hydra_config=True)
     assert cfg.table_name == table
+    params = cfg.hydra.sweeper.params
+    assert cfg.hydra.callbacks.table.table == table
+    for name in [*(cfg.get("strategies") or []), *str(params.get("strategy", "")).split(",")]:
+        assert not name or name in _options("strategy")
+    for name in str(params.get("model", "")).split(","):
+        assert not name or name in _options("workload")
+
+
+@pytest.mark.parametrize("setting", _options("setting"))
+def test_every_setting_composes(setting: str) -> None:
+    spec = _spec(f"setting={setting}", "model=mlp")
+    assert spec["setting"]["name"] == setting
+
+
+def test_workload_sets_what_k_fac_sees() -> None:
+    """Sequence models average positions; the Transformer's vocabulary layers are skipped."""
+    spec = _spec("model=transformer")
+    (member,) = spec["strategies"]
+    assert member["kfac"]["weight_sharing"] == "reduce"
+    assert member["kfac"]["skip_layers"] == ["embed", "generator", "out_proj"]
+    # The command line still wins over the workload.
+    spec = _spec("model=transformer", "strategy.weight_sharing=expand")
+    assert spec["strategies"][0]["kfac"]["weight_sharing"] == "expand"
 
 
 @pytest.mark.parametrize("strategy", _options("strategy"))
 def test_practical_setting_measures_whole_cycles(strategy: str) -> None:
-    spec = job_spec(_compose(f"strategy={strategy}", "setting=practical", "steps=4", "warmup=2"))
-    cycle = 3 if spec["strategy"]["kfac"] is not None else 1
+    spec = _spec(f"strategy={strategy}", "setting=practical", "steps=4", "warmup=2")
+    cycle = 3 if spec["strategies"][0]["kfac"] is not None else 1
     assert spec["steps"] % cycle == 0 and spec["steps"] >= 4
     assert spec["warmup"] % cycle == 0 and spec["warmup"] >= 2
     assert (spec["factor_every"], spec["inv_every"]) == (10, 100)
 
 
-def test_bad_task_is_rejected() -> None:
-    with pytest.raises(ValueError, match="task"):
-        job_spec(_compose("task=nope"))
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("task=nope", "task='nope'"),
+        ("world_size=0", "world_size=0"),
+        ("steps=0", "steps=0"),
+        ("strategy.assignment=random", "strategy.assignment='random'"),
+        ("strategy.damping=-1", "strategy.damping=-1"),
+    ],
+)
+def test_bad_values_are_named(override: str, named: str) -> None:
+    with pytest.raises(ExperimentError, match=f"^invalid value {named.replace('(', '.')}"):
+        _spec(override)
+
+
+def test_interleaved_strategies_come_from_the_strategy_group() -> None:
+    spec = _spec("strategies=[none,dp_kfac_owner]", "setting=practical", "steps=1")
+    names = [s["name"] for s in spec["strategies"]]
+    assert names == ["none", "dp_kfac_owner"]
+    assert spec["strategies"][0]["kfac"] is None
+    assert spec["strategies"][1]["kfac"]["strategy"] == "dp_kfac"
+    assert spec["strategies"][1]["kfac"]["grad_reduction"] == "owner"
+    assert spec["steps"] == 3  # one whole cycle of decomposition, factor and plain steps
+    # Each entry is composed as the job would be with strategy=<entry>.
+    single = _spec("strategy=dp_kfac_owner", "setting=practical", "steps=1")
+    assert single["strategies"][0] == spec["strategies"][1]
+    with pytest.raises(ExperimentError, match="strategy=nope"):
+        _spec("strategies=[nope]")
+    with pytest.raises(ExperimentError, match="task=timing only"):
+        _spec("strategies=[none]", "task=convergence")
+
+
+def test_convergence_runs_the_training_preset() -> None:
+    """The convergence job trains the digits_cnn preset with its own values."""
+    spec = _spec("task=convergence", "strategy=d_kfac")
+    train = spec["train_config"]
+    assert train["name"] == "digits_cnn"
+    assert (train["optimizer"]["lr"], train["strategy"]["damping"]) == (0.02, 0.1)
+    assert train["strategy"]["name"] == "d_kfac" and train["logger"]["_target_"].endswith(
+        "NullLogger"
+    )
+    assert train["trainer"]["max_epochs"] == 10
+
+
+def test_cli_rejects_a_bad_strategy_option_in_one_line(tmp_path: Path) -> None:
+    proc = _cli("model=mlp", "strategy.assignment=random", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: invalid value strategy.assignment='random': ")
+    assert "round_robin" in lines[0]
+    assert not (tmp_path / "rows.json").exists()
+
+
+@pytest.mark.distributed
+def test_one_job_from_the_command_line(tmp_path: Path) -> None:
+    """``python -m experiments.benchmark strategy=dp_kfac model=M world_size=2`` writes a row."""
+    proc = _cli("strategy=dp_kfac", "model=mlp", "world_size=2", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "rows.json").read_text())
+    assert row["error"] == "" and row["strategy"] == "dp_kfac" and row["world_size"] == 2
+    options = json.loads(row["kfac_options"])
+    assert options["strategy"] == "dp_kfac" and options["damping"] == 0.003
+    assert row["bytes_factor_allreduce"] == 0 and row["bytes_precond_broadcast"] > 0
+    bench = row_model(row)
+    assert sum(p.numel() for p in bench.model.parameters()) == row["params"]
+    assert "mlp dp_kfac P=2 paper: iteration" in proc.stdout
+
+
+@pytest.mark.distributed
+def test_convergence_job_trains_through_the_training_entry_point(tmp_path: Path) -> None:
+    proc = _cli(
+        "task=convergence",
+        "strategy=dp_kfac_owner",
+        "world_size=2",
+        'convergence.overrides=["trainer.max_epochs=2"]',
+        f"hydra.run.dir={tmp_path}",
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "rows.json").read_text())
+    assert row["error"] == "" and row["strategy"] == "dp_kfac_owner" and row["epochs"] == 2
+    curve = json.loads(row["curve"])
+    assert [p["epoch"] for p in curve] == [1.0, 2.0]
+    assert row["final_acc"] == curve[-1]["test_acc"] > 0.5
+    assert row["replicas_identical"]
+    metrics = json.loads((tmp_path / "train" / "metrics.json").read_text())
+    assert metrics["final"]["strategy"] == "dp_kfac_owner"
+    assert metrics["final"]["world_size"] == 2
 
 
 @pytest.mark.distributed
@@ -68,13 +220,10 @@ def test_tiny_sweep_at_world_size_2_matches_cost_model_bytes(tmp_path: Path) -> 
     from experiments.bench.predict import byte_mismatches, predict_row
 
     sweep, results = tmp_path / "sweep", tmp_path / "results"
-    cmd = [
-        sys.executable,
-        "-m",
-        "experiments.benchmark",
+    proc = _cli(
         "-m",
         "model=mlp",
-        "strategies=[sgd,dp-kfac,dp-kfac-owner,d-kfac,spd-kfac]",
+        "strategies=[none,dp_kfac,dp_kfac_owner,d_kfac,spd_kfac]",
         "world_size=2",
         "warmup=3",
         "steps=3",
@@ -83,12 +232,10 @@ def test_tiny_sweep_at_world_size_2_matches_cost_model_bytes(tmp_path: Path) -> 
         f"results_dir={results}",
         "+hydra.callbacks.table={_target_:experiments.tables.TableCallback,"
         "table:second_order_update}",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = load_rows([sweep])
-    assert list(rows["strategy"]) == ["sgd", "dp-kfac", "dp_kfac_owner", "d-kfac", "spd-kfac"]
+    assert list(rows["strategy"]) == ["none", "dp_kfac", "dp_kfac_owner", "d_kfac", "spd_kfac"]
     for row in rows.to_dict("records"):
         assert row["error"] == "", row["error"]
         assert row["world_size"] == 2 and row["backend"] == "gloo"
@@ -100,18 +247,14 @@ def test_tiny_sweep_at_world_size_2_matches_cost_model_bytes(tmp_path: Path) -> 
         assert row["isolate_comm"] and row["comm_sync_s"] > 0
         assert set(json.loads(row["least_wait"])) >= {"grad_comm", "precond_comm"}
     by = rows.set_index("strategy")
-    assert by.loc["dp-kfac", "bytes_factor_allreduce"] == 0
-    assert by.loc["spd-kfac", "bytes_factor_allreduce"] > 0
-    assert by.loc["sgd", "bytes_second_order"] == 0 and by["interleaved"].all()
+    assert by.loc["dp_kfac", "bytes_factor_allreduce"] == 0
+    assert by.loc["spd_kfac", "bytes_factor_allreduce"] > 0
+    assert by.loc["none", "bytes_second_order"] == 0 and by["interleaved"].all()
+    assert json.loads(by.loc["none", "kfac_options"]) is None
     assert (results / "second_order_update.md").exists()
     assert (results / "raw" / "second_order_update.csv").exists()
 
 
-def test_interleaved_strategies_come_from_the_strategy_group() -> None:
-    spec = job_spec(_compose("strategies=[sgd,dp-kfac-owner]", "setting=practical", "steps=1"))
-    names = [s["name"] for s in spec["strategies"]]
-    assert names == ["sgd", "dp_kfac_owner"]
-    assert spec["strategies"][1]["kfac"]["grad_reduction"] == "owner"
-    assert spec["steps"] == 3  # one whole cycle of decomposition, factor and plain steps
-    with pytest.raises(ValueError, match="unknown strategy 'nope'"):
-        job_spec(_compose("strategies=[nope]"))
+def test_uses_preconditioner_reads_the_config() -> None:
+    assert not uses_preconditioner(_compose("strategy=none").strategy)
+    assert uses_preconditioner(_compose("strategy=spd_kfac").strategy)

@@ -7,6 +7,7 @@ checked exactly, and the notebook is executed on them so it cannot rot.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 from pathlib import Path
@@ -32,6 +33,30 @@ PHASES = (
 )
 
 
+#: The tiny model's columns, as ``experiments.benchmark`` records them.
+MLP_COLUMNS = {
+    "model_config": json.dumps(
+        {"_target_": "experiments.models.mlp.MLP", "d_in": 16, "hidden": 32}
+    ),
+    "model_batch": json.dumps(
+        {"_target_": "experiments.bench.models.VectorBatches", "batch_size": 8, "features": 16}
+    ),
+    "model_paper": "{}",
+    "skip_layers": "[]",
+    "weight_sharing": "expand",
+}
+COMMON = {
+    "compute_method": "eigen",
+    "damping": 0.003,
+    "factor_decay": 0.95,
+    "kl_clip": 0.001,
+    "skip_layers": [],
+    "weight_sharing": "expand",
+    "bucket_cap_mb": 25.0,
+    "lr": 0.1,
+}
+
+
 def fake_row(
     strategy: str,
     p: int = 2,
@@ -43,12 +68,12 @@ def fake_row(
 ) -> dict:
     """A timing row as ``experiments.benchmark`` writes it, with round numbers."""
     kfac = {
-        "sgd": None,
-        "dp-kfac": {"strategy": "dp-kfac", "grad_reduction": "allreduce", "assignment": "lpt"},
-        "d-kfac": {"strategy": "d-kfac"},
-        "spd-kfac": {"strategy": "spd-kfac", "local_threshold": 1024, "fusion": "dynamic"},
+        "none": None,
+        "dp_kfac": {"strategy": "dp_kfac", **COMMON, "grad_reduction": "allreduce"},
+        "d_kfac": {"strategy": "d_kfac", **COMMON},
+        "spd_kfac": {"strategy": "spd_kfac", **COMMON, "local_threshold": 1024},
     }[strategy]
-    k = 0.0 if strategy == "sgd" else scale
+    k = 0.0 if kfac is None else scale
     row = {
         "task": "timing",
         "model": model,
@@ -71,9 +96,7 @@ def fake_row(
         "precond_comm_s": 0.0005 * k,
         "mem_kfac": int(2**20 * k),
         "mem_rank": 0,
-        "model_kind": "mlp",
-        "model_kwargs": json.dumps({"batch_size": 8}),
-        "model_paper": "{}",
+        **MLP_COLUMNS,
         "kfac_options": json.dumps(kfac),
         "fusion_plan": "null",
         "compute_method": "eigen",
@@ -94,15 +117,15 @@ def fake_row(
 
 def timing_rows() -> pd.DataFrame:
     rows = [
-        fake_row("sgd"),
-        fake_row("dp-kfac"),
-        fake_row("d-kfac", scale=2.0),
-        fake_row("spd-kfac", scale=1.5),
+        fake_row("none"),
+        fake_row("dp_kfac"),
+        fake_row("d_kfac", scale=2.0),
+        fake_row("spd_kfac", scale=1.5),
     ]
     failed = {
         "task": "timing",
         "model": "mlp",
-        "strategy": "d-kfac",
+        "strategy": "d_kfac",
         "world_size": 4,
         "setting": "paper",
         "error": "ChildFailedError: rank 1 died",
@@ -112,7 +135,7 @@ def timing_rows() -> pd.DataFrame:
 
 def convergence_rows() -> pd.DataFrame:
     rows = []
-    for strategy in ("sgd", "dp-kfac"):
+    for strategy in ("none", "dp_kfac"):
         for p in (1, 2):
             curve = [
                 {"epoch": e, "test_acc": 0.8 + 0.05 * e, "train_loss": 1.0 / e, "seconds": float(e)}
@@ -215,19 +238,32 @@ def test_second_order_update_ratios_and_files(tmp_path: Path) -> None:
         assert paths[key].exists() and paths[key].stat().st_size > 0
     long, head = tables.second_order_frames(timing_rows())
     h = head.iloc[0]
-    assert h["compute_d-kfac/dp"] == pytest.approx(2.0)
-    assert h["compute_spd-kfac/dp"] == pytest.approx(1.5)
+    assert h["compute_d_kfac/dp"] == pytest.approx(2.0)
+    assert h["compute_spd_kfac/dp"] == pytest.approx(1.5)
     assert h["compute_best/dp"] == pytest.approx(1.5)
     assert h["comm_best/dp"] == pytest.approx(1.5)
-    assert h["MB_d-kfac/dp"] == pytest.approx(2.0)
-    assert h["memory_d-kfac/dp"] == pytest.approx(2.0)
+    assert h["MB_d_kfac/dp"] == pytest.approx(2.0)
+    assert h["memory_d_kfac/dp"] == pytest.approx(2.0)
     by = long.set_index("strategy")
-    assert by.loc["dp-kfac", "iteration_vs_sgd"] == pytest.approx(2.0)
-    assert by.loc["d-kfac", "compute/dp"] == pytest.approx(2.0)
+    assert by.loc["dp_kfac", "iteration_vs_sgd"] == pytest.approx(2.0)
+    assert by.loc["d_kfac", "compute/dp"] == pytest.approx(2.0)
+    assert list(long["strategy"]) == ["none", "dp_kfac", "d_kfac", "spd_kfac"]
     md = paths["md"].read_text()
     assert "ChildFailedError" in md and "| mlp |" in md
     csv = pd.read_csv(paths["csv"])
-    assert set(csv["strategy"]) == {"sgd", "dp-kfac", "d-kfac", "spd-kfac"}
+    assert set(csv["strategy"]) == {"none", "dp_kfac", "d_kfac", "spd_kfac"}
+
+
+def test_first_order_rows_are_found_from_their_options(tmp_path: Path) -> None:
+    """The baseline is the row without a preconditioner, whatever its config is called."""
+    rows = timing_rows()
+    rows.loc[rows["strategy"] == "none", "strategy"] = "sgd_alone"
+    long, _ = tables.second_order_frames(rows)
+    assert long.set_index("strategy").loc["dp_kfac", "iteration_vs_sgd"] == pytest.approx(2.0)
+    wide = tables.breakdown_frame(rows).set_index("strategy")
+    assert wide.loc["d_kfac", "vs_sgd"] == pytest.approx(3.0)
+    assert tables.first_order({"kfac_options": "null"})
+    assert not tables.first_order({"kfac_options": json.dumps({"strategy": "d_kfac"})})
 
 
 def test_time_breakdown_parts_add_up(tmp_path: Path) -> None:
@@ -235,14 +271,14 @@ def test_time_breakdown_parts_add_up(tmp_path: Path) -> None:
     assert paths["png"].exists()
     wide = pd.read_csv(paths["csv"]).set_index("strategy")
     parts = [f"{p}_ms" for p in tables.ITERATION_PARTS]
-    assert wide.loc["d-kfac", parts].sum() == pytest.approx(wide.loc["d-kfac", "sum_ms"])
-    assert wide.loc["d-kfac", "factor_comm_ms"] == pytest.approx(4.0)
-    assert wide.loc["dp-kfac", "vs_sgd"] == pytest.approx(2.0)
+    assert wide.loc["d_kfac", parts].sum() == pytest.approx(wide.loc["d_kfac", "sum_ms"])
+    assert wide.loc["d_kfac", "factor_comm_ms"] == pytest.approx(4.0)
+    assert wide.loc["dp_kfac", "vs_sgd"] == pytest.approx(2.0)
     assert "## mlp label, paper setting, P=2" in paths["md"].read_text()
 
 
 def test_scaling_predicts_to_256_and_reports_errors(tmp_path: Path) -> None:
-    rows = pd.DataFrame([fake_row(s, p) for s in ("sgd", "dp-kfac", "d-kfac") for p in (1, 2)])
+    rows = pd.DataFrame([fake_row(s, p) for s in ("none", "dp_kfac", "d_kfac") for p in (1, 2)])
     paths = tables.write_table("scaling", rows, tmp_path)
     frame = pd.read_csv(paths["csv"])
     calibrated = frame[frame["source"] == "calibrated"]
@@ -272,14 +308,14 @@ def test_calibration_separates_one_core_and_shared_core_regimes() -> None:
     }
     from dpkfac.costmodel.traffic import factor_keys
 
-    # Every factor in a bucket of its own, so part of spd-kfac's traffic can hide.
-    keys = factor_keys(bp.row_shapes(fake_row("spd-kfac"))[0])
+    # Every factor in a bucket of its own, so part of spd_kfac's traffic can hide.
+    keys = factor_keys(bp.row_shapes(fake_row("spd_kfac"))[0])
     plan = json.dumps([[list(k)] for k in keys])
     rows = []
     for p in (2, 4):  # two cores: P=4 ranks share them
         hw = one_core if p == 2 else replace(scaled(one_core, compute=0.5), links=shared_links)
         hw = replace(hw, overlap=0.2 if p == 2 else 0.7)
-        for strategy in ("sgd", "dp-kfac", "d-kfac", "spd-kfac"):
+        for strategy in ("none", "dp_kfac", "d_kfac", "spd_kfac"):
             row = fake_row(strategy, p, cpus=2, device="cpu", fusion_plan=plan)
             ranks = bp.predict_row(row, hw).update.phases_per_rank
             row["rank_timings"] = json.dumps(ranks)
@@ -326,12 +362,12 @@ def test_convergence_table_and_smoke_status(tmp_path: Path) -> None:
 
 
 def test_load_rows_reads_sweep_folders_and_csv(tmp_path: Path) -> None:
-    for num, strategy in ((2, "sgd"), (10, "dp-kfac")):  # job 10 comes after job 2
+    for num, strategy in ((2, "none"), (10, "dp_kfac")):  # job 10 comes after job 2
         job = tmp_path / "sweep" / str(num)
         job.mkdir(parents=True)
         (job / "rows.json").write_text(json.dumps([fake_row(strategy)]))
     rows = tables.load_rows([tmp_path / "sweep"])
-    assert list(rows["strategy"]) == ["sgd", "dp-kfac"]
+    assert list(rows["strategy"]) == ["none", "dp_kfac"]
     rows.to_csv(tmp_path / "rows.csv", index=False)
     again = tables.load_rows([tmp_path / "rows.csv"])
     assert again["error"].tolist() == ["", ""]
@@ -347,7 +383,7 @@ def test_results_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     tables.write_table("second_order_update", timing_rows(), results)
     tables.write_table("time_breakdown", timing_rows(), results)
     tables.write_table("convergence", convergence_rows(), results)
-    rows = pd.DataFrame([fake_row(s, p) for s in ("sgd", "dp-kfac") for p in (1, 2)])
+    rows = pd.DataFrame([fake_row(s, p) for s in ("none", "dp_kfac") for p in (1, 2)])
     tables.write_table("scaling", rows, results)
     monkeypatch.setenv("RESULTS_DIR", str(results))
     monkeypatch.setenv("MPLBACKEND", "Agg")
@@ -372,3 +408,41 @@ def test_results_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     ]
     assert len(images) == 4
     assert os.environ["RESULTS_DIR"] == str(results)
+
+
+def _literals(node: ast.expr) -> list[object]:
+    """String-like constants of an operand (a literal, or the elements of a literal collection)."""
+    if isinstance(node, ast.Constant):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [e.value for e in node.elts if isinstance(e, ast.Constant)]
+    return []
+
+
+def test_no_strategy_name_decides_behaviour_in_experiments() -> None:
+    """Entry points, tables and plots decide from the config, never from a strategy's name.
+
+    Flags comparisons (``==``, ``in``, ...) and ``startswith``/``endswith``
+    calls against a strategy config's name, in any spelling, or the old "sgd".
+    Ordering rows by a list of names (``plots.STRATEGY_ORDER``) is not a comparison.
+    """
+    from dpkfac.strategies import STRATEGIES
+
+    configs = {p.stem for p in (ROOT / "conf" / "strategy").glob("*.yaml")} | set(STRATEGIES)
+    names = {n for key in configs for n in (key, key.replace("_", "-"))} | {"sgd"}
+    offenders = []
+    for path in sorted((ROOT / "experiments").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            operands: list[ast.expr] = []
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("startswith", "endswith")
+            ):
+                operands = list(node.args)
+            if any(c in names for op in operands for c in _literals(op)):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []

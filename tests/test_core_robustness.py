@@ -252,7 +252,10 @@ def test_eigh_failure_retries_in_float64(monkeypatch) -> None:
     assert runtime_warnings(record) == []
     assert calls[:2] == [torch.float32, torch.float64]  # the retry ran in float64
     for layer in pre.layers.values():
-        for factor, dec in ((layer.a_factor, layer.decomposition("A")), (layer.g_factor, layer.decomposition("G"))):
+        for factor, dec in (
+            (layer.a_factor, layer.decomposition("A")),
+            (layer.g_factor, layer.decomposition("G")),
+        ):
             assert dec.q.dtype == torch.float32
             rebuilt = dec.q @ torch.diag(dec.d) @ dec.q.t()
             torch.testing.assert_close(rebuilt, factor, rtol=1e-4, atol=1e-5)

@@ -76,7 +76,7 @@ def test_other_world_size_is_refused(checkpoint, train, tmp_path):
 
 
 def test_other_strategy_is_refused(checkpoint, train):
-    with pytest.raises(ExperimentError, match=f"{checkpoint}.*strategy 'dp-kfac'.*'d-kfac'"):
+    with pytest.raises(ExperimentError, match=f"{checkpoint}.*strategy 'dp_kfac'.*'d_kfac'"):
         train("strategy=d_kfac", "trainer.max_steps=2", f"trainer.resume={checkpoint}")
 
 
@@ -88,7 +88,7 @@ def test_corrupt_and_missing_files_are_named(checkpoint, train, tmp_path):
     other = tmp_path / "other.pt"
     torch.save({"weights": torch.zeros(2)}, other)
     with pytest.raises(ExperimentError, match=f"{other} is corrupt or not a checkpoint .missing"):
-        load_checkpoint(other, world_size=1, strategy="dp-kfac")
+        load_checkpoint(other, world_size=1, strategy="dp_kfac")
     missing = tmp_path / "missing.pt"
     with pytest.raises(ExperimentError, match=f"checkpoint file {missing} does not exist"):
         train("trainer.max_steps=2", f"trainer.resume={missing}")

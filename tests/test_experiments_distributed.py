@@ -74,7 +74,7 @@ def test_preset_under_torchrun(preset, strategy, extra, tiny, tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_resume_under_torchrun_is_bitwise(tiny, tmp_path):
-    """dp-kfac keeps factors on owner ranks only: a 2-rank checkpoint must still hold them all."""
+    """dp_kfac keeps factors on owner ranks only: a 2-rank checkpoint must still hold them all."""
     common = ["experiment=digits_cnn", "strategy=dp_kfac", *tiny["digits_cnn"]]
     straight = torchrun(tmp_path / "straight", *common, "trainer.max_steps=4")
     assert straight.returncode == 0, straight.stderr[-4000:]

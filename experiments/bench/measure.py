@@ -3,7 +3,7 @@
 Each rank builds, for every strategy of the job, the model (identical
 weights everywhere), a fixed synthetic batch of its own and the
 preconditioner, runs ``warmup`` untimed steps (the first step places layers
-and, for spd-kfac, profiles and fixes the fusion plan) and then ``steps``
+and, for spd_kfac, profiles and fixes the fusion plan) and then ``steps``
 measured ones. Before every step the ranks meet at a barrier, so each step is
 timed from a common start and waiting caused by the previous step does not
 leak into the next one.
@@ -12,7 +12,7 @@ Per step and rank this records wall-clock seconds of forward+backward,
 ``pre.step()``, ``optimizer.step()`` and the whole iteration, the
 preconditioner's own per-phase timings, bytes and calls per collective
 category and the K-FAC memory, all after ``reset_stats()`` at the start of the
-step. The first-order baseline (``strategy=sgd``) averages gradients with the
+step. The first-order baseline (``strategy=none``) averages gradients with the
 same fused, accounted all-reduce the preconditioner uses, so "K-FAC minus SGD"
 isolates the second-order work instead of comparing against DDP's overlap.
 
@@ -92,43 +92,48 @@ def process_group(device: str, timeout_s: float) -> Iterator[tuple[int, int, tor
 
 
 class _Stepper:
-    """One rank's model, batch, optimizer and preconditioner (or SGD's all-reduce)."""
+    """One rank's model, batch, optimizer and preconditioner (or the first-order all-reduce)."""
 
     def __init__(
-        self, spec: dict[str, Any], strategy: dict[str, Any], rank: int, device: torch.device
+        self, spec: dict[str, Any], member: dict[str, Any], rank: int, device: torch.device
     ) -> None:
+        from hydra.utils import instantiate
+
         from dpkfac import KFACPreconditioner
         from dpkfac.comm import Communicator
         from dpkfac.stats import CommStats, PhaseTimer
         from experiments.bench.models import build
 
-        self.name = str(strategy["name"])
+        self.name = str(member["name"])
         model_spec = spec["model"]
-        self.bench = build(model_spec["kind"], seed=spec["seed"], **model_spec["kwargs"])
+        self.bench = build(model_spec["config"], model_spec["batch"], seed=spec["seed"])
         self.model = self.bench.model.to(device)
         batch = self.bench.make_batch(spec["seed"] * 1000 + 17 * (rank + 1))
         self.batch = {k: v.to(device) for k, v in batch.items()}
         self.device = device
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=spec["lr"], momentum=0.9)
         self.kinds = step_kinds(spec["factor_every"], spec["inv_every"])
-        kfac = strategy.get("kfac")
         self.pre = None
-        if kfac is not None:
-            common = dict(spec["kfac"])
+        if member["kfac"] is not None:
+            # The strategy config's arguments (``strategy`` is its algorithm); schedules
+            # of the step are instantiated here. Update intervals follow the step kinds.
+            kwargs = {
+                key: instantiate(value)
+                if isinstance(value, dict) and "_target_" in value
+                else value
+                for key, value in member["kfac"].items()
+            }
             self.pre = KFACPreconditioner(
                 self.model,
                 factor_update_steps=_schedule(self.kinds, ("decomp", "factor")),
                 inv_update_steps=_schedule(self.kinds, ("decomp",)),
-                skip_layers=self.bench.skip_layers,
-                weight_sharing=self.bench.weight_sharing,
                 lr=spec["lr"],
-                **common,
-                **kfac,
+                **kwargs,
             )
         else:
-            self.stats, self.timer = CommStats(), PhaseTimer(synchronize=device.type == "cuda")
+            self.stats, self.timer = CommStats(), PhaseTimer(device)
             self.comm = Communicator(stats=self.stats, timer=self.timer)
-            self.bucket_cap = int(spec["kfac"].get("bucket_cap_mb", 25.0) * 2**20)
+            self.bucket_cap = int(float(member["view"]["bucket_cap_mb"]) * 2**20)
         comm = self.pre.comm if self.pre is not None else self.comm
         comm.isolate = bool(spec.get("isolate_comm", False))
 
@@ -198,19 +203,19 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
     Returns:
         This rank's result: ``rank``, ``world_size``, ``device``, ``backend``
         and, per strategy name, the measured step ``records``, the number of
-        K-FAC layers, parameters, placement and spd-kfac's fusion plan. With
+        K-FAC layers, parameters, placement and spd_kfac's fusion plan. With
         ``spec["gather"]`` (ranks started by torchrun rather than by the
         benchmark itself) every rank's result, in rank order, on every rank.
     """
     torch.set_num_threads(int(spec.get("threads", 1)))
-    strategies = spec.get("strategies") or [spec["strategy"]]
+    strategies = spec["strategies"]
     warmup = int(spec["warmup"])
     with process_group(spec.get("device", "auto"), float(spec.get("timeout_s", 300))) as (
         rank,
         size,
         device,
     ):
-        steppers = [_Stepper(spec, strategy, rank, device) for strategy in strategies]
+        steppers = [_Stepper(spec, member, rank, device) for member in strategies]
         records: dict[str, list[dict[str, Any]]] = {s.name: [] for s in steppers}
         for index in range(warmup + int(spec["steps"])):
             for k in range(len(steppers)):
@@ -249,6 +254,6 @@ def _placement(pre: Any) -> dict[str, list[Any]]:
 
 
 def _fusion_plan(pre: Any) -> list[list[list[str]]] | None:
-    """spd-kfac's fusion buckets as fixed after profiling (the cost model replays them)."""
+    """spd_kfac's fusion buckets as fixed after profiling (the cost model replays them)."""
     plan = getattr(getattr(pre, "strategy", None), "plan", None)
     return [[list(key) for key in bucket] for bucket in plan] if plan else None

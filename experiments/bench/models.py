@@ -1,19 +1,25 @@
-"""Benchmark models with fixed-shape synthetic batches.
+"""Benchmark models: a network from the ``model`` group and a fixed-shape synthetic batch.
 
 A timing benchmark needs the same tensor shapes on every step and every rank,
-so each builder returns the model together with a batch factory and a loss,
-not a data loader. The CIFAR ResNets, BERT for question answering and the
-translation Transformer come from the training side's builders
-(:mod:`experiments.models`), so the benchmark times the very models the
-presets train; ResNet-50 is torchvision's. Sizes come from
-``conf/bench/model/*.yaml``; the options that make a model affordable on a
-CPU (a width divisor, a shorter sequence, fewer layers) are explicit keys
-there, so the paper's sizes are one override away.
+so it times a network on synthetic batches rather than on a data loader. The
+network is the training side's own config (``conf/model/<name>.yaml``, a
+``_target_``), so the benchmark times the very models the presets train. What
+the training side gets from its data module (the number of classes or the
+vocabulary, the loss) comes here from a *batch* (``workload.batch`` of
+``conf/workload/<name>.yaml``, also a ``_target_``): one of the classes below,
+which makes the batches, computes the loss and names the sizes the network
+needs. The options that make a model affordable on a CPU (a width divisor, a
+shorter sequence, fewer layers) are explicit keys of the workload, so the
+paper's sizes are one override away (``workload.paper``).
+
+:func:`build` puts the two together; :func:`row_model` rebuilds the model a
+benchmark row was measured on (or its paper-sized version) from the row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +28,162 @@ import torch.nn.functional as F
 from torch import nn
 
 Batch = dict[str, torch.Tensor]
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(int(seed))
+
+
+@dataclass(frozen=True)
+class ImageBatches:
+    """Image classification: square images ``x`` and class labels ``y``.
+
+    Attributes:
+        batch_size: Images per rank.
+        image_size: Height and width.
+        num_classes: Classes (handed to the network as ``num_classes``).
+        channels: Input channels.
+    """
+
+    batch_size: int
+    image_size: int = 32
+    num_classes: int = 10
+    channels: int = 3
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The sizes the network takes from its data."""
+        return {"num_classes": self.num_classes}
+
+    def make_batch(self, seed: int) -> Batch:
+        """A batch drawn from ``seed`` (ranks pass their own, as in data parallelism)."""
+        g = _generator(seed)
+        size = (self.batch_size, self.channels, self.image_size, self.image_size)
+        return {
+            "x": torch.randn(*size, generator=g),
+            "y": torch.randint(0, self.num_classes, (self.batch_size,), generator=g),
+        }
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Mean cross-entropy."""
+        return F.cross_entropy(model(batch["x"]), batch["y"])
+
+    def example_input(self) -> tuple[Any, ...]:
+        """Positional inputs of one forward pass (for the cost model's shapes)."""
+        return (torch.zeros(self.batch_size, self.channels, self.image_size, self.image_size),)
+
+
+@dataclass(frozen=True)
+class VectorBatches:
+    """Classification of feature vectors (the tiny MLP of the tests).
+
+    Attributes:
+        batch_size: Vectors per rank.
+        features: Features per vector.
+        num_classes: Classes.
+    """
+
+    batch_size: int
+    features: int = 16
+    num_classes: int = 10
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The sizes the network takes from its data."""
+        return {"num_classes": self.num_classes}
+
+    def make_batch(self, seed: int) -> Batch:
+        """A batch drawn from ``seed``."""
+        g = _generator(seed)
+        return {
+            "x": torch.randn(self.batch_size, self.features, generator=g),
+            "y": torch.randint(0, self.num_classes, (self.batch_size,), generator=g),
+        }
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Mean cross-entropy."""
+        return F.cross_entropy(model(batch["x"]), batch["y"])
+
+    def example_input(self) -> tuple[Any, ...]:
+        """Positional inputs of one forward pass."""
+        return (torch.zeros(self.batch_size, self.features),)
+
+
+@dataclass(frozen=True)
+class QuestionAnsweringBatches:
+    """Extractive question answering (BERT): token ids and answer start/end positions.
+
+    Attributes:
+        batch_size: Sequences per rank.
+        seq_len: Tokens per sequence.
+        vocab_size: Vocabulary (handed to the network as ``vocab_size``).
+    """
+
+    batch_size: int
+    seq_len: int = 384
+    vocab_size: int = 30522
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The sizes the network takes from its data."""
+        return {"vocab_size": self.vocab_size, "max_position_embeddings": max(512, self.seq_len)}
+
+    def make_batch(self, seed: int) -> Batch:
+        """A batch drawn from ``seed``."""
+        g = _generator(seed)
+        shape = (self.batch_size, self.seq_len)
+        return {
+            "input_ids": torch.randint(1, self.vocab_size, shape, generator=g),
+            "attention_mask": torch.ones(*shape, dtype=torch.long),
+            "start_positions": torch.randint(0, self.seq_len, (self.batch_size,), generator=g),
+            "end_positions": torch.randint(0, self.seq_len, (self.batch_size,), generator=g),
+        }
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """The model's own span loss."""
+        return model(**batch).loss
+
+    def example_input(self) -> tuple[Any, ...]:
+        """Positional inputs of one forward pass."""
+        return (torch.ones(self.batch_size, self.seq_len, dtype=torch.long),)
+
+
+@dataclass(frozen=True)
+class TranslationBatches:
+    """Translation (encoder-decoder): source and target token ids, teacher forcing.
+
+    Attributes:
+        batch_size: Sentence pairs per rank.
+        seq_len: Source tokens (and target tokens fed to the decoder).
+        vocab_size: Joint vocabulary (handed to the network as ``vocab_size``).
+    """
+
+    batch_size: int
+    seq_len: int = 32
+    vocab_size: int = 10000
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The sizes the network takes from its data."""
+        return {"vocab_size": self.vocab_size}
+
+    def make_batch(self, seed: int) -> Batch:
+        """A batch drawn from ``seed``; token 0 is padding, so only real tokens are drawn."""
+        g = _generator(seed)
+        return {
+            "src": torch.randint(1, self.vocab_size, (self.batch_size, self.seq_len), generator=g),
+            "tgt": torch.randint(
+                1, self.vocab_size, (self.batch_size, self.seq_len + 1), generator=g
+            ),
+        }
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Mean next-token cross-entropy."""
+        logits = model(batch["src"], batch["tgt"][:, :-1])
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), batch["tgt"][:, 1:].reshape(-1)
+        )
+
+    def example_input(self) -> tuple[Any, ...]:
+        """Positional inputs of one forward pass."""
+        shape = (self.batch_size, self.seq_len)
+        return (torch.ones(*shape, dtype=torch.long), torch.ones(*shape, dtype=torch.long))
 
 
 @dataclass
@@ -33,207 +195,68 @@ class BenchModel:
         make_batch: ``seed -> batch``; each rank passes its own seed so the
             ranks see different data of the same shape, as in data parallelism.
         loss: ``(model, batch) -> scalar loss`` (a mean over the batch).
-        skip_layers: regexes of modules K-FAC leaves alone (vocabulary layers).
-        weight_sharing: "expand" for convolutions, "reduce" for sequence
-            models as in the DP-KFAC reference code.
+        batch_size: examples per rank.
         example_input: positional inputs of one forward pass, for the cost
             model's shape extraction.
+        skip_layers: regexes of modules K-FAC leaves alone (the strategy
+            node's, filled by :func:`row_model` from the row).
+        weight_sharing: how K-FAC treats positions ("expand"/"reduce"; idem).
     """
 
     model: nn.Module
     make_batch: Callable[[int], Batch]
     loss: Callable[[nn.Module, Batch], torch.Tensor]
+    batch_size: int
+    example_input: tuple[Any, ...] = ()
     skip_layers: list[str] = field(default_factory=list)
     weight_sharing: str = "expand"
-    example_input: tuple[Any, ...] = ()
 
 
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(int(seed))
-
-
-def _image_model(model: nn.Module, batch_size: int, image_size: int, classes: int) -> BenchModel:
-    def make_batch(seed: int) -> Batch:
-        g = _generator(seed)
-        return {
-            "x": torch.randn(batch_size, 3, image_size, image_size, generator=g),
-            "y": torch.randint(0, classes, (batch_size,), generator=g),
-        }
-
-    def loss(m: nn.Module, b: Batch) -> torch.Tensor:
-        return F.cross_entropy(m(b["x"]), b["y"])
-
-    example = (torch.zeros(batch_size, 3, image_size, image_size),)
-    return BenchModel(model, make_batch, loss, example_input=example)
-
-
-def cifar_resnet(
-    depth: int = 32, batch_size: int = 32, image_size: int = 32, num_classes: int = 10
-) -> BenchModel:
-    """He et al.'s CIFAR ResNet-(6n+2), the paper's ResNet-32/110."""
-    from experiments.models.cifar_resnet import CIFARResNet
-
-    model = CIFARResNet(num_classes=num_classes, depth=depth)
-    return _image_model(model, batch_size, image_size, num_classes)
-
-
-def resnet50(
-    width_divisor: int = 1, batch_size: int = 32, image_size: int = 224, num_classes: int = 1000
-) -> BenchModel:
-    """torchvision's ResNet-50, optionally with every stage's width divided.
-
-    The bottleneck layout (3, 4, 6, 3 blocks, expansion 4) is kept; dividing
-    the widths shrinks the largest factor from 4609 (eigh of about 30 s on
-    one CPU core) to 1153 at ``width_divisor=4``, which is what makes the
-    "decompose every step" setting affordable here.
-    """
-    import torchvision
-    from torchvision.models.resnet import Bottleneck, ResNet
-
-    if width_divisor == 1:
-        model = torchvision.models.resnet50(weights=None, num_classes=num_classes)
-        return _image_model(model, batch_size, image_size, num_classes)
-    if width_divisor < 1 or 64 % width_divisor:
-        raise ValueError(f"width_divisor must divide 64, got {width_divisor}")
-
-    class NarrowResNet(ResNet):
-        def _make_layer(self, block: type, planes: int, *args: Any, **kwargs: Any) -> nn.Module:
-            return super()._make_layer(block, planes // width_divisor, *args, **kwargs)
-
-    model = NarrowResNet(Bottleneck, [3, 4, 6, 3], num_classes=num_classes)
-    # conv1/bn1 keep torchvision's 64 stem channels; only the classifier input changes.
-    model.fc = nn.Linear(512 * Bottleneck.expansion // width_divisor, num_classes)
-    return _image_model(model, batch_size, image_size, num_classes)
-
-
-def bert_qa(
-    hidden_size: int = 768,
-    num_hidden_layers: int = 12,
-    num_attention_heads: int = 12,
-    intermediate_size: int = 3072,
-    seq_len: int = 384,
-    batch_size: int = 4,
-    vocab_size: int = 30522,
-) -> BenchModel:
-    """The training side's ``BertForQuestionAnswering`` (random weights, nothing downloaded)."""
-    from experiments.models.bert import bert_for_question_answering
-
-    model = bert_for_question_answering(
-        vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max(512, seq_len),
-    )
-
-    def make_batch(seed: int) -> Batch:
-        g = _generator(seed)
-        return {
-            "input_ids": torch.randint(1, vocab_size, (batch_size, seq_len), generator=g),
-            "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
-            "start_positions": torch.randint(0, seq_len, (batch_size,), generator=g),
-            "end_positions": torch.randint(0, seq_len, (batch_size,), generator=g),
-        }
-
-    def loss(m: nn.Module, b: Batch) -> torch.Tensor:
-        return m(**b).loss
-
-    example = (torch.ones(batch_size, seq_len, dtype=torch.long),)
-    return BenchModel(model, make_batch, loss, weight_sharing="reduce", example_input=example)
-
-
-def transformer(
-    d_model: int = 512,
-    nhead: int = 8,
-    num_layers: int = 6,
-    dim_feedforward: int = 2048,
-    seq_len: int = 32,
-    batch_size: int = 128,
-    vocab_size: int = 10000,
-) -> BenchModel:
-    """The training side's Multi30K ``TranslationTransformer`` (encoder-decoder, tied vocabulary).
-
-    K-FAC leaves the embedding, the tied vocabulary projection and the
-    attention output projections (called functionally, so never hooked) to
-    SGD, as the ``multi30k_transformer`` preset does.
-    """
-    from experiments.models.translation import TranslationTransformer
-
-    model = TranslationTransformer(
-        vocab_size,
-        d_model=d_model,
-        nhead=nhead,
-        num_encoder_layers=num_layers,
-        num_decoder_layers=num_layers,
-        dim_feedforward=dim_feedforward,
-    )
-
-    def make_batch(seed: int) -> Batch:
-        g = _generator(seed)
-        # Token 0 is padding; real tokens only, so every position counts.
-        return {
-            "src": torch.randint(1, vocab_size, (batch_size, seq_len), generator=g),
-            "tgt": torch.randint(1, vocab_size, (batch_size, seq_len + 1), generator=g),
-        }
-
-    def loss(m: nn.Module, b: Batch) -> torch.Tensor:
-        logits = m(b["src"], b["tgt"][:, :-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b["tgt"][:, 1:].reshape(-1))
-
-    example = (
-        torch.ones(batch_size, seq_len, dtype=torch.long),
-        torch.ones(batch_size, seq_len, dtype=torch.long),
-    )
-    return BenchModel(
-        model,
-        make_batch,
-        loss,
-        skip_layers=["embed", "generator", "out_proj"],
-        weight_sharing="reduce",
-        example_input=example,
-    )
-
-
-def mlp(d_in: int = 16, hidden: int = 32, classes: int = 10, batch_size: int = 8) -> BenchModel:
-    """A two-layer perceptron: the tests' tiny model (exact bytes in well under a second)."""
-    model = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, classes))
-
-    def make_batch(seed: int) -> Batch:
-        g = _generator(seed)
-        return {
-            "x": torch.randn(batch_size, d_in, generator=g),
-            "y": torch.randint(0, classes, (batch_size,), generator=g),
-        }
-
-    def loss(m: nn.Module, b: Batch) -> torch.Tensor:
-        return F.cross_entropy(m(b["x"]), b["y"])
-
-    return BenchModel(model, make_batch, loss, example_input=(torch.zeros(batch_size, d_in),))
-
-
-BUILDERS: dict[str, Callable[..., BenchModel]] = {
-    "cifar_resnet": cifar_resnet,
-    "resnet50": resnet50,
-    "bert_qa": bert_qa,
-    "transformer": transformer,
-    "mlp": mlp,
-}
-
-
-def build(kind: str, seed: int = 0, **kwargs: Any) -> BenchModel:
+def build(model: Mapping[str, Any], batch: Mapping[str, Any], seed: int = 0) -> BenchModel:
     """Build a benchmark model with identical initial weights on every rank.
 
     Args:
-        kind: a key of :data:`BUILDERS`.
+        model: the network's config (``_target_`` and arguments), as in ``conf/model``.
+        batch: the synthetic batch's config (``_target_`` naming one of the
+            batch classes above, and its sizes), as in ``conf/workload``.
         seed: torch seed for the weights (the same on all ranks).
-        **kwargs: the builder's size options, from ``conf/bench/model``.
     """
-    if kind not in BUILDERS:
-        raise ValueError(
-            f"unknown benchmark model kind {kind!r}; expected one of {sorted(BUILDERS)}"
-        )
+    from hydra.utils import instantiate
+
+    batches = instantiate(dict(batch))
     torch.manual_seed(seed)
-    bench = BUILDERS[kind](**kwargs)
-    bench.model.train()
+    network = instantiate(dict(model), **batches.model_kwargs())
+    network.train()
+    return BenchModel(
+        model=network,
+        make_batch=batches.make_batch,
+        loss=batches.loss,
+        batch_size=int(batches.batch_size),
+        example_input=batches.example_input(),
+    )
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def row_model(row: Mapping[str, Any], *, paper: bool = False, seed: int = 0) -> BenchModel:
+    """The model a benchmark row was measured on, or its paper-sized version.
+
+    Args:
+        row: a timing row (``model_config``, ``model_batch``, ``model_paper``,
+            ``skip_layers`` and ``weight_sharing`` are read; JSON strings or
+            already decoded values).
+        paper: apply the row's ``model_paper`` overrides (the papers' sizes).
+        seed: torch seed for the weights.
+    """
+    model = dict(_json(row["model_config"]))
+    batch = dict(_json(row["model_batch"]))
+    if paper:
+        overrides = _json(row.get("model_paper") or "{}") or {}
+        model.update(overrides.get("model") or {})
+        batch.update(overrides.get("batch") or {})
+    bench = build(model, batch, seed=seed)
+    bench.skip_layers = list(_json(row.get("skip_layers") or "[]") or [])
+    bench.weight_sharing = str(row.get("weight_sharing") or "expand")
     return bench

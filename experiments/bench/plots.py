@@ -18,7 +18,11 @@ import matplotlib
 import pandas as pd
 from matplotlib.figure import Figure
 
-STRATEGY_ORDER = ["sgd", "dp-kfac", "dp-kfac-owner", "d-kfac", "spd-kfac"]
+#: Strategy configs in the papers' order (tables and figures sort rows by it).
+STRATEGY_ORDER = ["none", "dp_kfac", "dp_kfac_owner", "d_kfac", "spd_kfac"]
+#: The DP-KFAC paper's headline compares these strategy configs' costs with REFERENCE's.
+REFERENCE = "dp_kfac"
+COMPARED = ("d_kfac", "spd_kfac")
 PART_LABELS = {
     "fwd_bwd": "forward/backward",
     "grad_comm": "gradient comm",
@@ -61,9 +65,9 @@ def _figure(rows: int, cols: int, size: tuple[float, float]) -> tuple[Figure, ob
 
 
 def ratio_bars(headline: pd.DataFrame) -> Figure:
-    """Computation, communication and memory of each strategy relative to dp-kfac, per model."""
+    """Computation, communication and memory of each strategy relative to dp_kfac, per model."""
     metrics = [("compute", "computation"), ("comm", "communication"), ("memory", "memory")]
-    strategies = [s for s in ("d-kfac", "spd-kfac") if f"compute_{s}/dp" in headline.columns]
+    strategies = [s for s in COMPARED if f"compute_{s}/dp" in headline.columns]
     fig, grid = _figure(1, 3, (13, 3.6))
     axes = grid[0]
     labels = headline["model"].tolist()
@@ -72,10 +76,10 @@ def ratio_bars(headline: pd.DataFrame) -> Figure:
         for i, strategy in enumerate(strategies):
             values = headline[f"{key}_{strategy}/dp"].tolist()
             xs = [j + (i - (len(strategies) - 1) / 2) * width for j in range(len(labels))]
-            ax.bar(xs, values, width, label=f"{strategy} / dp-kfac")
+            ax.bar(xs, values, width, label=f"{strategy} / {REFERENCE}")
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
-        ax.set_title(f"{title} (x dp-kfac)")
+        ax.set_title(f"{title} (x {REFERENCE})")
     axes[0].legend(fontsize=8)
     fig.suptitle("Cost of one second-order update relative to DP-KFAC (>1: DP-KFAC is cheaper)")
     fig.tight_layout()
@@ -155,7 +159,7 @@ def accuracy_curves(curves: pd.DataFrame) -> Figure:
         for k, strategy in enumerate(ordered(sub["strategy"])):
             line = sub[sub["strategy"] == strategy].sort_values("epoch")
             # Strategies with identical maths overlap exactly (all K-FAC at P=1,
-            # dp-kfac with either gradient reduction): markers and dashes keep them visible.
+            # dp_kfac with either gradient reduction): markers and dashes keep them visible.
             ax.plot(
                 line["epoch"],
                 line["test_acc"],

@@ -72,19 +72,18 @@ def row_shapes(row: Mapping[str, Any], *, paper: bool = False) -> tuple[ModelSha
     import torch
 
     from dpkfac.costmodel import shapes_from_model
-    from experiments.bench.models import build
+    from experiments.bench.models import row_model
 
-    kwargs = dict(_json(row["model_kwargs"]))
-    if paper:
-        kwargs.update(_json(row.get("model_paper") or "{}"))
-    batch = int(kwargs.get("batch_size", 1))
     for device in ("meta", "cpu"):
         try:
             with torch.device(device):
-                bench = build(row["model_kind"], **kwargs)
+                bench = row_model(row, paper=paper)
                 return (
                     shapes_from_model(
-                        bench.model, bench.example_input, batch, skip_layers=bench.skip_layers
+                        bench.model,
+                        bench.example_input,
+                        bench.batch_size,
+                        skip_layers=bench.skip_layers,
                     ),
                     bench.weight_sharing,
                 )
@@ -435,7 +434,7 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
         "`calibrated, shared cores`: at the measured P where ranks outnumber cores, compute "
         "slowed by cores/P, links and overlap fitted to that P's communication phases;",
         f"`{PAPER_PRESET}, paper size`: the preset for the papers' 64-GPU V100 cluster with "
-        "each model's paper-size shapes (`paper:` in conf/bench/model).",
+        "each model's paper-size shapes (`workload.paper` in conf/workload).",
         "Errors: `error_%` in-sample; `held_out_error_%` calibrated without that P's rows "
         "(links from the other rows with a core per rank, else the base preset's "
         "micro-benchmarks; where ranks share cores, those links slowed by cores/P). "
