@@ -313,12 +313,16 @@ def assign_factors(
     dims: Sequence[int],
     world_size: int,
     local_threshold: int | None = None,
+    *,
+    local: Sequence[bool] | None = None,
+    costs: Sequence[float] | None = None,
 ) -> list[int | None]:
     """Rank that decomposes each factor, for D-KFAC and SPD-KFAC.
 
     Each factor is its own item (callers usually pass
     ``[a_0, g_0, a_1, g_1, ...]``), so A and G of one layer may land on
-    different ranks. Placement is LPT on :func:`factor_decomposition_cost`.
+    different ranks. Placement is LPT on ``costs`` (default:
+    :func:`factor_decomposition_cost`).
 
     Args:
         dims: Side of each factor.
@@ -327,13 +331,22 @@ def assign_factors(
             ``None``: every rank decomposes them itself, which costs less than
             broadcasting the result (SPD-KFAC; its reference uses about 1024).
             They take no part in the balancing of the others.
+        local: Per factor, whether every rank decomposes it (instead of the
+            threshold rule).
+        costs: Per factor, the cost LPT balances.
 
     Returns:
         The decomposing rank of each factor, or ``None`` for local factors.
     """
     _check_world_size(world_size)
-    placed = [i for i, d in enumerate(dims) if local_threshold is None or d >= local_threshold]
-    ranks = lpt_assign([factor_decomposition_cost(dims[i]) for i in placed], world_size)
+    if local is None:
+        local = [local_threshold is not None and d < local_threshold for d in dims]
+    if costs is None:
+        costs = [factor_decomposition_cost(d) for d in dims]
+    if not len(local) == len(costs) == len(dims):
+        raise ValueError(f"{len(dims)} dims, {len(local)} local flags, {len(costs)} costs")
+    placed = [i for i in range(len(dims)) if not local[i]]
+    ranks = lpt_assign([costs[i] for i in placed], world_size)
     result: list[int | None] = [None] * len(dims)
     for i, r in zip(placed, ranks, strict=True):
         result[i] = r

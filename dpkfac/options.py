@@ -92,7 +92,7 @@ class KFACOptions:
         compute_method: "eigen" (exact damped Kronecker inverse) or "inverse".
         damping: γ, or a callable of the step.
         factor_decay: running-average decay in [0, 1), or a callable of the step.
-        kl_clip: KL-clip bound, or None to disable the clip.
+        kl_clip: KL-clip bound, a callable of the step, or None to disable the clip.
         lr: learning rate the KL clip assumes, or a callable of the step.
         factor_update_steps: factor update interval, or a callable of the step.
         inv_update_steps: decomposition interval, or a callable of the step.
@@ -110,7 +110,7 @@ class KFACOptions:
     compute_method: str = "eigen"
     damping: Scalar = 0.003
     factor_decay: Scalar = 0.95
-    kl_clip: float | None = 0.001
+    kl_clip: Scalar | None = 0.001
     lr: Scalar = 0.1
     factor_update_steps: Schedule = 1
     inv_update_steps: Schedule = 1

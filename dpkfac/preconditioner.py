@@ -58,7 +58,7 @@ class KFACPreconditioner:
             (damping split as √γ on each factor).
         damping: γ, a float or a callable of the step.
         factor_decay: running-average decay of the factors.
-        kl_clip: KL-clip bound, or None to disable it.
+        kl_clip: KL-clip bound (float or callable of the step), or None to disable it.
         lr: learning rate used by the KL clip (float or callable of the step).
         factor_update_steps: factor update interval (int or callable of the step).
         inv_update_steps: decomposition interval (int or callable of the step).
@@ -98,7 +98,7 @@ class KFACPreconditioner:
         compute_method: str = "eigen",
         damping: Scalar = 0.003,
         factor_decay: Scalar = 0.95,
-        kl_clip: float | None = 0.001,
+        kl_clip: Scalar | None = 0.001,
         lr: Scalar = 0.1,
         factor_update_steps: Schedule = 1,
         inv_update_steps: Schedule = 1,
@@ -172,6 +172,8 @@ class KFACPreconditioner:
         self.strategy.place(self._layer_list, [layer_shape(x, 1, 1) for x in self._layer_list])
         self._buffer_peak = 0
         self._capture = self._is_factor_step(0)
+        # Set by a checkpoint of another world size that lacks some decompositions.
+        self._decompose_next = False
 
     # ------------------------------------------------------------ registration
     def _register(self) -> dict[str, KFACLayer]:
@@ -250,7 +252,12 @@ class KFACPreconditioner:
         self.strategy.placed = True
         for layer in self._layer_list:
             if not self.strategy.captures(layer):
+                # Another rank holds this layer: drop what was built here, and what a
+                # checkpoint of another world size gave every rank (dp_kfac's factors).
                 layer.clear_pending()
+                for state in layer.factors.values():
+                    state.running = None
+                    state.decomposition = None
 
     # -------------------------------------------------------------------- step
     @torch.no_grad()
@@ -273,7 +280,8 @@ class KFACPreconditioner:
 
         damping = float(value_at(self.options.damping, step))
         check_positive("damping", damping)
-        if self._is_inv_step(step):
+        if self._is_inv_step(step) or self._decompose_next:
+            self._decompose_next = False
             strat.sync_factors(layers)
             due = {(x.name, w) for x in layers for w in FACTORS if x.factor(w) is not None}
             with self._timer.phase("decomposition"):
@@ -386,10 +394,12 @@ class KFACPreconditioner:
         if not terms:
             return None
         lr = float(value_at(self.options.lr, step))
+        kl_clip = float(value_at(self.options.kl_clip, step))
+        check_positive("kl_clip", kl_clip)
         device = terms[0].device
         vg_sum = torch.stack([t.to(device) for t in terms]).sum() * lr**2
         usable = torch.isfinite(vg_sum) & (vg_sum != 0)
-        ratio = self.options.kl_clip / vg_sum.abs().clamp(min=torch.finfo(vg_sum.dtype).tiny)
+        ratio = kl_clip / vg_sum.abs().clamp(min=torch.finfo(vg_sum.dtype).tiny)
         return torch.where(usable, ratio.sqrt().clamp(max=1.0), torch.ones_like(vg_sum))
 
     def _apply(self, final: dict[str, Preconditioned], step: int) -> None:
@@ -485,11 +495,33 @@ class KFACPreconditioner:
             "strategy_state": self.strategy.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any], *, allow_world_size_change: bool = False
+    ) -> None:
         """Restore :meth:`state_dict` output; the run then continues bitwise-identically.
 
         Every rank may load the same (rank 0) state: each keeps what its
         strategy says it holds.
+
+        Args:
+            state: What :meth:`state_dict` returned (rank 0's, for dp_kfac).
+            allow_world_size_change: Accept a state saved with another number
+                of ranks (an elastic restart with fewer or more workers) instead
+                of raising. The saved placement names ranks of the old group, so
+                the layers are placed again at the next ``step()`` (every rank
+                captures until then); the factors and decompositions are kept,
+                since rank 0's state holds all of them (dp_kfac gathers the
+                owners' layers into it; the other strategies replicate them).
+                Where the state lacks a decomposition of a held factor (KAISA's
+                column-local decompositions), the next step decomposes. The
+                strategy's own state (spd_kfac's fusion plan and link model)
+                describes the old group and is measured again. A RuntimeWarning
+                says so: the run continues, but not bitwise. Every rank must
+                load the same state.
+
+        Raises:
+            ValueError: Another strategy or compute method, another world size
+                without ``allow_world_size_change``, or layers this model lacks.
         """
         saved = dict(state)
         if isinstance(saved.get("strategy"), str):  # checkpoints of the hyphenated spelling
@@ -497,26 +529,70 @@ class KFACPreconditioner:
         for key, mine in (
             ("strategy", self.strategy_name),
             ("compute_method", self.options.compute_method),
-            ("world_size", self.comm.size),
         ):
             if saved.get(key) != mine:
                 raise ValueError(
                     f"checkpoint was saved with {key}={saved.get(key)!r} but this preconditioner "
                     f"has {key}={mine!r}"
                 )
+        resized = saved.get("world_size") != self.comm.size
+        if resized and not allow_world_size_change:
+            raise ValueError(
+                f"checkpoint was saved with world_size={saved.get('world_size')!r} but this "
+                f"preconditioner has world_size={self.comm.size!r} (pass "
+                "allow_world_size_change=True to continue without a bitwise guarantee)"
+            )
         missing = sorted(set(state["layers"]) - set(self.layers))
         if missing:
             raise ValueError(f"checkpoint has K-FAC layers this model lacks: {missing}")
         self.steps = int(state["steps"])
-        self.strategy.placed = bool(state["placed"])
-        self.strategy.load_state_dict(state.get("strategy_state", {}))
         entries = {n: e for n, e in state["layers"].items() if n in self.layers}
-        for name, entry in entries.items():  # placement first: it decides what is held
-            load_layer_state(self.layers[name], entry, self.method, held=None)
+        if resized:
+            self._load_resized(entries, saved.get("world_size"))
+        else:
+            self.strategy.placed = bool(state["placed"])
+            self.strategy.load_state_dict(state.get("strategy_state", {}))
+            for name, entry in entries.items():  # placement first: it decides what is held
+                load_layer_state(self.layers[name], entry, self.method, held=None)
+            for name, entry in entries.items():
+                layer = self.layers[name]
+                load_layer_state(layer, entry, self.method, held=self.strategy.captures(layer))
+        self._capture = self._is_factor_step(self.steps)
+
+    def _load_resized(self, entries: dict[str, dict[str, Any]], saved_size: Any) -> None:
+        """Load layer entries saved by another number of ranks (see :meth:`load_state_dict`)."""
+        # The saved owners may not exist here: place with nominal shapes now (every
+        # rank captures every layer until the first step places with measured ones).
+        self.strategy.placed = False
+        self.strategy.place(self._layer_list, [layer_shape(x, 1, 1) for x in self._layer_list])
         for name, entry in entries.items():
             layer = self.layers[name]
-            load_layer_state(layer, entry, self.method, held=self.strategy.captures(layer))
-        self._capture = self._is_factor_step(self.steps)
+            here = {
+                **entry,
+                "owner": layer.owner,
+                "a_owner": layer.factors["A"].owner,
+                "g_owner": layer.factors["G"].owner,
+            }
+            load_layer_state(layer, here, self.method, held=True)
+        # Identical on every rank (they load the same state), so all agree on the step.
+        self._decompose_next = any(
+            entry[w] is not None and entry[f"{w}_decomp"] is None
+            for entry in entries.values()
+            for w in FACTORS
+        )
+        warnings.warn(
+            f"dpkfac: checkpoint was saved with world_size={saved_size!r}, this preconditioner has "
+            f"world_size={self.comm.size}: continuing with the saved factors"
+            + (
+                " (the missing decompositions are computed at the next step)"
+                if self._decompose_next
+                else " and decompositions"
+            )
+            + "; layers are placed again at the next step, and the run is not a bitwise "
+            "continuation",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def __repr__(self) -> str:
         return (

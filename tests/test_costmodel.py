@@ -120,7 +120,13 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "compute_method": "inverse",
         },
     ),
-    "spd-measured": ("tiny", "spd_kfac", {"profile_steps": 1}),
+    "spd-measured": ("tiny", "spd_kfac", {"profile_steps": 1, "local_threshold": 1024}),
+    "spd-hardware-preset": (
+        "attn",
+        "spd_kfac",
+        {"profile_steps": 1, "hardware": "v100_ib100", "comm_alpha": 1e3, "comm_beta": 0.0},
+    ),
+    "spd-measured-hardware": ("tiny", "spd_kfac", {"profile_steps": 1}),
     "kaisa-comm-opt": ("tiny", "kaisa", {"grad_worker_fraction": "comm_opt"}),
     "kaisa-mem-opt-kl": ("tiny", "kaisa", {"grad_worker_fraction": "mem_opt", "kl_clip": 0.001}),
     "kaisa-mem-opt-lazy-rr": (
@@ -166,7 +172,9 @@ def _run_cases(
         pre = dpkfac.KFACPreconditioner(model, strategy=strategy, **{**RUN, **options})
         stats, memory = [], None
         for step in range(4):
-            pre.reset_stats()
+            # Step 0's stats include construction (spd_kfac may measure its hardware).
+            if step:
+                pre.reset_stats()
             model.zero_grad()
             x, y = batch(step, rank)
             F.cross_entropy(model(x), y).backward()
@@ -174,7 +182,8 @@ def _run_cases(
             stats.append(pre.comm_stats())
             if step == 2:
                 memory = pre.memory_usage()
-        out[name] = (stats, memory, getattr(pre.strategy, "plan", None))
+        hardware = getattr(pre.strategy.options, "hardware", None)
+        out[name] = (stats, memory, getattr(pre.strategy, "plan", None), hardware)
     return out
 
 
@@ -200,6 +209,12 @@ def test_predicted_bytes_and_memory_equal_measured(world_size: int) -> None:
     assert tiny["d-inverse-capped"][0][2]["factor_allreduce"]["calls"] > 1
     assert tiny["dp-owner-kl-capped"][0][2]["precond_broadcast"]["calls"] > world_size
     assert tiny["spd-measured"][0][2]["decomposition_broadcast"]["calls"] == 0  # all local
+    # On V100s an eigh takes ~1 ms and a broadcast ~10 µs: nothing is decomposed locally.
+    assert tiny["spd-hardware-preset"][0][2]["decomposition_broadcast"]["calls"] == world_size
+    assert (
+        tiny["spd-measured-hardware"][0][0]["setup"]["calls"]
+        > tiny["spd-measured"][0][0]["setup"]["calls"]
+    )
     assert tiny["dp-best"][0][0]["setup"]["calls"] == 1  # the placement agreement
     assert tiny["d-lazy-triangle-capped"][0][2]["factor_allreduce"]["calls"] > 1
     assert tiny["kaisa-comm-opt"][0][2]["precond_broadcast"]["calls"] == 0
@@ -226,11 +241,15 @@ def _check_cases(
         plan = results[0][name][2]
         kfac, options = _split({**RUN, **case_options})
         common = {"world_size": world_size, "hardware": HW, "param_itemsize": ITEM, "kfac": kfac}
-        extra = {"fusion_plan": plan} if name == "spd-measured" else {}
+        extra = {"fusion_plan": plan} if name.startswith("spd-measured") else {}
+        if name == "spd-measured-hardware":
+            # Predicted on the hardware the run measured (identical on every rank).
+            assert all(r[name][3] == results[0][name][3] for r in results)
+            common["hardware"] = results[0][name][3]
         pred = predict(shapes, strategy=strategy, options=options, **common, **extra)
         pipelined = pred.traits is not None and pred.traits.factor_comm == "pipelined"
         for rank, result in enumerate(results):
-            stats, memory, _ = result[name]
+            stats, memory, *_ = result[name]
             assert stats[2] == pred.update.comm_of(rank), (name, rank)
             assert stats[3] == pred.plain.comm_of(rank), (name, rank)
             assert memory == pred.memory[rank], (name, rank)
@@ -242,7 +261,7 @@ def _check_cases(
                 )
                 first = _add(alone.update.comm, pred.setup_comm)
             assert _add(stats[0]) == first, (name, rank)
-        if pipelined and name != "spd-measured":
+        if pipelined and not name.startswith("spd-measured"):
             assert plan == pred.plan, name
 
 
@@ -717,9 +736,9 @@ def test_balance_reports_busiest_over_mean_per_assignment(capsys) -> None:
         assert all(v >= r.lower_bound - 1e-12 for v in r.imbalance.values())
         assert r.imbalance["best"] == min(r.imbalance["lpt"], r.imbalance["round_robin"])
     assert balance_rows(models, world_size=1)[0].imbalance["lpt"] == pytest.approx(1.0)
-    main(["balance", "--world-size", "8", "--models", "BERT-large"])
+    main(["balance", "--world-size", "8", "--models", "bert_large"])
     out = capsys.readouterr().out
-    assert "| BERT-large | 8 | 145 |" in out and "ResNet-50" not in out
+    assert "| bert_large | 8 | 145 |" in out and "resnet50" not in out
     assert "round_robin" in out
 
 

@@ -2,24 +2,90 @@
 
 ``table`` (default) prints the DP-KFAC paper's table for ResNet-50,
 BERT-large and the Transformer at ``--world-size`` ranks on a hardware
-preset or a calibrated JSON file; ``calibrate`` measures this machine and
-prints (or writes) the fitted :class:`~dpkfac.costmodel.Hardware` as JSON;
-``balance`` prints how evenly DP-KFAC's layer assignments split the same
-models' work (busiest rank over the mean, per assignment).
+preset or a calibrated JSON file. With ``--format csv`` it prints one
+machine-readable row per model and strategy instead, for the models of
+``--models`` (the papers' sizes of ``resnet32``, ``resnet50``, ``bert_base``,
+``bert_large``, ``transformer``) and the strategies of ``--strategies`` (as
+``KFACPreconditioner`` spells them, each with its default options)::
+
+    python -m dpkfac.costmodel table --format csv --world-size 64 \\
+        --models resnet32,bert_base --strategies d_kfac,spd_kfac
+
+``calibrate`` measures this machine and prints (or writes) the fitted
+:class:`~dpkfac.costmodel.Hardware` as JSON; ``balance`` prints how evenly
+DP-KFAC's layer assignments split the models' work (busiest rank over the
+mean, per assignment).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import sys
 
 from dpkfac.assignment import COSTS
 from dpkfac.costmodel import PAPER_MODELS, PRESETS, Hardware, format_table, predicted_table
 from dpkfac.costmodel.balance import balance_rows, format_balance
 from dpkfac.costmodel.calibration import calibrate_local
+from dpkfac.costmodel.zoo import ZOO
+from dpkfac.strategies import STRATEGIES, canonical_name
+
+#: Columns of ``table --format csv``.
+CSV_COLUMNS = (
+    "model",
+    "strategy",
+    "world_size",
+    "computation_ms",
+    "communication_ms",
+    "memory_mib",
+    "wire_mib",
+    "iteration_ms",
+)
+
+
+def _names(text: str, known: list[str], what: str) -> list[str]:
+    """A comma-separated list, every entry checked against ``known``."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(f"error: unknown {what} {unknown or text!r}; expected some of {known}")
+    return names
+
+
+def _hardware(spec: str) -> Hardware:
+    return PRESETS.get(spec) or Hardware.from_json(spec)
+
+
+def csv_rows(
+    models: list[str], strategies: list[str], world_size: int, hardware: Hardware
+) -> list[dict[str, object]]:
+    """One row per model and strategy (``CSV_COLUMNS``), predicted at the papers' sizes."""
+    variants = {canonical_name(s): (canonical_name(s), {}) for s in strategies}
+    out: list[dict[str, object]] = []
+    for row in predicted_table(
+        {name: ZOO[name] for name in models}, world_size, hardware, variants=variants
+    ):
+        out.append(
+            {
+                "model": row["model"],
+                "strategy": row["strategy"],
+                "world_size": world_size,
+                "computation_ms": round(row["computation_s"] * 1e3, 3),
+                "communication_ms": round(row["communication_s"] * 1e3, 3),
+                "memory_mib": round(row["memory_mb"], 3),
+                "wire_mib": round(row["kfac_wire_mb"], 3),
+                "iteration_ms": round(row["iteration_s"] * 1e3, 3),
+            }
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dpkfac.costmodel", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m dpkfac.costmodel",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "command", nargs="?", default="table", choices=("table", "calibrate", "balance")
     )
@@ -27,32 +93,54 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--hardware", default="v100_ib100", help=f"preset ({', '.join(PRESETS)}) or JSON file"
     )
-    parser.add_argument("--threads", type=int, default=1, help="calibrate: threads per rank")
-    parser.add_argument("--out", default=None, help="calibrate: write the JSON here")
+    parser.add_argument("--format", choices=("markdown", "csv"), default="markdown")
     parser.add_argument(
         "--models",
-        nargs="+",
-        choices=list(PAPER_MODELS),
-        default=list(PAPER_MODELS),
-        help="balance: models to report",
+        default=None,
+        help=f"comma-separated, of {', '.join(ZOO)} (table --format csv, balance); "
+        "default: the paper table's ResNet-50, BERT-large, Transformer",
     )
+    parser.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help="comma-separated strategy names (table --format csv)",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="calibrate: threads per rank")
+    parser.add_argument("--out", default=None, help="calibrate: write the JSON here")
     parser.add_argument(
         "--cost", choices=sorted(COSTS), default="compute", help="balance: layer cost"
     )
     args = parser.parse_args(argv)
+    if args.world_size < 1:
+        raise SystemExit(f"error: --world-size must be >= 1, got {args.world_size}")
     if args.command == "calibrate":
         hw = calibrate_local(args.world_size if args.world_size <= 8 else 2, args.threads)
         print(hw.to_json(args.out))
         return
+    chosen = (
+        _names(args.models, list(ZOO), "model")
+        if args.models
+        else ["resnet50", "bert_large", "transformer"]
+    )
     if args.command == "balance":
-        models = {name: PAPER_MODELS[name][0] for name in args.models}
         print(
             f"DP-KFAC layer placement at P = {args.world_size}: busiest rank's `{args.cost}` "
             "cost over the mean (1.000 is a perfect split)\n"
         )
+        models = {name: ZOO[name][0] for name in chosen}
         print(format_balance(balance_rows(models, args.world_size, args.cost)))
         return
-    hw = PRESETS.get(args.hardware) or Hardware.from_json(args.hardware)
+    hw = _hardware(args.hardware)
+    if args.format == "csv":
+        strategies = _names(
+            ",".join(n.replace("-", "_") for n in args.strategies.split(",")),
+            list(STRATEGIES),
+            "strategy",
+        )
+        writer = csv.DictWriter(sys.stdout, fieldnames=CSV_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(csv_rows(chosen, strategies, args.world_size, hw))
+        return
     print(
         f"Predicted cost per second-order update, P = {args.world_size}, hardware {hw.name} "
         "(factors and decompositions every step; busiest rank)\n"

@@ -20,13 +20,24 @@ import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from dpkfac.costmodel.hardware import Hardware, Sample, calibrate
+from dpkfac.costmodel.hardware import Engine, Hardware, Link, Sample, calibrate
 
-__all__ = ["calibrate_local", "measure_collectives", "measure_compute"]
+if TYPE_CHECKING:
+    from dpkfac.comm import Communicator
+
+__all__ = [
+    "MEASURE_COLLECTIVES",
+    "calibrate_local",
+    "measure_collectives",
+    "measure_compute",
+    "measure_in_group",
+]
 
 SIZES = (256, 4096, 65536, 262144, 1048576, 4194304)  # float32 elements
 
@@ -235,3 +246,72 @@ def calibrate_local(
     # ranks with a core each (see the cpu_gloo_local preset); refit it from
     # measured runs with dpkfac.costmodel.fitting.fit_overlap.
     return Hardware(hw.name, hw.links, hw.engines, (source, *hw.sources), overlap=0.9)
+
+
+#: Factor sides whose eigendecomposition ``measure_in_group`` times.
+EIGH_PROBE_DIMS = (32, 128, 320)
+#: float32 elements of the broadcasts ``measure_in_group`` times.
+BROADCAST_PROBE_NUMELS = (256, 16384, 262144)
+PROBE_REPEATS = 3
+#: Collectives of one ``measure_in_group`` call, as (kind, bytes): what the
+#: cost model books as one-time "setup" traffic.
+MEASURE_COLLECTIVES: tuple[tuple[str, int], ...] = (
+    *(("broadcast", 4 * n) for n in BROADCAST_PROBE_NUMELS for _ in range(PROBE_REPEATS)),
+    ("allreduce", 8 * 4),
+)
+
+
+def measure_in_group(comm: Communicator, base: Hardware, name: str = "measured") -> Hardware:
+    """This rank's ``eigh`` engine and the group's broadcast link, measured in-process.
+
+    A collective: every rank of ``comm`` calls it. Each rank times ``eigh`` of
+    a few factor sizes on its device and a few broadcasts of rank 0's buffers;
+    the fitted parameters are then agreed by an element-wise maximum (the
+    slowest rank's view), so every rank returns the same model and a placement
+    computed from it is the same everywhere. The collectives are accounted
+    in the "setup" category (:data:`MEASURE_COLLECTIVES`).
+
+    Args:
+        comm: the preconditioner's communicator.
+        base: where the other links and engines come from.
+        name: the result's name.
+    """
+    device = comm.device if comm.device.type == "cuda" else torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    samples: list[Sample] = []
+
+    def synced(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            out = fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return out
+
+        return run
+
+    for d in EIGH_PROBE_DIMS:
+        x = torch.randn(d, d, generator=gen).to(device)
+        factor = x @ x.T / d + torch.eye(d, device=device)
+        seconds = _median_time(synced(lambda f=factor: torch.linalg.eigh(f)), PROBE_REPEATS)
+        samples.append(Sample.compute("eigh", 9.0 * d**3, seconds))
+    for numel in BROADCAST_PROBE_NUMELS:
+        buf = torch.zeros(numel, dtype=torch.float32, device=comm.device)
+        for _ in range(PROBE_REPEATS):
+            start = time.perf_counter()
+            comm.broadcast([buf], 0, "setup")
+            seconds = time.perf_counter() - start
+            samples.append(Sample.collective("broadcast", 4 * numel, seconds, comm.size))
+    fitted = calibrate(samples, base=base, name=name)
+    eigh, bcast = fitted.engine("eigh"), fitted.link("broadcast")
+    agreed = torch.tensor(
+        [1.0 / eigh.rate, eigh.latency, bcast.alpha, bcast.beta], dtype=torch.float64
+    )
+    comm.allreduce_max(agreed)
+    inv_rate, latency, alpha, beta = agreed.tolist()
+    return replace(
+        base,
+        name=name,
+        links={**base.links, "broadcast": Link(alpha, beta)},
+        engines={**base.engines, "eigh": Engine(1.0 / inv_rate if inv_rate > 0 else 1e30, latency)},
+        sources=(f"measured in-process on {comm.size} ranks by measure_in_group",),
+    )

@@ -316,7 +316,8 @@ def predict(
     decomp_colls: list[list[tr.Collective]] = [[] for _ in range(p)]
     if name is not None and opts is not None and traits is not None:
         cls = strategy_class(name)
-        placement = cls.placement(list(model), p, opts)
+        # What the run would fill in at start-up (spd_kfac's measured hardware).
+        placement = cls.placement(list(model), p, cls.resolve_options(opts, hw))
         roles = tr.Roles(
             tuple(cls.preconditioners(o, p, opts) for o in placement.owner),
             tuple(tuple(g) for g in cls.decomposition_groups(p, opts)),

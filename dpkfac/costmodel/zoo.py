@@ -14,7 +14,7 @@ from dpkfac.assignment import LayerShape
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.options import KFACOptions
 
-__all__ = ["PAPER_MODELS", "bert_qa", "resnet50", "transformer"]
+__all__ = ["PAPER_MODELS", "ZOO", "bert_qa", "cifar_resnet", "resnet50", "transformer"]
 
 
 class _Builder:
@@ -117,10 +117,18 @@ def transformer(
 
     Its attention has separate bias-free Linear layers ``w_qs``, ``w_ks``,
     ``w_vs`` and ``fc`` (``d_k = d_v = d_model / heads``); the FFN has
-    ``w_1``/``w_2`` with biases. Source and target embeddings and the output
-    projection share one ``vocab x d_model`` weight (the projection is the
-    skipped pre-softmax layer). Multi30K's padded sentence lengths are about
-    30 tokens (an estimate; ``src_len``/``tgt_len`` set ``T``).
+    ``w_1``/``w_2`` with biases; every attention and FFN sublayer ends in a
+    LayerNorm, and each stack in a final one. Source and target embeddings
+    and the output projection share one ``vocab x d_model`` weight (the
+    projection is the skipped pre-softmax layer). Multi30K's padded sentence
+    lengths are about 30 tokens (an estimate; ``src_len``/``tgt_len`` set
+    ``T``).
+
+    The layout, names included, is that of the model the presets train and
+    the benchmark measures (``experiments.models.translation``), with
+    ``skip_layers`` ``embed`` and ``generator``; ``tests/test_translation_model.py``
+    checks that :func:`~dpkfac.costmodel.shapes.shapes_from_model` of the
+    benchmark's paper-size model equals this function's result.
     """
     b = _Builder()
     b.others.append(vocab * d_model)
@@ -149,20 +157,55 @@ def transformer(
     return b.build()
 
 
-#: The 64-GPU table's models at the papers' per-rank batches, with the
-#: preconditioner options of their ``conf/experiment`` presets (what
-#: :func:`~dpkfac.costmodel.predict` takes as ``kfac``).
-PAPER_MODELS: dict[str, tuple[ModelShapes, KFACOptions]] = {
-    "ResNet-50": (
-        resnet50(batch_size=32),
-        KFACOptions(compute_method="eigen", kl_clip=0.001, weight_sharing="expand"),
-    ),
-    "BERT-large": (
-        bert_qa(batch_size=4),
-        KFACOptions(compute_method="eigen", kl_clip=None, weight_sharing="reduce"),
-    ),
-    "Transformer": (
+def cifar_resnet(
+    depth: int = 32, batch_size: int = 128, image_size: int = 32, num_classes: int = 10
+) -> ModelShapes:
+    """He et al.'s CIFAR ResNet-(6n+2) with identity shortcuts (option A), as the presets train it.
+
+    A 3x3 stem to 16 channels, three stages of n basic blocks (16, 32 and 64
+    channels; the first block of stages 2 and 3 has stride 2) and a linear
+    classifier; every convolution is a K-FAC layer, BatchNorm stays with SGD.
+    """
+    if depth < 8 or (depth - 2) % 6:
+        raise ValueError(f"depth must be 6n + 2 >= 8, got {depth}")
+    blocks = (depth - 2) // 6
+    b = _Builder()
+    b.conv("conv1", 3, 16, 3, image_size, batch_size)
+    b.others += [16, 16]
+    in_planes, hw, index = 16, image_size, 0
+    for stage, planes in enumerate((16, 32, 64)):
+        for i in range(blocks):
+            hw = _out(hw, 3, 2 if stage > 0 and i == 0 else 1, 1)
+            p = f"layers.{index}."
+            b.conv(p + "conv1", in_planes, planes, 3, hw, batch_size)
+            b.others += [planes, planes]
+            b.conv(p + "conv2", planes, planes, 3, hw, batch_size)
+            b.others += [planes, planes]
+            in_planes, index = planes, index + 1
+    b.linear("fc", 64, num_classes, batch_size, 1)
+    return b.build()
+
+
+_EXPAND = KFACOptions(compute_method="eigen", kl_clip=0.001, weight_sharing="expand")
+_BERT = KFACOptions(compute_method="eigen", kl_clip=None, weight_sharing="reduce")
+
+#: The papers' models at their per-rank batches, with the preconditioner options
+#: of their ``conf/experiment`` presets (what :func:`~dpkfac.costmodel.predict`
+#: takes as ``kfac``), by the names the experiments use for them.
+ZOO: dict[str, tuple[ModelShapes, KFACOptions]] = {
+    "resnet32": (cifar_resnet(32, batch_size=128), _EXPAND),
+    "resnet50": (resnet50(batch_size=32), _EXPAND),
+    "bert_base": (bert_qa(batch_size=4, hidden=768, layers=12, intermediate=3072), _BERT),
+    "bert_large": (bert_qa(batch_size=4), _BERT),
+    "transformer": (
         transformer(batch_size=128),
         KFACOptions(compute_method="inverse", kl_clip=0.001, weight_sharing="reduce"),
     ),
+}
+
+#: The 64-GPU table's models (the DP-KFAC paper's), labelled as the paper does.
+PAPER_MODELS: dict[str, tuple[ModelShapes, KFACOptions]] = {
+    "ResNet-50": ZOO["resnet50"],
+    "BERT-large": ZOO["bert_large"],
+    "Transformer": ZOO["transformer"],
 }

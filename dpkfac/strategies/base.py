@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from dpkfac.curvature import Decomposition, KFACLayer
 from dpkfac.curvature.decomposition import working_dtype
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.options import StrategyOptions
+
+if TYPE_CHECKING:
+    from dpkfac.costmodel.hardware import Hardware
 
 
 @dataclass
@@ -160,6 +163,16 @@ class Strategy(ABC):
         A pure function of its inputs: every rank computes the same answer,
         and the cost model calls it to predict the run.
         """
+
+    @classmethod
+    def resolve_options(cls, options: StrategyOptions, hardware: Hardware) -> StrategyOptions:
+        """The options a run on ``hardware`` ends up with (the cost model's view of a run).
+
+        A strategy that measures something at start-up (spd_kfac's hardware
+        model) fills it in from the hardware being predicted; the others
+        return their options unchanged.
+        """
+        return options
 
     @classmethod
     def placement_uses_batch(cls, options: StrategyOptions) -> bool:

@@ -15,21 +15,29 @@ parallel D-KFAC:
    communication would finish (or waiting for it costs less than alpha). A
    bucket is launched as soon as its last factor is built.
 3. **Triangle packing.** Only the upper triangle of each symmetric factor is sent.
-4. **Placement.** Factors smaller than ``local_threshold`` are decomposed on
-   every rank with no broadcast; larger ones go to ranks by LPT and are
-   broadcast.
+4. **Placement from the cost model.** A factor is decomposed locally on every
+   rank (no broadcast) when its predicted decomposition time is below the
+   predicted time to receive its decomposition; the others go to ranks by LPT
+   on predicted decomposition time and are broadcast. The predictions come
+   from a :class:`~dpkfac.costmodel.Hardware` model: a preset, a JSON file,
+   or (the default) one measured at start-up on this group
+   (:func:`dpkfac.costmodel.calibration.measure_in_group`). The reference
+   code's fixed rule, local below a dimension of about 1024, is one option
+   away (``local_threshold``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from dpkfac.assignment import EIGH_COEFF, LayerShape, Placement, assign_factors
 from dpkfac.comm import Handle, triangle_numel
 from dpkfac.curvature import KFACLayer
 from dpkfac.curvature.layer import FACTORS
@@ -37,6 +45,9 @@ from dpkfac.fusion import CommModel, fit_comm_model, plan_buckets
 from dpkfac.options import StrategyOptions, check_choice
 from dpkfac.strategies.base import Traits
 from dpkfac.strategies.d_kfac import DKFAC
+
+if TYPE_CHECKING:
+    from dpkfac.costmodel.hardware import Hardware
 
 Key = tuple[str, str]
 
@@ -48,17 +59,24 @@ PROBE_REPEATS = 3
 
 @dataclass(frozen=True)
 class SPDKFACOptions(StrategyOptions):
-    """Options of spd-kfac.
+    """Options of spd_kfac.
 
     Attributes:
-        local_threshold: factors with a smaller dimension are decomposed
-            locally on every rank (reference code: about 1024).
+        local_threshold: None (default): decide per factor from the hardware
+            model, as SPD-KFAC's load-balanced placement does. An int: the
+            reference code's fixed rule, factors with a smaller dimension are
+            decomposed locally on every rank (it uses about 1024).
+        hardware: the hardware model of that decision: a preset name of
+            :data:`dpkfac.costmodel.PRESETS`, a JSON file written by
+            ``python -m dpkfac.costmodel calibrate``, a ``Hardware``, or None
+            (default) to measure it at start-up on this group.
         fusion: "dynamic" (the rule above) or "none" (one collective per factor).
         profile_steps: factor updates measured before the fusion plan is fixed.
         comm_alpha / comm_beta: fix the alpha-beta model instead of measuring it.
     """
 
-    local_threshold: int = 1024
+    local_threshold: int | None = None
+    hardware: str | Hardware | None = None
     fusion: str = "dynamic"
     profile_steps: int = 2
     comm_alpha: float | None = None
@@ -68,15 +86,53 @@ class SPDKFACOptions(StrategyOptions):
         check_choice("fusion", self.fusion, FUSIONS)
         for name in ("local_threshold", "profile_steps"):
             value = getattr(self, name)
+            if value is None and name == "local_threshold":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.profile_steps < 1:
             raise ValueError(f"profile_steps must be >= 1, got {self.profile_steps}")
+        if isinstance(self.hardware, str):
+            from dpkfac.costmodel.presets import PRESETS
+
+            if self.hardware not in PRESETS and not Path(self.hardware).is_file():
+                raise ValueError(
+                    f"unknown hardware {self.hardware!r}: neither a preset "
+                    f"({', '.join(PRESETS)}) nor an existing JSON file"
+                )
 
     @property
     def fixed_comm_model(self) -> bool:
         """Whether the alpha-beta model is given rather than measured."""
         return self.comm_alpha is not None and self.comm_beta is not None
+
+    @property
+    def measures_hardware(self) -> bool:
+        """Whether the run measures its hardware model at start-up."""
+        return self.local_threshold is None and self.hardware is None
+
+    def hardware_model(self) -> Hardware | None:
+        """The hardware model, read from its preset or file (None: not known yet)."""
+        if not isinstance(self.hardware, str):
+            return self.hardware
+        from dpkfac.costmodel.hardware import Hardware
+        from dpkfac.costmodel.presets import PRESETS
+
+        return PRESETS.get(self.hardware) or Hardware.from_json(self.hardware)
+
+
+def decomposition_seconds(hardware: Hardware, dim: int) -> float:
+    """Predicted seconds of one factor's eigendecomposition (``9·d³`` flops)."""
+    return hardware.engine("eigh").time(1, 2 * EIGH_COEFF * float(dim) ** 3)
+
+
+def receive_seconds(hardware: Hardware, dim: int, world_size: int) -> float:
+    """Predicted seconds to receive one factor's eigendecomposition by broadcast."""
+    from dpkfac.costmodel.hardware import wire_bytes
+
+    nbytes = (dim * dim + dim) * 4
+    wire = wire_bytes("broadcast", nbytes, world_size)
+    return hardware.link("broadcast").time(1, wire, world_size)
 
 
 class SPDKFAC(DKFAC):
@@ -101,6 +157,38 @@ class SPDKFAC(DKFAC):
         return options.local_threshold
 
     @classmethod
+    def resolve_options(  # type: ignore[override]
+        cls, options: SPDKFACOptions, hardware: Hardware
+    ) -> SPDKFACOptions:
+        """A run that measures its hardware at start-up finds ``hardware``."""
+        return replace(options, hardware=hardware) if options.measures_hardware else options
+
+    @classmethod
+    def placement(  # type: ignore[override]
+        cls, shapes: Sequence[LayerShape], world_size: int, options: SPDKFACOptions
+    ) -> Placement:
+        """Local where decomposing beats receiving, LPT on predicted time elsewhere.
+
+        The decision compares the eigen method's costs (the decomposition the
+        papers use); with ``local_threshold`` set, the fixed dimension rule.
+        """
+        if options.local_threshold is not None:
+            return super().placement(shapes, world_size, options)
+        hardware = options.hardware_model()
+        if hardware is None:
+            raise ValueError(
+                "spd_kfac's placement needs a hardware model; it is measured when the "
+                "strategy starts (or give hardware= or local_threshold=)"
+            )
+        dims = [d for s in shapes for d in (s.a_dim, s.g_dim)]
+        costs = [decomposition_seconds(hardware, d) for d in dims]
+        local = [
+            world_size > 1 and cost < receive_seconds(hardware, d, world_size)
+            for d, cost in zip(dims, costs, strict=True)
+        ]
+        return Placement.per_factor(assign_factors(dims, world_size, local=local, costs=costs))
+
+    @classmethod
     def placement_rule(cls, options: StrategyOptions) -> str:
         return "lpt"
 
@@ -111,16 +199,22 @@ class SPDKFAC(DKFAC):
     def setup_collectives(  # type: ignore[override]
         cls, options: SPDKFACOptions, num_factors: int
     ) -> list[tuple[str, int]]:
-        """The alpha-beta probes (unless fixed), then the agreement on ready times and model."""
+        """The hardware measurement (when placement needs it), the alpha-beta probes
+        (unless fixed), then the agreement on ready times and model."""
+        from dpkfac.costmodel.calibration import MEASURE_COLLECTIVES
+
+        hardware = list(MEASURE_COLLECTIVES) if options.measures_hardware else []
         probes = (
             []
             if options.fixed_comm_model
             else [("allreduce", 4 * n) for n in PROBE_NUMELS for _ in range(PROBE_REPEATS)]
         )
-        return [*probes, ("allreduce", 8 * (num_factors + 2))]
+        return [*hardware, *probes, ("allreduce", 8 * (num_factors + 2))]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.options.measures_hardware:
+            self.options = replace(self.options, hardware=self._measure_hardware())
         self.plan: list[list[Key]] | None = None
         self.comm_model: CommModel | None = None
         self._bucket_of: dict[Key, int] = {}
@@ -210,6 +304,16 @@ class SPDKFAC(DKFAC):
             if len(self._profiles) >= self.options.profile_steps:
                 self._build_plan(layers)
         self._reset_step()
+
+    def _measure_hardware(self) -> Hardware:
+        """The group's decomposition and broadcast model, agreed by every rank."""
+        from dpkfac.costmodel.calibration import measure_in_group
+        from dpkfac.costmodel.presets import PRESETS
+
+        base = PRESETS["cpu_gloo_local"]
+        if not self.comm.active:
+            return base  # one rank: nothing is ever received, the rule keeps all local
+        return measure_in_group(self.comm, base)
 
     # ------------------------------------------------------------------ fusion
     def _measure_comm_model(self) -> CommModel:
