@@ -473,12 +473,18 @@ class KFACPreconditioner:
     def state_dict(self) -> dict[str, Any]:
         """Factors, decompositions, placement and step counters (tensors cloned).
 
-        Under dp-kfac each rank holds only its own layers' factors, so this is a
+        Under dp_kfac each rank holds only its own layers' factors, so this is a
         collective there: every rank must call it, and rank 0 receives the
         complete state (the usual "save on rank 0" pattern then loses nothing).
-        Other ranks return their own part. Under d-kfac/spd-kfac every rank's
-        state is already complete and no communication happens.
+        Other ranks return their own part. Under lazy factor synchronisation
+        (d_kfac's and kaisa's default) the ranks' running factors differ until
+        the next decomposition, so this is a collective there too: it averages
+        them first. Otherwise every rank's state is already complete and no
+        communication happens.
         """
+        # Lazily synchronised factors differ between ranks until averaged: a
+        # checkpoint holds their average (a collective then, on every rank).
+        self.strategy.sync_factors(self._layer_list)
         layers = {x.name: layer_state(x, held=self.strategy.captures(x)) for x in self._layer_list}
         if self.comm.active and not self.strategy.replicated_state:
             owned = {name: entry for name, entry in layers.items() if entry["A"] is not None}

@@ -3,7 +3,7 @@
 Each switch changes how the baseline communicates, never what it computes:
 the decompositions and the update equal the published (eager, unpacked,
 LPT-placed) scheme's in float64, while the factor bytes shrink as predicted.
-Lazy sync in particular sends the factors once per decomposition instead of
+Lazy sync (the default) sends the factors once per decomposition instead of
 once per factor update: F/I of the eager bytes.
 """
 
@@ -68,12 +68,12 @@ def _run(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def eager() -> list[dict[str, Any]]:
-    return run_ranks(_run, 2, {})
+    return run_ranks(_run, 2, {"lazy_factor_sync": False})
 
 
 @pytest.mark.distributed
 def test_lazy_sync_decompositions_equal_the_eager_ones(eager: list[dict[str, Any]]) -> None:
-    lazy = run_ranks(_run, 2, {"lazy_factor_sync": True})
+    lazy = run_ranks(_run, 2, {})  # the default
     for rank in range(2):
         for got, want in zip(lazy[rank]["dense"], eager[rank]["dense"], strict=True):
             assert max_rel_err(got, want) < 1e-12
@@ -92,7 +92,7 @@ def test_lazy_sync_decompositions_equal_the_eager_ones(eager: list[dict[str, Any
 def test_triangle_packing_sends_triangles_and_changes_nothing(
     eager: list[dict[str, Any]],
 ) -> None:
-    packed = run_ranks(_run, 2, {"triangle": True})
+    packed = run_ranks(_run, 2, {"triangle": True, "lazy_factor_sync": False})
     for got, want in zip(packed[0]["params"], eager[0]["params"], strict=True):
         assert max_rel_err(got, want) < 1e-12
     tri = sum(triangle_numel(d) for d in eager[0]["dims"]) * 8
@@ -103,7 +103,7 @@ def test_triangle_packing_sends_triangles_and_changes_nothing(
 def test_layer_round_robin_places_a_and_g_of_a_layer_together(
     eager: list[dict[str, Any]],
 ) -> None:
-    rr = run_ranks(_run, 2, {"placement": "layer_round_robin"})
+    rr = run_ranks(_run, 2, {"placement": "layer_round_robin", "lazy_factor_sync": False})
     owners = list(rr[0]["owners"].values())
     assert owners == [(i % 2, i % 2) for i in range(len(owners))]
     for got, want in zip(rr[0]["params"], eager[0]["params"], strict=True):

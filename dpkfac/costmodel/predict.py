@@ -369,7 +369,9 @@ def predict(
     steps = {}
     for factor in (True, False):
         for decomp in (True, False):
-            sync = decomp if lazy else factor
+            # Lazy: on decomposition steps whose factors changed since the last sync
+            # (exact when factors are updated at least as often as decomposed).
+            sync = decomp and (factor or f_every <= i_every) if lazy else factor
             rank_colls = [
                 every
                 + updates[r]

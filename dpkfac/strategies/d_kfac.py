@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dpkfac.assignment import (
     LayerShape,
@@ -45,13 +46,15 @@ class DKFACOptions(StrategyOptions):
             rank, largest first) or "layer_round_robin" (A and G of layer i
             on rank i mod P, as the DP-KFAC authors' D-KFAC does).
         lazy_factor_sync: keep local running averages and all-reduce them
-            only on decomposition steps, instead of all-reducing every batch
-            factor (the published, eager scheme).
+            only on decomposition steps (when they changed since the last
+            sync), instead of all-reducing every batch factor; the default,
+            since it gives the same decompositions. False is the published,
+            eager scheme.
     """
 
     triangle: bool = False
     placement: str = "lpt"
-    lazy_factor_sync: bool = False
+    lazy_factor_sync: bool = True
 
     def __post_init__(self) -> None:
         check_choice("placement", self.placement, PLACEMENTS)
@@ -103,9 +106,18 @@ class DKFAC(Strategy):
     def preconditions(self, layer: KFACLayer) -> bool:
         return True
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: Lazy sync: whether the running factors changed since they were last averaged.
+        self.unsynced = False
+
     def reduce_factors(self, layers: Sequence[KFACLayer]) -> None:
         if self.options.lazy_factor_sync:
-            return  # folded into local running averages; synced before decompositions
+            # Folded into local running averages; averaged before the next decomposition.
+            self.unsynced = self.unsynced or any(
+                layer.has_pending(w) for layer in layers for w in FACTORS
+            )
+            return
         items = [(layer, w) for layer in layers for w in FACTORS if layer.has_pending(w)]
         tensors = [layer.pending(w) for layer, w in items]
         self.comm.allreduce_mean(
@@ -119,8 +131,9 @@ class DKFAC(Strategy):
 
     def sync_factors(self, layers: Sequence[KFACLayer]) -> None:
         """Lazy sync: average the running factors across ranks, in place, before decomposing."""
-        if not self.options.lazy_factor_sync:
+        if not self.options.lazy_factor_sync or not self.unsynced:
             return
+        self.unsynced = False
         tensors = [layer.factor(w) for layer in layers for w in FACTORS]
         self.comm.allreduce_mean(
             [t for t in tensors if t is not None],
