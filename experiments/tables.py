@@ -11,14 +11,16 @@ redrawn from saved rows without measuring again::
 Tables (see the README, "Reproducing the tables", for what each column means):
 
 * ``second_order_update``: computation, communication (seconds and bytes)
-  and K-FAC memory of one second-order update, d_kfac and spd_kfac relative
+  and K-FAC memory of one second-order update, every baseline relative
   to dp_kfac (the DP-KFAC paper's headline), and iteration time relative to
   SGD alone (the first-order row, ``strategy=none``);
 * ``time_breakdown``: per-phase milliseconds of one iteration per strategy
   and model (the SPD-KFAC paper's stacked bars);
 * ``scaling``: measured iteration and phase times against P, with the cost
   model's predictions (:mod:`experiments.bench.predict`);
-* ``convergence``: digits test accuracy per epoch, and the presets' smoke status.
+* ``convergence``: digits test accuracy per epoch, and the presets' smoke status;
+* ``ablation``: from the published D-KFAC to DP-KFAC one switch at a time,
+  measured at P=2 and predicted at P=64 for the paper-size models.
 
 Ratios are only formed between rows of the same sweep (one machine, one
 load), which is what makes them meaningful on a shared machine.
@@ -152,7 +154,7 @@ def second_order_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         time and its ratio to SGD alone (the first-order row), and each
         cost's ratio to dp_kfac's.
         ``headline``: one row per model with ``<cost>_<strategy>/dp`` ratios
-        and ``<cost>_best/dp`` against the cheaper of d_kfac and spd_kfac.
+        and ``<cost>_best/dp`` against the cheapest baseline measured.
     """
     df = ok_rows(df)
     long_rows, head_rows = [], []
@@ -213,8 +215,8 @@ def write_second_order_update(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     md = [
         "# Cost of one second-order update (factors and decompositions every step)",
         "",
-        f"Ratios > 1 mean {REFERENCE} is cheaper. `best` is the cheaper of "
-        f"{' and '.join(COMPARED)}.",
+        f"Ratios > 1 mean {REFERENCE} is cheaper. `best` is the cheapest of the baselines "
+        f"measured ({', '.join(s for s in COMPARED if f'compute_{s}/dp' in head.columns)}).",
         "computation = factor compute + decomposition + preconditioning (busiest rank);",
         "communication = factor, decomposition and preconditioned-gradient collectives",
         "(seconds and MB per rank; with `isolate_comm` the ranks meet at a barrier first, so",
@@ -328,6 +330,169 @@ def write_scaling(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     return paths
 
 
+# ------------------------------------------------------------------ ablation
+#: World size of the ablation's predictions (the papers' 64-GPU cluster).
+ABLATION_P = 64
+#: Measured columns of the ablation's markdown, and their headers.
+_ABLATION_MEASURED = {
+    "iteration_ms": "iteration",
+    "vs_sgd": "vs SGD",
+    "compute_ms": "compute",
+    "comm_ms": "comm",
+    "grad_comm_ms": "grad comm",
+    "MB": "MB",
+    "total_wire_MB": "wire MB",
+    "memory_MiB": "memory",
+}
+#: Predicted columns of the ablation's markdown (headers get the predicted P).
+_ABLATION_PREDICTED = {
+    "pred_iteration_ms": "iteration",
+    "pred_vs_sgd": "vs SGD",
+    "pred_compute_ms": "compute",
+    "pred_comm_ms": "comm",
+    "pred_MB": "MB",
+    "pred_total_wire_MB": "wire MB",
+    "pred_memory_MiB": "memory",
+}
+
+
+def _options_text(options: dict[str, Any]) -> str:
+    """``key=value, ...`` of a strategy's own options (booleans as in the configs)."""
+    return ", ".join(
+        f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items()
+    )
+
+
+def ablation_frame(df: pd.DataFrame, predict_at: int | None = ABLATION_P) -> pd.DataFrame:
+    """One row per (model, setting, P, strategy config): measured costs beside predicted ones.
+
+    Rows keep the sweep's order (the table preset lists the strategy configs
+    in the ablation's order; groups in order of first appearance), and each
+    says which library strategy ran with which of its own options, read from
+    the row's ``kfac_options``, so the table never depends on a config's name
+    or on a strategy's defaults.
+
+    Measured columns (medians over steps, busiest rank) are those of
+    ``second_order_update``: iteration, K-FAC computation, second-order
+    communication (seconds and MB per rank), K-FAC memory, plus the gradient
+    communication and the wire bytes of every category (where owner
+    reduction shows), and iteration relative to SGD alone. ``pred_*``
+    columns hold the cost model's prediction of the same strategy config at
+    ``predict_at`` ranks on the ``v100_ib100`` preset with the paper-size
+    model, amortised over the row's update intervals
+    (:func:`experiments.bench.predict.paper_predictions`); ``None`` skips them.
+    """
+    from experiments.bench import predict
+
+    df = ok_rows(df)
+    if df.empty:
+        return pd.DataFrame()
+    records = df.to_dict("records")
+    predicted = predict.paper_predictions(records, predict_at) if predict_at else None
+    rows = []
+    for i, r in enumerate(records):
+        algorithm, options = predict.row_strategy(r)
+        costs = _costs(r)
+        entry = {
+            "model": r["model"],
+            "label": r["label"],
+            "setting": r["setting"],
+            "P": int(r["world_size"]),
+            "strategy": r["strategy"],
+            "algorithm": algorithm or "",
+            "options": _options_text(options),
+            "first_order": first_order(r),
+            "iteration_ms": costs["iteration_ms"],
+            "compute_ms": costs["compute"],
+            "comm_ms": costs["comm"],
+            "imbalance_ms": costs["imbalance_ms"],
+            "grad_comm_ms": 1e3 * float(r.get("grad_comm_s", 0.0) or 0.0),
+            "MB": costs["MB"],
+            "grad_MB": float(r.get("bytes_grad_allreduce", 0) or 0) / 1e6,
+            "total_wire_MB": sum(float(r.get(f"wire_{c}", 0) or 0) for c in predict.CATEGORIES)
+            / 1e6,
+            "memory_MiB": costs["memory"],
+        }
+        if predicted is not None:
+            got = predicted[i]
+            entry.update(
+                pred_P=int(predict_at or 0),
+                pred_iteration_ms=1e3 * got["iteration_s"],
+                pred_compute_ms=1e3 * got["compute_s"],
+                pred_comm_ms=1e3 * got["comm_s"],
+                pred_grad_comm_ms=1e3 * got["grad_comm_s"],
+                pred_MB=got["bytes_second_order"] / 1e6,
+                pred_total_wire_MB=got["wire_bytes"] / 1e6,
+                pred_memory_MiB=got["memory_bytes"] / MiB,
+            )
+        rows.append(entry)
+    frame = pd.DataFrame(rows)
+    groups = list(zip(frame["model"], frame["setting"], frame["P"], strict=True))
+    sgd: dict[tuple, int] = {}  # group -> position of its first-order row
+    for i, (g, plain) in enumerate(zip(groups, frame["first_order"], strict=True)):
+        if plain:
+            sgd.setdefault(g, i)
+    for column in ("iteration_ms", "pred_iteration_ms"):
+        if column in frame:
+            base = [frame[column].iloc[sgd[g]] if g in sgd else float("nan") for g in groups]
+            ratio = frame[column] / pd.Series(base, index=frame.index)
+            frame.insert(
+                frame.columns.get_loc(column) + 1,
+                column.removesuffix("iteration_ms") + "vs_sgd",
+                ratio,
+            )
+    rank = {g: i for i, g in enumerate(dict.fromkeys(groups))}
+    order = sorted(range(len(frame)), key=lambda i: rank[groups[i]])  # stable within a group
+    return frame.iloc[order].reset_index(drop=True)
+
+
+def write_ablation(df: pd.DataFrame, out: Path) -> dict[str, Path]:
+    """``results/ablation.*``: each step from d_kfac to dp_kfac, measured and predicted."""
+    frame = ablation_frame(df)
+    paths = {"csv": out / "ablation.csv"}
+    frame.to_csv(paths["csv"], index=False)
+    predicted_p = int(frame["pred_P"].iloc[0]) if "pred_P" in frame and len(frame) else None
+    md = [
+        "# Ablation: from the published D-KFAC to DP-KFAC, one switch at a time",
+        "",
+        "Measured here (medians over steps, busiest rank): iteration time and its ratio to",
+        "SGD alone; computation = factor compute + decomposition + preconditioning;",
+        "comm = factor, decomposition and preconditioned-gradient collectives (seconds, with",
+        "a barrier before each phase's collectives when `isolate_comm` is on, and MB per rank);",
+        "grad comm = the gradient reduction; wire MB = what every collective, gradients",
+        "included, puts on the wire per rank; memory = K-FAC state of the busiest rank (MiB).",
+    ]
+    if predicted_p is not None:
+        md += [
+            f"`P={predicted_p}` columns: dpkfac.costmodel's prediction of the same strategy",
+            f"config at P={predicted_p} on the `v100_ib100` preset (the papers' V100/InfiniBand",
+            "cluster) with the paper-size model (`workload.paper` in conf/workload), amortised",
+            "over the row's update intervals like the measurement. Options keep their meaning",
+            "at that P (a `grad_worker_fraction` of `mem_opt` is 1/P there).",
+        ]
+    if not frame.empty:
+        for (_, setting, p), g in frame.groupby(["model", "setting", "P"], sort=False):
+            show = g[["strategy", *[c for c in _ABLATION_MEASURED if c in g]]].rename(
+                columns=_ABLATION_MEASURED
+            )
+            if predicted_p is not None:
+                for column, header in _ABLATION_PREDICTED.items():
+                    show[f"P={predicted_p} {header}"] = g[column].to_numpy()
+            md += ["", f"## {g['label'].iloc[0]}, {setting} setting, measured at P={p}", ""]
+            md.append(to_markdown(show, {"vs SGD": 2, f"P={predicted_p} vs SGD": 2}))
+        configs = frame.drop_duplicates("strategy")
+        md += ["", "## Strategy configs", ""]
+        for r in configs.itertuples():
+            parts = [x for x in (r.algorithm, r.options) if x]
+            what = ", ".join(parts) or "no preconditioner (SGD)"
+            md.append(f"- `{r.strategy}`: {what}")
+    md += _footer(df)
+    paths["md"] = _write(out / "ablation.md", md)
+    if not frame.empty:
+        paths["png"] = plots.save(plots.ablation_bars(frame), out / "ablation.png")
+    return paths
+
+
 # --------------------------------------------------------------- convergence
 def convergence_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per-epoch accuracy (long) and final/best accuracy per strategy and P."""
@@ -407,6 +572,7 @@ WRITERS: dict[str, Callable[[pd.DataFrame, Path], dict[str, Path]]] = {
     "time_breakdown": write_time_breakdown,
     "scaling": write_scaling,
     "convergence": write_convergence,
+    "ablation": write_ablation,
 }
 
 
