@@ -147,8 +147,8 @@ def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
 
     ``experiment=<convergence.experiment> strategy=<this job's strategy config>``
     with the preset's own values; only what belongs to the job (seed, device,
-    timeout, output folder, no tracker or progress bar) and
-    ``convergence.overrides`` are added.
+    timeout, output folder, no tracker or progress bar, never resuming an earlier
+    job's checkpoints in the same folder) and ``convergence.overrides`` are added.
     """
     from hydra.errors import HydraException
 
@@ -162,6 +162,7 @@ def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
         f"trainer.device={cfg.device}",
         f"trainer.dist_timeout_s={cfg.timeout_s}",
         f"output_dir={output_dir}",
+        "trainer.resume=null",
         *cfg.convergence.overrides,
     ]
     try:

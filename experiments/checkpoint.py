@@ -1,9 +1,9 @@
 """Checkpoints that resume a run bitwise: writing, reading, and RNG state capture.
 
 A checkpoint holds everything the next step depends on: model, optimizer,
-preconditioner and LR-scheduler state, the step, every rank's RNG states
-(python, numpy, torch, CUDA) and the world size. The data order needs no state
-of its own: it is a function of (seed, epoch, step) (see
+preconditioner, LR-scheduler and (fp16) loss-scaler state, the step, every
+rank's RNG states (python, numpy, torch, CUDA) and the world size. The data
+order needs no state of its own: it is a function of (seed, epoch, step) (see
 experiments.data.loading). Files are written to a temporary name and moved
 into place with ``os.replace``, so a crash mid-write never leaves a truncated
 checkpoint under the real name.
@@ -92,16 +92,40 @@ def atomic_save(obj: Any, path: Path) -> None:
         raise
 
 
+#: ``trainer.resume`` value that continues the run folder's own last checkpoint, if any.
+AUTO = "auto"
+#: ``trainer.resume`` values (as written on a command line) that never resume.
+_NEVER = frozenset({"null", "none", ""})
+
+
+def resume_path(setting: str | None, output_dir: Path) -> Path | None:
+    """The checkpoint ``trainer.resume`` asks for, or None to start fresh.
+
+    ``auto`` is ``<output_dir>/checkpoints/last.pt`` when that exists (a run
+    restarted in its own folder, e.g. by torchrun after a failure) and None
+    otherwise; ``null`` is None; anything else is a path, which must exist
+    (:func:`load_checkpoint` says so otherwise).
+    """
+    if setting is None or str(setting).lower() in _NEVER:
+        return None
+    if setting == AUTO:
+        last = output_dir / "checkpoints" / "last.pt"
+        # A dangling last.pt is not "no checkpoint": load_checkpoint names it.
+        return last if last.exists() or last.is_symlink() else None
+    return Path(setting)
+
+
 def load_checkpoint(path: str | Path, world_size: int, strategy: str) -> dict[str, Any]:
     """Read a checkpoint and check that this run can continue from it.
 
     Args:
         path: The checkpoint file.
-        world_size: This run's number of ranks; it must match the checkpoint's,
-            because the data order, the per-rank RNG streams and the layer
-            ownership all depend on it.
+        world_size: This run's number of ranks. Another world size is accepted
+            (an elastic restart with fewer or more workers): the caller then
+            continues without a bitwise guarantee, since the data shards, the
+            per-rank RNG streams and the layer ownership all depend on it.
         strategy: This run's strategy name (``none`` for first order), which must
-            match too: the preconditioner state of one does not fit another.
+            match: the preconditioner state of one does not fit another.
 
     Returns:
         The checkpoint dictionary (tensors on the CPU).
@@ -131,11 +155,7 @@ def load_checkpoint(path: str | Path, world_size: int, strategy: str) -> dict[st
             f"cannot resume: checkpoint file {path} has format {ckpt['format']}, "
             f"this code reads format {FORMAT_VERSION}"
         )
-    if ckpt["world_size"] != world_size:
-        raise ExperimentError(
-            f"cannot resume: checkpoint file {path} was written by {ckpt['world_size']} "
-            f"rank(s), this run has {world_size}; resume with the same world size"
-        )
+    del world_size  # see the docstring: the caller handles another world size
     if ckpt["strategy"] != strategy:
         raise ExperimentError(
             f"cannot resume: checkpoint file {path} was written with strategy "

@@ -23,6 +23,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from experiments.preconditioning import node_options, uses_preconditioner
+from experiments.schedules import build_step_schedules
 
 
 class ExperimentError(Exception):
@@ -69,6 +70,8 @@ _TRAINING: Checks = {
     "trainer.checkpoint_every_steps": (_optional(_positive_int), "a positive integer or null"),
     "trainer.keep_checkpoints": (_positive_int, "a positive integer"),
     "trainer.dist_timeout_s": (_positive, "a positive number of seconds"),
+    "trainer.accumulate_grad_batches": (_positive_int, "a positive integer"),
+    "trainer.precision": (lambda v: v in PRECISIONS, "32, bf16 or fp16"),
     "data.batch_size": (_positive_int, "a positive integer"),
     "data.eval_batch_size": (_positive_int, "a positive integer"),
     "data.num_workers": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
@@ -77,6 +80,8 @@ _TRAINING: Checks = {
 }
 
 TASKS = ("timing", "convergence")
+#: Values of ``trainer.precision`` (Hydra reads a bare 32 as an int).
+PRECISIONS = (32, "32", "bf16", "fp16")
 
 _BENCHMARK: Checks = {
     "seed": (_is_int, "an integer"),
@@ -103,11 +108,6 @@ def _check_values(cfg: DictConfig, checks: Checks) -> None:
             node = node[part]
         if present and not check(node):
             raise ExperimentError(f"invalid value {key}={node!r}: expected {allowed}")
-
-
-def _is_schedule(value: Any) -> bool:
-    """A ``_target_`` node: a value computed per step, instantiated later."""
-    return isinstance(value, DictConfig | Mapping) and "_target_" in value
 
 
 def _culprit(message: str, values: Mapping[str, Any]) -> str | None:
@@ -143,8 +143,9 @@ def _build_each(
 def validate_strategy(node: DictConfig, prefix: str = "strategy") -> None:
     """Check a ``strategy`` node with the library's option dataclasses.
 
-    Values that are ``_target_`` nodes (schedules of the step) are allowed and
-    skipped; the first-order baseline (no ``_target_``) has nothing to check.
+    Values that are ``_target_`` nodes (schedules of the step) are built, with a
+    placeholder of one step per epoch, and checked by their value at step 0; the
+    first-order baseline (no ``_target_``) has nothing to check.
 
     Args:
         node: The strategy config node.
@@ -168,7 +169,19 @@ def validate_strategy(node: DictConfig, prefix: str = "strategy") -> None:
         raise ExperimentError(
             f"invalid value {prefix}.algorithm={algorithm!r}: expected one of {sorted(STRATEGIES)}"
         ) from None
-    options = {k: v for k, v in node_options(node).items() if not _is_schedule(v)}
+    options = node_options(node)
+    try:
+        schedules = build_step_schedules(options, steps_per_epoch=1)
+    except ValueError as err:
+        key, _, reason = str(err).partition(": ")
+        raise ExperimentError(f"invalid value {prefix}.{key}={options[key]!r}: {reason}") from None
+    for key, schedule in schedules.items():
+        try:
+            options[key] = schedule(0)
+        except Exception as err:  # a user's target may fail in any way
+            raise ExperimentError(
+                f"invalid value {prefix}.{key}: its schedule fails at step 0 ({err})"
+            ) from None
     common_keys = {f.name for f in fields(KFACOptions)}
     common = {k: v for k, v in options.items() if k in common_keys}
     own = {k: v for k, v in options.items() if k not in common_keys}
@@ -187,9 +200,10 @@ def validate(cfg: DictConfig) -> None:
     """
     _check_values(cfg, _TRAINING)
     validate_strategy(cfg.strategy)
-    if cfg.trainer.resume is not None and not isinstance(cfg.trainer.resume, str):
+    resume = cfg.trainer.get("resume")
+    if resume is not None and not isinstance(resume, str):
         raise ExperimentError(
-            f"invalid value trainer.resume={cfg.trainer.resume!r}: expected a path"
+            f"invalid value trainer.resume={resume!r}: expected auto, a path or null"
         )
 
 

@@ -12,6 +12,8 @@ import contextlib
 import datetime
 import hashlib
 import os
+import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -19,6 +21,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from experiments.config import ExperimentError
 
 T = TypeVar("T")
 
@@ -80,15 +84,91 @@ class DistEnv:
 
 
 def _pick_device(setting: str, local_rank: int) -> torch.device:
-    """Resolve ``trainer.device``: ``auto`` means this rank's GPU when there is one."""
+    """Resolve ``trainer.device``: ``auto`` means this rank's GPU when there is one.
+
+    Raises:
+        ExperimentError: CUDA is asked for but absent, or the GPU index does not exist
+            (named in one line instead of a crash deep inside torch).
+    """
     if setting == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", local_rank % torch.cuda.device_count())
         return torch.device("cpu")
-    device = torch.device(setting)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    try:
+        device = torch.device(setting)
+    except (RuntimeError, TypeError) as err:
+        raise ExperimentError(
+            f"invalid value trainer.device={setting!r}: expected auto, cpu, cuda or cuda:N ({err})"
+        ) from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ExperimentError(
+                f"trainer.device={setting} but CUDA is not available on this machine"
+            )
+        count = torch.cuda.device_count()
+        if device.index is None:
+            device = torch.device("cuda", local_rank % count)
+        elif device.index >= count:
+            raise ExperimentError(
+                f"trainer.device={setting} but this machine has {count} CUDA device(s)"
+            )
     return device
+
+
+@contextlib.contextmanager
+def deadline(phase: str, seconds: float, rank: int | str) -> Iterator[None]:
+    """End the process if the block has not finished within ``seconds``.
+
+    Some waits have no timeout of their own that reliably fires: joining a
+    rendezvous whose peer died, or the first collective on a half-built group.
+    A hung rank would keep an elastic agent (torchrun) from noticing anything,
+    so a watchdog thread prints one line naming the phase and the rank and
+    calls ``os._exit(1)``: the agent then sees a failed worker and restarts
+    the group or gives up, instead of waiting forever.
+
+    Args:
+        phase: What is being waited for, for the message (``init_process_group``).
+        seconds: The bound.
+        rank: This process's rank (from the environment before a group exists).
+    """
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(seconds):
+            return
+        print(
+            f"error: {phase} did not finish within {seconds:g} s on rank {rank}",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    watchdog = threading.Thread(target=watch, name=f"deadline:{phase}", daemon=True)
+    watchdog.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watchdog.join()
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
+    """``init_process_group`` arguments that keep torchrun's restarts apart, or none.
+
+    torchrun's workers share the elastic agent's store, which outlives a restart of
+    the workers; torch writes the process group's keys (gloo's peer addresses among
+    them) under the same names on every attempt, so a restarted rank can read the
+    previous attempt's addresses and fail connecting to peers that no longer exist.
+    Under torchrun the store is therefore opened here and every key put under
+    ``attempt_<TORCHELASTIC_RESTART_COUNT>/``; elsewhere nothing changes.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return {}
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    prefixed = dist.PrefixStore(f"dpkfac/attempt_{attempt}/default_pg", store)
+    return {"store": prefixed, "rank": rank, "world_size": world_size}
 
 
 @contextlib.contextmanager
@@ -98,11 +178,14 @@ def distributed_context(device: str = "auto", timeout_s: float = 600.0) -> Itera
     Without torchrun's variables (``WORLD_SIZE``) the run is a single process and no
     group is created, so the same code path serves both. The backend follows the
     device: NCCL for CUDA, gloo otherwise. The timeout bounds every collective, so
-    a crashed peer ends the run instead of hanging it.
+    a crashed peer ends the run instead of hanging it; joining and leaving the group
+    are bounded by the same timeout through :func:`deadline`, so a restart by
+    torchrun never hangs on a peer that did not come back.
 
     Args:
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
-        timeout_s: Seconds before a collective gives up.
+        timeout_s: Seconds before a collective gives up, and the bound on joining
+            and leaving the group.
 
     Yields:
         This process's place in the run.
@@ -118,15 +201,20 @@ def distributed_context(device: str = "auto", timeout_s: float = 600.0) -> Itera
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
     backend = "nccl" if torch_device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend=backend,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=torch_device if backend == "nccl" else None,
-    )
+    rank = os.environ.get("RANK", "?")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    with deadline("init_process_group", timeout_s, rank):
+        dist.init_process_group(
+            backend=backend,
+            timeout=timeout,
+            device_id=torch_device if backend == "nccl" else None,
+            **_attempt_store(timeout),
+        )
     try:
         yield DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, torch_device)
     finally:
-        dist.destroy_process_group()
+        with deadline("destroy_process_group", timeout_s, rank):
+            dist.destroy_process_group()
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -8,12 +8,15 @@ nodes (the ``strategy`` node through
 :class:`~experiments.trainer.Trainer`.
 
 Under ``torchrun --nproc_per_node=N -m experiments.train ...`` every rank runs
-this; logging, the progress bar, W&B and checkpoints are rank 0's.
+this; logging, the progress bar, W&B and checkpoints are rank 0's. When torchrun
+restarts the ranks (``--max-restarts``), the run folder is the same (named after
+the rendezvous id) and ``trainer.resume=auto`` continues from its last checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import sys
 import tempfile
@@ -33,12 +36,19 @@ from experiments.data.loading import DataModule
 from experiments.distributed import DistEnv, distributed_context
 from experiments.loggers import NullLogger
 from experiments.preconditioning import strategy_name, uses_preconditioner
+from experiments.schedules import build_step_schedules
 from experiments.trainer import Trainer, total_steps
 
 log = logging.getLogger(__name__)
 
 
-def _instantiate(node: DictConfig, group: str, *call_args: Any, **kwargs: Any) -> Any:
+def _instantiate(
+    node: DictConfig | dict[str, Any],
+    group: str,
+    *call_args: Any,
+    call_kwargs: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Any:
     """``hydra.utils.instantiate`` (then a call of the partial) with the group named in errors.
 
     A constructor's ``TypeError`` (e.g. ``optimizer=adamw`` left with an SGD-only
@@ -49,11 +59,15 @@ def _instantiate(node: DictConfig, group: str, *call_args: Any, **kwargs: Any) -
         node: The group's config node.
         group: The group name, for the message.
         *call_args: When given, the instantiated ``_partial_`` is called with them.
+        call_kwargs: Keyword arguments of that call (objects Hydra should not see:
+            its ``instantiate`` would merge them into the config).
         **kwargs: Extra keyword arguments for ``instantiate``.
     """
     try:
         built = instantiate(node, **kwargs)
-        return built(*call_args) if call_args else built
+        if call_args or call_kwargs:
+            return built(*call_args, **(call_kwargs or {}))
+        return built
     except (InstantiationException, TypeError, ValueError) as exc:
         cause = exc.__cause__ if isinstance(exc, InstantiationException) and exc.__cause__ else exc
         if isinstance(cause, ExperimentError):
@@ -69,9 +83,14 @@ def _wrap_model(model: nn.Module, cfg: DictConfig, env: DistEnv) -> nn.Module:
 
     A K-FAC preconditioner averages gradients itself (and accounts for the traffic)
     unless ``trainer.ddp`` asks for DDP; the first-order baseline has nobody else
-    to do it, so it always gets DDP when there is more than one rank.
+    to do it, so it always gets DDP when there is more than one rank. So does an
+    fp16 run: its loss scaler decides whether to skip a step from the unscaled
+    gradients, which must already be averaged, or the ranks would disagree.
     """
-    if not env.distributed or (uses_preconditioner(cfg.strategy) and not cfg.trainer.ddp):
+    if not env.distributed:
+        return model
+    fp16 = str(cfg.trainer.get("precision", 32)) == "fp16"
+    if uses_preconditioner(cfg.strategy) and not cfg.trainer.ddp and not fp16:
         return model
     device_ids = [env.device.index] if env.device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
@@ -84,6 +103,89 @@ def _output_dir(cfg: DictConfig, env: DistEnv) -> Path:
     different seconds would disagree, so rank 0's choice is the one used.
     """
     return Path(env.broadcast_object(str(cfg.output_dir) if env.is_main else None))
+
+
+def _precision(cfg: DictConfig, env: DistEnv) -> tuple[torch.dtype | None, Any]:
+    """The autocast dtype and the loss scaler of ``trainer.precision``.
+
+    Returns:
+        (None, None) for 32; (bfloat16, None) for bf16, whose range needs no loss
+        scaling; (float16, a ``torch.amp.GradScaler`` of the run's device) for fp16.
+    """
+    precision = str(cfg.trainer.get("precision", 32))
+    if precision == "bf16":
+        return torch.bfloat16, None
+    if precision == "fp16":
+        return torch.float16, torch.amp.GradScaler(env.device.type)
+    return None, None
+
+
+def _build_preconditioner(
+    cfg: DictConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps_per_epoch: int,
+    scaler: Any,
+) -> Any:
+    """The ``strategy`` node's preconditioner, with what only the run knows.
+
+    Schedule nodes among its values (``strategy.damping: {_target_: ...}``) are
+    completed with ``steps_per_epoch`` (:func:`experiments.schedules.build_step_schedules`);
+    the kl_clip learning rate is the optimizer's current one; the micro-batches per
+    step and the fp16 loss scaler come from the trainer settings. These are passed
+    to the instantiated partial, not through Hydra, which would turn the objects
+    into config nodes.
+    """
+    try:
+        schedules = build_step_schedules(cfg.strategy, steps_per_epoch)
+    except ValueError as err:
+        raise ExperimentError(f"cannot build strategy.{err}") from None
+    node = OmegaConf.to_container(cfg.strategy, resolve=True)
+    assert isinstance(node, dict)
+    for key in schedules:
+        node.pop(key)
+    return _instantiate(
+        node,
+        "strategy",
+        call_kwargs={
+            "model": model,
+            # kl_clip needs the lr actually applied, which the schedule changes.
+            "lr": lambda _step: optimizer.param_groups[0]["lr"],
+            "accumulation_steps": int(cfg.trainer.get("accumulate_grad_batches", 1)),
+            "grad_scaler": scaler,
+            **schedules,
+        },
+        _partial_=True,
+    )
+
+
+def _check_restartable(cfg: DictConfig) -> None:
+    """Refuse an elastic run whose restarts could not find its checkpoints.
+
+    torchrun ``--max-restarts=N`` starts every rank again after a failure, and
+    ``trainer.resume=auto`` continues from ``<run dir>/checkpoints/last.pt``. The
+    run dir is named after the rendezvous id (``DPKFAC_RUN_ID``, see
+    ``experiments/__init__.py``); under the static rendezvous (``--master-port``)
+    there is none, and a time-stamped folder would differ on every attempt.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    resume = cfg.trainer.get("resume")
+    if restarts == 0 or os.environ.get("DPKFAC_RUN_ID") or resume != "auto":
+        return
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return
+    given = [*hydra_cfg.overrides.hydra, *hydra_cfg.overrides.task]
+    if any(o.lstrip("+~").startswith(("hydra.run.dir=", "output_dir=")) for o in given):
+        return
+    raise ExperimentError(
+        f"torchrun --max-restarts={restarts} restarts every rank, and a restarted run resumes "
+        "from <run dir>/checkpoints/last.pt, but this run's folder is named by its start time: "
+        "pass --rdzv-id=ID (or --standalone), or hydra.run.dir=DIR"
+    )
 
 
 def _seed(seed: int) -> None:
@@ -113,7 +215,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
         data: DataModule = _instantiate(cfg.data, "data")
         data.setup(env, Path(scratch))
-        steps_per_epoch = data.steps_per_epoch(env)
+        accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
+        steps_per_epoch = data.steps_per_epoch(env, accumulate)
+        batches = data.steps_per_epoch(env)
+        if batches and not steps_per_epoch:
+            raise ExperimentError(
+                f"{data.name}: an epoch has {batches} batch(es) of data.batch_size="
+                f"{data.batch_size} per rank, fewer than trainer.accumulate_grad_batches="
+                f"{accumulate}"
+            )
+        autocast_dtype, scaler = _precision(cfg, env)
 
         # Same seed on every rank: identical initial replicas without a broadcast.
         model = _instantiate(cfg.model, "model", **data.model_kwargs()).to(env.device)
@@ -128,15 +239,16 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             total_steps=total_steps(cfg.trainer, steps_per_epoch),
         )
         preconditioner = None
-        log.info("strategy %s, %d rank(s)", strategy_name(cfg.strategy), env.world_size)
+        log.info(
+            "strategy %s, %d rank(s), precision %s, %d micro-batch(es) per step",
+            strategy_name(cfg.strategy),
+            env.world_size,
+            cfg.trainer.get("precision", 32),
+            accumulate,
+        )
         if uses_preconditioner(cfg.strategy):
-            # kl_clip needs the lr actually applied, which the schedule changes.
-            preconditioner = _instantiate(
-                cfg.strategy,
-                "strategy",
-                model=model,
-                lr=lambda _step: optimizer.param_groups[0]["lr"],
-            )
+            preconditioner = _build_preconditioner(cfg, model, optimizer, steps_per_epoch, scaler)
+            log.info("%r", preconditioner)
         # From here on, ranks draw from streams of their own (dropout, ...).
         _seed(cfg.seed + env.rank)
 
@@ -159,6 +271,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 preconditioner=preconditioner,
                 logger=logger,
                 output_dir=output_dir,
+                scaler=scaler,
+                autocast_dtype=autocast_dtype,
             )
             return trainer.fit()
         finally:
@@ -169,6 +283,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 def main(cfg: DictConfig) -> float:
     """Command-line entry; returns the primary metric (for Hydra sweepers)."""
     try:
+        _check_restartable(cfg)
         result = run(cfg)
     except ExperimentError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -3,19 +3,29 @@
 One iteration is ``loss.backward(); pre.step(); optimizer.step();
 scheduler.step()``: the preconditioner averages the gradients (unless DDP
 already did) and replaces them with the preconditioned ones before the
-first-order optimizer applies momentum and weight decay. Progress is counted
-in optimizer steps; the epoch and the position inside it follow from the step,
-which is what lets a resumed run continue bitwise.
+first-order optimizer applies momentum and weight decay. With
+``trainer.accumulate_grad_batches=k`` the backward pass runs on k micro-batches
+first (loss divided by k, DDP synchronising on the last one only); with
+``trainer.precision=fp16`` the loss is scaled by a ``GradScaler`` and the
+gradients unscaled before ``pre.step()``. Progress is counted in optimizer
+steps; the epoch and the position inside it follow from the step, which is
+what lets a resumed run continue bitwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
+import random
+import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -30,6 +40,7 @@ from experiments.checkpoint import (
     capture_rng_state,
     load_checkpoint,
     restore_rng_state,
+    resume_path,
 )
 from experiments.data.loading import DataModule, epoch_sampler
 from experiments.distributed import DistEnv, broadcast_buffers, check_replicas, unwrap
@@ -38,6 +49,11 @@ from experiments.preconditioning import strategy_name
 from experiments.tasks.base import evaluate, to_device
 
 log = logging.getLogger(__name__)
+
+_SEED_MASK = (1 << 63) - 1
+#: Test-only fault injection (see :meth:`Trainer._inject_fault`).
+KILL_AT_STEP_ENV = "DPKFAC_TEST_KILL_AT_STEP"
+KILL_RANK_ENV = "DPKFAC_TEST_KILL_RANK"
 
 
 def total_steps(trainer_cfg: DictConfig, steps_per_epoch: int) -> int:
@@ -60,6 +76,9 @@ class Trainer:
         preconditioner: A ``dpkfac.KFACPreconditioner``, or None for first order.
         logger: The experiment tracker (a NullLogger on ranks other than 0).
         output_dir: Run folder for checkpoints and ``metrics.json``.
+        scaler: The fp16 ``GradScaler`` (None otherwise); the preconditioner was
+            given the same one.
+        autocast_dtype: The ``torch.autocast`` dtype (None: float32 throughout).
     """
 
     def __init__(
@@ -74,6 +93,8 @@ class Trainer:
         preconditioner: Any | None,
         logger: NullLogger,
         output_dir: Path,
+        scaler: torch.amp.GradScaler | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
         self.cfg = cfg
         self.settings = cfg.trainer
@@ -86,15 +107,27 @@ class Trainer:
         self.pre = preconditioner
         self.logger = logger
         self.output_dir = output_dir
+        self.scaler = scaler
+        self.autocast_dtype = autocast_dtype
+        self.accumulate = int(self.settings.get("accumulate_grad_batches", 1))
         # The strategy config's name (``none`` for first order), as runs report it.
         self.strategy = strategy_name(cfg.strategy) if preconditioner is not None else "none"
         self.train_loader = data.train_loader(env, cfg.seed)
         self.eval_loader = data.eval_loader(env)
-        self.steps_per_epoch = data.steps_per_epoch(env)
+        self.steps_per_epoch = data.steps_per_epoch(env, self.accumulate)
+        # Examples of one optimizer step, over all ranks.
+        self.samples_per_step = data.batch_size * self.accumulate * env.world_size
         self.total_steps = total_steps(self.settings, self.steps_per_epoch)
         self.checkpoints = CheckpointDir(output_dir / "checkpoints", self.settings.keep_checkpoints)
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self._kill_at = self._fault_step()
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """``torch.autocast`` at the run's precision (a no-op context for float32)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.env.device.type, dtype=self.autocast_dtype)
 
     # -- checkpoints ------------------------------------------------------------------
 
@@ -118,6 +151,7 @@ class Trainer:
             "model": unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "preconditioner": pre_state,
             "rng": rng,
             "history": self.history,
@@ -128,30 +162,126 @@ class Trainer:
         return path
 
     def restore(self, path: str | Path) -> None:
-        """Continue from a checkpoint: every piece of state, then this rank's RNG."""
+        """Continue from a checkpoint: every piece of state, then this rank's RNG.
+
+        A checkpoint of another world size (an elastic restart with fewer or more
+        workers) is continued with a warning instead of refused: the step count,
+        model, optimizer, schedule and K-FAC factors carry over, but the data
+        shards, the steps per epoch and the layer placement follow the new world
+        size, and the per-rank RNG streams cannot be restored, so every rank is
+        reseeded from (seed, rank, step). No bitwise guarantee then.
+        """
         ckpt = load_checkpoint(path, self.env.world_size, self.strategy)
+        saved_size = int(ckpt["world_size"])
+        resized = saved_size != self.env.world_size
+        if resized:
+            log.warning(
+                "resuming %s, written by %d rank(s), with %d: continuing without a bitwise "
+                "guarantee (the per-rank RNG states cannot be restored for a different world "
+                "size, so every rank is reseeded from seed, rank and step; data shards and "
+                "steps per epoch follow the new world size; K-FAC layers are placed again)",
+                path,
+                saved_size,
+                self.env.world_size,
+            )
         unwrap(self.model).load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
+        base_lrs = list(getattr(self.scheduler, "base_lrs", []))
         self.scheduler.load_state_dict(ckpt["scheduler"])
+        if resized and self.settings.scale_lr:
+            self._rescale_lr(base_lrs)
+        if self.scaler is not None and ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
         if self.pre is not None:
-            self.pre.load_state_dict(to_device(ckpt["preconditioner"], self.env.device))
+            # load_state_dict moves the (CPU) tensors to each layer's device itself.
+            self.pre.load_state_dict(ckpt["preconditioner"], allow_world_size_change=resized)
         self.step = int(ckpt["step"])
         self.history = list(ckpt.get("history", []))
-        restore_rng_state(ckpt["rng"][self.env.rank])
+        if resized:
+            seed = hash((int(self.cfg.seed), self.env.rank, self.step)) & _SEED_MASK
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            torch.manual_seed(seed)
+        else:
+            restore_rng_state(ckpt["rng"][self.env.rank])
         log.info("resumed from %s at step %d", path, self.step)
+
+    def _rescale_lr(self, base_lrs: list[float]) -> None:
+        """Keep this run's (world-size-scaled) base lr after loading another world size's state.
+
+        The optimizer and scheduler states carry the old run's ``lr x P``; the
+        linear scaling rule wants this run's P, at the schedule's current point.
+        """
+        lambdas = getattr(self.scheduler, "lr_lambdas", None)
+        if not base_lrs or lambdas is None:
+            return
+        self.scheduler.base_lrs = base_lrs
+        step = self.scheduler.last_epoch
+        groups = self.optimizer.param_groups
+        for group, base, factor in zip(groups, base_lrs, lambdas, strict=True):
+            group["initial_lr"] = base
+            group["lr"] = base * factor(step)
+        log.warning("learning rate rescaled to this world size: %.6g", groups[0]["lr"])
 
     # -- loop -------------------------------------------------------------------------
 
-    def train_step(self, batch: Any) -> torch.Tensor:
-        """One optimizer step on ``batch``; returns the (detached) loss."""
+    def train_step(self, batches: Sequence[Any]) -> torch.Tensor:
+        """One optimizer step on ``accumulate_grad_batches`` micro-batches; returns the mean loss.
+
+        Each micro-batch's loss is divided by their number, so the summed
+        gradients are those of the whole batch; under DDP only the last backward
+        pass all-reduces (``no_sync`` before). With fp16 the scaled gradients are
+        unscaled before ``pre.step()`` (K-FAC and the KL clip see true values)
+        and ``scaler.step`` skips the update when they overflowed.
+        """
+        k = len(batches)
+        ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.task.training_loss(self.model, to_device(batch, self.env.device))
-        loss.backward()
+        losses = []
+        for i, batch in enumerate(batches):
+            last = i == k - 1
+            sync = contextlib.nullcontext() if last or not ddp else self.model.no_sync()
+            with sync:
+                with self._autocast():
+                    loss = self.task.training_loss(self.model, to_device(batch, self.env.device))
+                scaled = loss / k if k > 1 else loss
+                if self.scaler is not None:
+                    scaled = self.scaler.scale(scaled)
+                scaled.backward()
+            losses.append(loss.detach())
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
         if self.pre is not None:
             self.pre.step()
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.scheduler.step()
-        return loss.detach()
+        return losses[0] if k == 1 else torch.stack(losses).mean()
+
+    def _fault_step(self) -> int | None:
+        """The step after which this rank kills itself (tests of elastic restarts), or None.
+
+        ``DPKFAC_TEST_KILL_AT_STEP=N`` makes rank ``DPKFAC_TEST_KILL_RANK``
+        (default 1) end itself with SIGKILL right after optimizer step N, on
+        torchrun's first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0), so the
+        restarted run goes through. Never set outside tests.
+        """
+        at = os.environ.get(KILL_AT_STEP_ENV)
+        if not at or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return None
+        if self.env.rank != int(os.environ.get(KILL_RANK_ENV, "1")):
+            return None
+        return int(at)
+
+    def _inject_fault(self) -> None:
+        if self._kill_at is not None and self.step == self._kill_at:
+            log.warning(
+                "test fault injection: killing rank %d after step %d", self.env.rank, self.step
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _log_training(self, loss_sum: torch.Tensor, count: int, seconds: float) -> float:
         loss = float(self.env.mean(loss_sum / count))
@@ -160,7 +290,7 @@ class Trainer:
             "train/lr": self.optimizer.param_groups[0]["lr"],
             "train/epoch": self.step / self.steps_per_epoch,
             "train/step_time_s": seconds / count,
-            "train/samples_per_s": count * self.data.batch_size * self.env.world_size / seconds,
+            "train/samples_per_s": count * self.samples_per_step / seconds,
         }
         if self.pre is not None:
             # Statistics of rank 0, per logging interval.
@@ -181,7 +311,8 @@ class Trainer:
             seconds: Wall-clock seconds of this run so far.
         """
         broadcast_buffers(self.model, self.env)
-        metrics = evaluate(self.task, self.model, self.eval_loader, self.env)
+        with self._autocast():
+            metrics = evaluate(self.task, self.model, self.eval_loader, self.env)
         epoch = self.step / self.steps_per_epoch
         self.history.append(
             {
@@ -206,8 +337,11 @@ class Trainer:
         Returns:
             The final evaluation metrics plus run facts (also in ``metrics.json``).
         """
-        if self.settings.resume:
-            self.restore(self.settings.resume)
+        # Rank 0 decides (it writes the checkpoints), so all ranks agree on it.
+        chosen = resume_path(self.settings.resume, self.output_dir) if self.env.is_main else None
+        chosen = self.env.broadcast_object(str(chosen) if chosen is not None else None)
+        if chosen is not None:
+            self.restore(chosen)
         # from_pretrained() returns a model in eval mode: without this, dropout
         # and K-FAC's capture hooks (which skip eval-mode forwards) stay off.
         self.model.train()
@@ -229,9 +363,12 @@ class Trainer:
         with logging_redirect_tqdm():
             while self.step < self.total_steps:
                 epoch, position = divmod(self.step, self.steps_per_epoch)
-                sampler.set_epoch(epoch, position * self.data.batch_size)
-                for batch in self.train_loader:
-                    loss = self.train_step(batch)
+                sampler.set_epoch(epoch, position * self.data.batch_size * self.accumulate)
+                batches = iter(self.train_loader)
+                # steps_per_epoch whole groups of micro-batches; a trailing partial
+                # group (batches % k) is left out of the epoch, like drop_last.
+                for _ in range(self.steps_per_epoch - position):
+                    loss = self.train_step([next(batches) for _ in range(self.accumulate)])
                     loss_sum += loss
                     eval_loss_sum += loss
                     self.step += 1
@@ -255,8 +392,10 @@ class Trainer:
                         eval_count = 0
                     if done or self._due(self.settings.checkpoint_every_steps):
                         self.save_checkpoint()
+                    self._inject_fault()
                     if done:
                         break
+                del batches
         bar.close()
         if count:
             last_loss = self._log_training(loss_sum, count, time.perf_counter() - interval_start)

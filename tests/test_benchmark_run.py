@@ -103,12 +103,43 @@ def test_every_setting_composes(setting: str) -> None:
     assert spec["setting"]["name"] == setting
 
 
+def test_ablation_preset_states_every_switch() -> None:
+    """The ablation's configs, in its order, each with its switches explicit (no defaults)."""
+    spec = _spec("table=ablation", "model=resnet32", "setting=practical")
+    kfac = {m["name"]: m["kfac"] for m in spec["strategies"]}
+    assert list(kfac) == [
+        "none",
+        "d_kfac_eager",
+        "d_kfac_triangle",
+        "d_kfac_lazy",
+        "spd_kfac",
+        "kaisa_comm_opt",
+        "kaisa_mem_opt",
+        "dp_kfac",
+        "dp_kfac_owner",
+    ]
+    assert kfac["none"] is None
+    switches = ("triangle", "placement", "lazy_factor_sync")
+    for name, want in (
+        ("d_kfac_eager", (False, "lpt", False)),
+        ("d_kfac_triangle", (True, "lpt", False)),
+        ("d_kfac_lazy", (True, "lpt", True)),
+    ):
+        assert kfac[name]["strategy"] == "d_kfac"
+        assert tuple(kfac[name][k] for k in switches) == want, name
+    assert kfac["kaisa_comm_opt"]["grad_worker_fraction"] == "comm_opt"
+    assert kfac["kaisa_mem_opt"]["grad_worker_fraction"] == "mem_opt"
+    assert kfac["dp_kfac_owner"]["grad_reduction"] == "owner"
+    assert spec["interleaved"] and spec["isolate_comm"] and spec["world_size"] == 2
+    assert (spec["factor_every"], spec["inv_every"]) == (10, 100)
+
+
 def test_workload_sets_what_k_fac_sees() -> None:
-    """Sequence models average positions; the Transformer's vocabulary layers are skipped."""
+    """Sequence models average positions; only the Transformer's vocabulary layers are skipped."""
     spec = _spec("model=transformer")
     (member,) = spec["strategies"]
     assert member["kfac"]["weight_sharing"] == "reduce"
-    assert member["kfac"]["skip_layers"] == ["embed", "generator", "out_proj"]
+    assert member["kfac"]["skip_layers"] == ["embed", "generator"]
     # The command line still wins over the workload.
     spec = _spec("model=transformer", "strategy.weight_sharing=expand")
     assert spec["strategies"][0]["kfac"]["weight_sharing"] == "expand"

@@ -56,6 +56,46 @@ COMMON = {
     "lr": 0.1,
 }
 
+D_KFAC = {"placement": "lpt"}
+#: The ablation table's strategy configs (conf/table/ablation.yaml), as rows record them.
+ABLATION_KFAC = {
+    "d_kfac_eager": {
+        "strategy": "d_kfac",
+        **COMMON,
+        **D_KFAC,
+        "triangle": False,
+        "lazy_factor_sync": False,
+    },
+    "d_kfac_triangle": {
+        "strategy": "d_kfac",
+        **COMMON,
+        **D_KFAC,
+        "triangle": True,
+        "lazy_factor_sync": False,
+    },
+    "d_kfac_lazy": {
+        "strategy": "d_kfac",
+        **COMMON,
+        **D_KFAC,
+        "triangle": True,
+        "lazy_factor_sync": True,
+    },
+    "kaisa_comm_opt": {"strategy": "kaisa", **COMMON, "grad_worker_fraction": "comm_opt"},
+    "kaisa_mem_opt": {"strategy": "kaisa", **COMMON, "grad_worker_fraction": "mem_opt"},
+    "dp_kfac_owner": {"strategy": "dp_kfac", **COMMON, "grad_reduction": "owner"},
+}
+ABLATION_ORDER = [
+    "none",
+    "d_kfac_eager",
+    "d_kfac_triangle",
+    "d_kfac_lazy",
+    "spd_kfac",
+    "kaisa_comm_opt",
+    "kaisa_mem_opt",
+    "dp_kfac",
+    "dp_kfac_owner",
+]
+
 
 def fake_row(
     strategy: str,
@@ -72,6 +112,7 @@ def fake_row(
         "dp_kfac": {"strategy": "dp_kfac", **COMMON, "grad_reduction": "allreduce"},
         "d_kfac": {"strategy": "d_kfac", **COMMON},
         "spd_kfac": {"strategy": "spd_kfac", **COMMON, "local_threshold": 1024},
+        **ABLATION_KFAC,
     }[strategy]
     k = 0.0 if kfac is None else scale
     row = {
@@ -341,6 +382,77 @@ def test_calibration_separates_one_core_and_shared_core_regimes() -> None:
             assert predicted[phase] == pytest.approx(seconds, rel=0.01, abs=1e-9), phase
 
 
+def ablation_rows() -> pd.DataFrame:
+    """Both settings, every strategy config in the preset's order, d_kfac_eager twice as costly."""
+    rows = []
+    for setting, (f, i) in (("paper", (1, 1)), ("practical", (10, 100))):
+        for strategy in ABLATION_ORDER:
+            scale = 2.0 if strategy == "d_kfac_eager" else 1.0
+            rows.append(
+                fake_row(strategy, setting=setting, scale=scale, factor_every=f, inv_every=i)
+            )
+    failed = {"task": "timing", "model": "mlp", "strategy": "spd_kfac", "world_size": 2}
+    return pd.DataFrame([*rows, {**failed, "setting": "paper", "error": "timeout"}])
+
+
+def test_ablation_table_measured_and_predicted(tmp_path: Path) -> None:
+    from dpkfac.costmodel import PRESETS
+    from experiments.bench import predict as bp
+
+    paths = tables.write_table("ablation", ablation_rows(), tmp_path)
+    for key in ("csv", "md", "png", "raw"):
+        assert paths[key].exists() and paths[key].stat().st_size > 0
+    frame = pd.read_csv(paths["csv"], keep_default_na=False, na_values=[""])
+    # The preset's order, one group per setting, failed job left out.
+    assert list(frame["setting"]) == ["paper"] * 9 + ["practical"] * 9
+    assert list(frame["strategy"]) == ABLATION_ORDER * 2
+    paper = frame[frame["setting"] == "paper"].set_index("strategy")
+    assert paper.loc["d_kfac_eager", "vs_sgd"] == pytest.approx(3.0)
+    assert paper.loc["dp_kfac", "vs_sgd"] == pytest.approx(2.0)
+    assert paper.loc["d_kfac_eager", "compute_ms"] == pytest.approx(2 * 4.5)
+    assert paper.loc["d_kfac_eager", "MB"] == pytest.approx(2.0)
+    assert paper.loc["d_kfac_lazy", "algorithm"] == "d_kfac"
+    assert paper.loc["d_kfac_lazy", "options"] == (
+        "placement=lpt, triangle=true, lazy_factor_sync=true"
+    )
+    assert paper.loc["none", "grad_MB"] == pytest.approx(0.004)
+    # Predictions: P=64 on v100_ib100, exactly the cost model's, amortised like the row.
+    assert set(frame["pred_P"]) == {64}
+    rows = ablation_rows()
+    for setting in ("paper", "practical"):
+        for strategy in ("d_kfac_lazy", "kaisa_mem_opt", "dp_kfac_owner"):
+            (row,) = rows[(rows["strategy"] == strategy) & (rows["setting"] == setting)].to_dict(
+                "records"
+            )
+            pred = bp.predict_row(row, PRESETS["v100_ib100"], world_size=64)
+            want = bp.amortised_prediction(row, pred)
+            got = frame[(frame["strategy"] == strategy) & (frame["setting"] == setting)].iloc[0]
+            assert got["pred_iteration_ms"] == pytest.approx(1e3 * want["iteration_s"])
+            assert got["pred_MB"] == pytest.approx(want["bytes_second_order"] / 1e6)
+            assert got["pred_memory_MiB"] == pytest.approx(pred.memory_max / 2**20)
+    practical = frame[frame["setting"] == "practical"].set_index("strategy")
+    # What each switch saves, as the cost model prices it at P=64.
+    assert paper.loc["d_kfac_triangle", "pred_MB"] < paper.loc["d_kfac_eager", "pred_MB"]
+    assert paper.loc["d_kfac_lazy", "pred_MB"] == pytest.approx(
+        paper.loc["d_kfac_triangle", "pred_MB"]
+    )
+    assert practical.loc["d_kfac_lazy", "pred_MB"] < practical.loc["d_kfac_triangle", "pred_MB"]
+    assert (
+        paper.loc["dp_kfac_owner", "pred_total_wire_MB"]
+        < paper.loc["dp_kfac", "pred_total_wire_MB"]
+    )
+    assert (
+        paper.loc["kaisa_mem_opt", "pred_memory_MiB"]
+        < paper.loc["kaisa_comm_opt", "pred_memory_MiB"]
+    )
+    assert paper.loc["none", "pred_vs_sgd"] == pytest.approx(1.0)
+    md = paths["md"].read_text()
+    assert "## mlp label, practical setting, measured at P=2" in md
+    assert "P=64 iteration" in md and "timeout" in md
+    assert "- `d_kfac_eager`: d_kfac, placement=lpt, triangle=false, lazy_factor_sync=false" in md
+    assert "- `none`: no preconditioner (SGD)" in md
+
+
 def test_convergence_table_and_smoke_status(tmp_path: Path) -> None:
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "smoke_junit.xml").write_text(
@@ -385,6 +497,7 @@ def test_results_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     tables.write_table("convergence", convergence_rows(), results)
     rows = pd.DataFrame([fake_row(s, p) for s in ("none", "dp_kfac") for p in (1, 2)])
     tables.write_table("scaling", rows, results)
+    tables.write_table("ablation", ablation_rows(), results)
     monkeypatch.setenv("RESULTS_DIR", str(results))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(ROOT / "notebooks" / "results.ipynb", as_version=4)
@@ -406,7 +519,7 @@ def test_results_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         for out in cell.get("outputs", [])
         if "image/png" in out.get("data", {})
     ]
-    assert len(images) == 4
+    assert len(images) == 5
     assert os.environ["RESULTS_DIR"] == str(results)
 
 

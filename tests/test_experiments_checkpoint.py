@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -66,13 +67,22 @@ def checkpoint(train, tmp_path):
     return tmp_path / "base" / "checkpoints" / "last.pt"
 
 
-def test_other_world_size_is_refused(checkpoint, train, tmp_path):
+def test_other_world_size_continues_with_a_warning(checkpoint, train, tmp_path, caplog):
+    """An elastic restart with another number of ranks continues, not bitwise, and says so."""
     state = _state(checkpoint)
     state["world_size"] = 2
-    bad = tmp_path / "two_ranks.pt"
-    torch.save(state, bad)
-    with pytest.raises(ExperimentError, match=f"{bad} was written by 2 rank.*this run has 1"):
-        train("trainer.max_steps=2", f"trainer.resume={bad}")
+    state["preconditioner"]["world_size"] = 2
+    two = tmp_path / "two_ranks.pt"
+    torch.save(state, two)
+    with (
+        caplog.at_level(logging.WARNING, logger="experiments.trainer"),
+        pytest.warns(RuntimeWarning, match="world_size=2.*world_size=1.*not a bitwise"),
+    ):
+        result = train("trainer.max_steps=3", f"trainer.resume={two}")
+    assert (result["steps"], result["steps_this_run"]) == (3, 2)
+    warning = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert f"resuming {two}, written by 2 rank(s), with 1" in warning
+    assert "RNG states cannot be restored for a different world size" in warning
 
 
 def test_other_strategy_is_refused(checkpoint, train):

@@ -46,6 +46,9 @@ def test_all_groups_and_presets_exist():
         "dp_kfac",
         "dp_kfac_owner",
         "d_kfac",
+        "d_kfac_eager",
+        "d_kfac_triangle",
+        "d_kfac_lazy",
         "spd_kfac",
         "kaisa_comm_opt",
         "kaisa_mem_opt",
@@ -116,7 +119,14 @@ def test_published_hyperparameters(compose):
     )
     assert list(imagenet.scheduler.milestones) == [25, 35, 40, 45, 50]
     assert imagenet.trainer.max_epochs == 55 and imagenet.data.label_smoothing == 0.1
-    assert (imagenet.optimizer.weight_decay, imagenet.strategy.damping) == (5e-5, 0.002)
+    damping = imagenet.strategy.damping  # the authors' damping decay, a schedule of the step
+    assert imagenet.optimizer.weight_decay == 5e-5
+    assert (damping.base, list(damping.milestones), damping.gamma, damping.unit) == (
+        0.002,
+        [40, 80],
+        0.5,
+        "epoch",
+    )
     squad = compose("experiment=squad_bert")
     assert (squad.data.max_seq_length, squad.data.doc_stride, squad.data.batch_size) == (
         384,
@@ -229,12 +239,16 @@ def test_library_values_pass(compose):
     # A string is one skip regex for the library; a dtype name becomes a torch dtype.
     validate(compose("strategy.skip_layers=fc", "+strategy.factor_dtype=bfloat16"))
     validate(compose("strategy=none", "++strategy.damping=0"))  # first order: ignored
-    # Schedules (``_target_`` nodes) are left to instantiation.
+    # Schedules (``_target_`` nodes) are built and checked by their value at step 0.
     validate(
         compose(
-            "++strategy.damping={_target_:experiments.schedules.constant,_partial_:true}",
+            "++strategy.damping={_target_:experiments.schedules.kfac_schedule,base:0.01}",
         )
     )
+    with pytest.raises(ExperimentError, match=r"^invalid value strategy.damping=.*optimizer"):
+        validate(
+            compose("++strategy.damping={_target_:experiments.schedules.constant,_partial_:true}")
+        )
 
 
 def test_missing_dataset_names_the_path(train, tmp_path):

@@ -17,6 +17,7 @@ from torch import nn
 
 import dpkfac
 from dpkfac.assignment import ASSIGNMENTS, LayerShape, Placement
+from dpkfac.costmodel import PRESETS
 from dpkfac.strategies import STRATEGIES, strategy_class, strategy_options
 
 #: (strategy, options) pairs: every registered strategy, every dp_kfac assignment.
@@ -55,7 +56,8 @@ def _place(rank: int, world_size: int, strategy: str, options: dict) -> dict:
         opt.step()
     owners = [(x.owner, x.a_owner, x.g_owner) for x in pre.layers.values()]
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
-    return {"owners": owners, "params": params}
+    # The options as the run resolved them (spd_kfac measures its hardware model).
+    return {"owners": owners, "params": params, "options": pre.strategy.options}
 
 
 @pytest.mark.distributed
@@ -72,7 +74,8 @@ def test_ranks_agree_on_placement_with_different_first_batches(
         for i, (d_in, d_out) in zip((0, 2, 4), DIMS, strict=True)
     ]
     cls = strategy_class(strategy)
-    expected = cls.placement(shapes, 2, strategy_options(strategy, options))
+    assert results[0]["options"] == results[1]["options"]
+    expected = cls.placement(shapes, 2, results[0]["options"])
     got = Placement(*map(tuple, zip(*results[0]["owners"], strict=True)))
     assert got == expected
 
@@ -84,7 +87,7 @@ def test_placement_uses_batch_is_declared_for_every_batch_dependent_assignment()
     ]
     for strategy, options in CASES:
         cls = strategy_class(strategy)
-        opts = strategy_options(strategy, options)
+        opts = cls.resolve_options(strategy_options(strategy, options), PRESETS["cpu_gloo_local"])
         if cls.placement_uses_batch(opts):
             continue
         for n, t in ((1, 1), (8, 50), (2, 1000)):

@@ -46,6 +46,8 @@ COMPUTE = ("factor_compute", "decomposition", "precondition")
 COMM = ("grad_comm", "factor_comm", "decomposition_comm", "precond_comm")
 PREDICTED_P = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CATEGORIES = ("grad_allreduce", "factor_allreduce", "decomposition_broadcast", "precond_broadcast")
+#: Kinds of measured steps -> the (factor update?, decomposition?) step the cost model prices.
+STEP_OF_KIND = {"decomp": (True, True), "factor": (True, False), "plain": (False, False)}
 #: Rows of the scaling table predicted with the paper's shapes on this preset.
 PAPER_PRESET = "v100_ib100"
 #: The base of calibration: kinds the measurements do not cover come from here.
@@ -188,17 +190,88 @@ def predicted_counts(row: Mapping[str, Any], prediction: Prediction) -> dict[str
     weights the decomposition, factor-only and plain steps exactly as
     :func:`experiments.bench.aggregate.kind_weights` does.
     """
-    from experiments.bench.aggregate import kind_weights
-
-    steps = {"decomp": (True, True), "factor": (True, False), "plain": (False, False)}
-    weights = kind_weights(int(row.get("factor_every", 1)), int(row.get("inv_every", 1)))
     out: dict[str, dict[str, float]] = {}
-    for kind, weight in weights.items():
-        for cat, counts in prediction.steps[steps[kind]].comm.items():
+    for kind, weight in _weights(row).items():
+        for cat, counts in prediction.steps[STEP_OF_KIND[kind]].comm.items():
             entry = out.setdefault(cat, {"bytes": 0.0, "calls": 0.0, "wire_bytes": 0.0})
             for key in entry:
                 entry[key] += weight * counts[key]
     return out
+
+
+def _weights(row: Mapping[str, Any]) -> dict[str, float]:
+    """How often each step kind occurs at the row's update intervals."""
+    from experiments.bench.aggregate import kind_weights
+
+    return kind_weights(int(row.get("factor_every", 1)), int(row.get("inv_every", 1)))
+
+
+def amortised_prediction(row: Mapping[str, Any], prediction: Prediction) -> dict[str, float]:
+    """The prediction as a row reports its measurement: per step, weighted like the row.
+
+    The paper setting is the update step itself; the practical setting
+    weights the decomposition, factor-only and plain steps as
+    :func:`experiments.bench.aggregate.kind_weights` does, so the numbers
+    stand beside the row's own ``iteration_s``, ``compute_s``, ``comm_s``,
+    ``grad_comm_s``, ``bytes_second_order`` and ``mem_kfac``.
+
+    Returns:
+        ``iteration_s`` (critical path), ``compute_s`` (factor compute,
+        decomposition and preconditioning of the busiest rank), ``comm_s``
+        (factor, decomposition and preconditioned-gradient communication
+        phases), ``grad_comm_s``, ``bytes_second_order`` (bytes of those
+        collectives per rank), ``wire_bytes`` (every category's wire bytes
+        per rank, gradients included) and ``memory_bytes`` (K-FAC state of
+        the busiest rank).
+    """
+    from experiments.bench.aggregate import COMM_PHASES, SECOND_ORDER_CATEGORIES
+
+    out = dict.fromkeys(("iteration_s", "compute_s", "comm_s", "grad_comm_s"), 0.0)
+    for kind, weight in _weights(row).items():
+        step = prediction.steps[STEP_OF_KIND[kind]]
+        phases = step.phases
+        out["iteration_s"] += weight * step.iteration
+        out["compute_s"] += weight * step.computation
+        out["comm_s"] += weight * sum(phases.get(p, 0.0) for p in COMM_PHASES)
+        out["grad_comm_s"] += weight * phases.get("grad_comm", 0.0)
+    counts = predicted_counts(row, prediction)
+    zero = {"bytes": 0.0, "wire_bytes": 0.0}
+    out["bytes_second_order"] = sum(counts.get(c, zero)["bytes"] for c in SECOND_ORDER_CATEGORIES)
+    out["wire_bytes"] = sum(counts.get(c, zero)["wire_bytes"] for c in CATEGORIES)
+    out["memory_bytes"] = float(prediction.memory_max)
+    return out
+
+
+def paper_predictions(
+    rows: Iterable[Mapping[str, Any]], world_size: int, preset: str = PAPER_PRESET
+) -> list[dict[str, float]]:
+    """:func:`amortised_prediction` of every row at ``world_size`` ranks with its paper-size model.
+
+    Each row keeps its strategy, options and update intervals; the shapes are
+    those of its model at the papers' sizes (``workload.paper``), built once
+    per model, and the hardware is the ``preset`` (default: the papers'
+    V100/InfiniBand cluster). Spd_kfac's fusion plan is made from the
+    modelled ready times there, not replayed from the measurement.
+    """
+    hardware = PRESETS[preset]
+    rows = list(rows)
+    shapes_of = {
+        m: row_shapes(next(r for r in rows if str(r["model"]) == m), paper=True)
+        for m in _models(rows)
+    }
+    out = []
+    for r in rows:
+        shapes, sharing = shapes_of[str(r["model"])]
+        m = measurement(r, shapes=shapes, weight_sharing=sharing)
+        pred = fitting_lib.predict_measurement(m, hardware, world_size=world_size)
+        out.append(amortised_prediction(r, pred))
+    return out
+
+
+def row_strategy(row: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """The library strategy a row ran (None: first order) and that strategy's own options."""
+    name, _, own = _kfac_split(row, None)
+    return name, own
 
 
 def byte_mismatches(row: Mapping[str, Any], prediction: Prediction) -> list[str]:

@@ -200,10 +200,18 @@ class DataModule(abc.ABC):
                 raise self.not_found(root / rel)
         return root
 
-    def steps_per_epoch(self, env: DistEnv) -> int:
-        """Optimizer steps in one epoch (full batches of this rank's share)."""
+    def steps_per_epoch(self, env: DistEnv, accumulate_grad_batches: int = 1) -> int:
+        """Optimizer steps in one epoch.
+
+        An epoch has ``(share // batch_size)`` full batches of this rank's share,
+        and an optimizer step takes ``accumulate_grad_batches`` of them; the last
+        ``batches % accumulate_grad_batches`` batches of an epoch are left out,
+        as ``drop_last`` leaves out a partial batch, so every step sees the same
+        number of examples and the epoch length is the same on every rank.
+        """
         assert self.train_dataset is not None, "call setup() first"
-        return (len(self.train_dataset) // env.world_size) // self.batch_size  # type: ignore[arg-type]
+        batches = (len(self.train_dataset) // env.world_size) // self.batch_size  # type: ignore[arg-type]
+        return batches // accumulate_grad_batches
 
     def train_loader(self, env: DistEnv, seed: int) -> DataLoader:
         """Loader over this rank's share of the training set; see :class:`EpochSampler`."""
