@@ -7,7 +7,6 @@ checked exactly, and the notebook is executed on them so it cannot rot.
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 from pathlib import Path
@@ -521,41 +520,3 @@ def test_results_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     ]
     assert len(images) == 5
     assert os.environ["RESULTS_DIR"] == str(results)
-
-
-def _literals(node: ast.expr) -> list[object]:
-    """String-like constants of an operand (a literal, or the elements of a literal collection)."""
-    if isinstance(node, ast.Constant):
-        return [node.value]
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return [e.value for e in node.elts if isinstance(e, ast.Constant)]
-    return []
-
-
-def test_no_strategy_name_decides_behaviour_in_experiments() -> None:
-    """Entry points, tables and plots decide from the config, never from a strategy's name.
-
-    Flags comparisons (``==``, ``in``, ...) and ``startswith``/``endswith``
-    calls against a strategy config's name, in any spelling, or the old "sgd".
-    Ordering rows by a list of names (``plots.STRATEGY_ORDER``) is not a comparison.
-    """
-    from dpkfac.strategies import STRATEGIES
-
-    configs = {p.stem for p in (ROOT / "conf" / "strategy").glob("*.yaml")} | set(STRATEGIES)
-    names = {n for key in configs for n in (key, key.replace("_", "-"))} | {"sgd"}
-    offenders = []
-    for path in sorted((ROOT / "experiments").rglob("*.py")):
-        tree = ast.parse(path.read_text(), filename=str(path))
-        for node in ast.walk(tree):
-            operands: list[ast.expr] = []
-            if isinstance(node, ast.Compare):
-                operands = [node.left, *node.comparators]
-            elif (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("startswith", "endswith")
-            ):
-                operands = list(node.args)
-            if any(c in names for op in operands for c in _literals(op)):
-                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert offenders == []

@@ -8,7 +8,6 @@ equal the predicted memory of every rank. Timing is checked for structure
 
 from __future__ import annotations
 
-import ast
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -323,40 +322,6 @@ def test_predict_rejects_what_the_preconditioner_rejects() -> None:
     # the hyphenated spelling is read, the registered one is reported
     assert predict(shapes, strategy="spd-kfac", **common).strategy == "spd_kfac"
     assert predict(shapes, strategy="dp_kfac", options=DPKFACOptions(), **common).traits
-
-
-def _constants(node: ast.expr) -> list[object]:
-    """String-like constants of an operand (a literal, or the elements of a literal collection)."""
-    if isinstance(node, ast.Constant):
-        return [node.value]
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return [e.value for e in node.elts if isinstance(e, ast.Constant)]
-    return []
-
-
-def test_no_strategy_name_is_compared_in_the_cost_model() -> None:
-    """The cost model asks the strategy classes; it never branches on a name.
-
-    Flags comparisons (``==``, ``!=``, ``in``, ...) and ``startswith``/``endswith``
-    calls against a literal strategy name, in either spelling, or the old "sgd".
-    """
-    names = {n for key in STRATEGIES for n in (key, key.replace("_", "-"))} | {"sgd"}
-    offenders = []
-    for path in sorted((ROOT / "dpkfac" / "costmodel").glob("*.py")):
-        tree = ast.parse(path.read_text(), filename=str(path))
-        for node in ast.walk(tree):
-            operands: list[ast.expr] = []
-            if isinstance(node, ast.Compare):
-                operands = [node.left, *node.comparators]
-            elif (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("startswith", "endswith")
-            ):
-                operands = list(node.args)
-            if any(c in names for op in operands for c in _constants(op)):
-                offenders.append(f"{path.name}:{node.lineno}")
-    assert offenders == []
 
 
 def test_ddp_flag_removes_gradient_traffic_but_not_its_time() -> None:
