@@ -92,8 +92,7 @@ CPU_GLOO_LOCAL = Hardware(
         "forward_backward": Engine(rate=5.69e10, latency=0.000162),
         "inverse": Engine(rate=3.01e10, latency=0.000117),
         "memory": Engine(rate=6.13e09, latency=0),
-        # unpack_triangle (index_select) timed by measure_compute at d = 65..1025,
-        # two runs within 4%, added after the rest of this calibration.
+        # unpack_triangle (an index_select) timed by measure_compute at d = 65..1025.
         "unpack": Engine(rate=6.8e09, latency=3e-06),
         "precondition": Engine(rate=7.38e10, latency=2.54e-05),
         "matmul": Engine(rate=7.23e10, latency=2.4e-05),
@@ -103,11 +102,8 @@ CPU_GLOO_LOCAL = Hardware(
         "(2 CPUs, torch 2.14.1+cu130), 2026-11-29",
         "fitted by dpkfac.costmodel.calibrate (non-negative least squares, relative error)",
     ),
-    # Micro-benchmarks cannot observe overlap. Fitted to spd_kfac's factor wait
-    # in the scaling table on this VM (fit_overlap, now dpkfac.costmodel.fitting,
-    # 2 ranks, 2026-11-29): 0.92 once unpacking became a gather. Earlier,
-    # unpacking by a 2-D scatter (3.6 ns per element) made the wait look as
-    # long as the serial transfers.
+    # Micro-benchmarks cannot observe overlap: fitted (dpkfac.costmodel.fitting.
+    # fit_overlap) to spd_kfac's factor wait in the scaling table's 2-rank rows.
     overlap=0.9,
 )
 
