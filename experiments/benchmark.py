@@ -299,6 +299,7 @@ def _timing_row(
         rank_timings=json.dumps(row["rank_timings"]),
         least_wait=json.dumps(row["least_wait"]),
         fusion_plan=json.dumps(first.get("fusion_plan")),
+        measured_hardware=first.get("hardware") or "",
     )
     for key, value in list(row.items()):
         if isinstance(value, float) and key.startswith(("bytes_", "calls_", "wire_", "mem_")):

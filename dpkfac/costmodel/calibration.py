@@ -256,7 +256,11 @@ PROBE_REPEATS = 3
 #: Collectives of one ``measure_in_group`` call, as (kind, bytes): what the
 #: cost model books as one-time "setup" traffic.
 MEASURE_COLLECTIVES: tuple[tuple[str, int], ...] = (
-    *(("broadcast", 4 * n) for n in BROADCAST_PROBE_NUMELS for _ in range(PROBE_REPEATS)),
+    *(
+        collective
+        for n in BROADCAST_PROBE_NUMELS
+        for collective in (("allreduce", 8), *(("broadcast", 4 * n),) * PROBE_REPEATS)
+    ),
     ("allreduce", 8 * 4),
 )
 
@@ -265,11 +269,14 @@ def measure_in_group(comm: Communicator, base: Hardware, name: str = "measured")
     """This rank's ``eigh`` engine and the group's broadcast link, measured in-process.
 
     A collective: every rank of ``comm`` calls it. Each rank times ``eigh`` of
-    a few factor sizes on its device and a few broadcasts of rank 0's buffers;
-    the fitted parameters are then agreed by an element-wise maximum (the
-    slowest rank's view), so every rank returns the same model and a placement
-    computed from it is the same everywhere. The collectives are accounted
-    in the "setup" category (:data:`MEASURE_COLLECTIVES`).
+    a few factor sizes on its device and a few broadcasts of rank 0's buffers.
+    The ranks meet (a tiny all-reduce) before each broadcast size, and the
+    fastest of the repeats counts, so a rank that arrives late (still timing
+    its decompositions, or building another model) does not pass its delay
+    off as transfer time. The fitted parameters are then agreed by an
+    element-wise maximum (the slowest rank's view), so every rank returns the
+    same model and a placement computed from it is the same everywhere. The
+    collectives are accounted in the "setup" category (:data:`MEASURE_COLLECTIVES`).
 
     Args:
         comm: the preconditioner's communicator.
@@ -296,11 +303,13 @@ def measure_in_group(comm: Communicator, base: Hardware, name: str = "measured")
         samples.append(Sample.compute("eigh", 9.0 * d**3, seconds))
     for numel in BROADCAST_PROBE_NUMELS:
         buf = torch.zeros(numel, dtype=torch.float32, device=comm.device)
+        comm.allreduce_max(torch.zeros(1, dtype=torch.float64))  # meet first
+        times = []
         for _ in range(PROBE_REPEATS):
             start = time.perf_counter()
             comm.broadcast([buf], 0, "setup")
-            seconds = time.perf_counter() - start
-            samples.append(Sample.collective("broadcast", 4 * numel, seconds, comm.size))
+            times.append(time.perf_counter() - start)
+        samples.append(Sample.collective("broadcast", 4 * numel, min(times), comm.size))
     fitted = calibrate(samples, base=base, name=name)
     eigh, bcast = fitted.engine("eigh"), fitted.link("broadcast")
     agreed = torch.tensor(

@@ -235,6 +235,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
                     "params": sum(p.numel() for p in s.model.parameters()),
                     "placement": _placement(s.pre),
                     "fusion_plan": _fusion_plan(s.pre),
+                    "hardware": _measured_hardware(s.pre),
                 }
                 for s in steppers
             },
@@ -257,3 +258,13 @@ def _fusion_plan(pre: Any) -> list[list[list[str]]] | None:
     """spd_kfac's fusion buckets as fixed after profiling (the cost model replays them)."""
     plan = getattr(getattr(pre, "strategy", None), "plan", None)
     return [[list(key) for key in bucket] for bucket in plan] if plan else None
+
+
+def _measured_hardware(pre: Any) -> str | None:
+    """The hardware model a strategy measured at start-up, as JSON (the cost model replays it).
+
+    spd_kfac places decompositions from a model of this machine it measures
+    when it starts; predicting the run's placement needs the same model.
+    """
+    hardware = getattr(getattr(getattr(pre, "strategy", None), "options", None), "hardware", None)
+    return hardware.to_json() if hasattr(hardware, "to_json") else None

@@ -150,6 +150,10 @@ def measurement(
         shapes, model_sharing = row_shapes(row)
         weight_sharing = weight_sharing or model_sharing
     name, kfac, own = _kfac_split(row, weight_sharing)
+    measured = row.get("measured_hardware")
+    if isinstance(measured, str) and measured and "hardware" in own and own["hardware"] is None:
+        # The model the run measured at start-up and placed decompositions from.
+        own["hardware"] = Hardware.from_json(measured)
     plan = _json(row.get("fusion_plan"))
     least = _json(row.get("least_wait"))
     return Measurement(
