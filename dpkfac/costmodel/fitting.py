@@ -51,7 +51,7 @@ from dpkfac.costmodel.predict import Prediction, predict
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.costmodel.timing import COMM_PHASES, COMPUTE_PHASES, forward_backward_work
 from dpkfac.options import KFACOptions, StrategyOptions
-from dpkfac.strategies import canonical_name, strategy_options
+from dpkfac.strategies import canonical_name, strategy_class, strategy_options
 
 __all__ = [
     "Fit",
@@ -100,6 +100,9 @@ class Measurement:
         cores: CPU cores the ranks shared (None: a device per rank).
         fusion_plan: the fusion buckets a pipelined strategy fixed in the run.
         param_itemsize: bytes per parameter element.
+        measured_hardware: the hardware model the strategy measured at start-up
+            (spd_kfac places decompositions from it), replayed when the run
+            itself is predicted.
     """
 
     model: str
@@ -115,6 +118,7 @@ class Measurement:
     cores: int | None = None
     fusion_plan: tuple[tuple[Key, ...], ...] | None = None
     param_itemsize: int = 4
+    measured_hardware: Hardware | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -192,18 +196,23 @@ def predict_measurement(
         m: the run.
         hardware: the hardware model to price it on.
         world_size: predict at this many ranks instead.
-        replay_plan: reuse the run's fusion plan (at its own world size only;
-            elsewhere the plan is made from modelled ready times).
+        replay_plan: reuse the run's fusion plan and the hardware model it
+            measured at start-up (at its own world size only; elsewhere a run
+            would plan from its ready times and measure the hardware it runs on).
     """
     p = int(world_size or m.world_size)
-    plan = m.fusion_plan if replay_plan and p == m.world_size else None
+    replay = replay_plan and p == m.world_size
+    plan = m.fusion_plan if replay else None
+    options = m.options
+    if replay and m.strategy is not None and options is not None and m.measured_hardware:
+        options = strategy_class(m.strategy).resolve_options(options, m.measured_hardware)
     return predict(
         m.shapes,
         strategy=m.strategy,
         world_size=p,
         hardware=hardware,
         kfac=m.kfac,
-        options=m.options,
+        options=options,
         param_itemsize=m.param_itemsize,
         fusion_plan=plan,
     )

@@ -150,12 +150,11 @@ def measurement(
         shapes, model_sharing = row_shapes(row)
         weight_sharing = weight_sharing or model_sharing
     name, kfac, own = _kfac_split(row, weight_sharing)
-    measured = row.get("measured_hardware")
-    if isinstance(measured, str) and measured and "hardware" in own and own["hardware"] is None:
-        # The model the run measured at start-up and placed decompositions from.
-        own["hardware"] = Hardware.from_json(measured)
     plan = _json(row.get("fusion_plan"))
     least = _json(row.get("least_wait"))
+    # The hardware model the run measured at start-up (spd_kfac's placement).
+    measured = row.get("measured_hardware")
+    measured = measured if isinstance(measured, str) and measured.strip() else None
     return Measurement(
         model=str(row.get("model", "")),
         shapes=shapes,
@@ -168,6 +167,7 @@ def measurement(
         forward_backward=float(row.get("fwd_bwd_s") or 0.0),
         cores=_cores(row),
         fusion_plan=tuple(tuple((k[0], k[1]) for k in bucket) for bucket in plan) if plan else None,
+        measured_hardware=Hardware.from_json(measured) if measured else None,
     )
 
 
