@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
-import torch.nn.functional as F
 from dist_utils import run_ranks
-from strategy_cases import batch, concat_batch, make_model, max_rel_err
+from strategy_cases import batch, concat_batch, make_model, max_rel_err, run
 
 import dpkfac
 from dpkfac.assignment import grad_worker_grid, kaisa_assign
@@ -50,38 +51,21 @@ def test_fraction_must_give_a_divisor_of_the_world_size() -> None:
     assert cls.preconditioners(2, 4, opts) == (0, 2)
 
 
-def _train(rank: int, world_size: int, fraction: float | str) -> list[dict[str, torch.Tensor]]:
+def _train(rank: int, world_size: int, fraction: float | str) -> dict[str, Any]:
     model = make_model()
     pre = dpkfac.KFACPreconditioner(
         model, strategy="kaisa", grad_worker_fraction=fraction, kl_clip=0.01, damping=0.01
     )
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = []
-    for step in range(STEPS):
-        x, y = batch(step, rank)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        pre.step()
-        opt.step()
-        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    params = run(model, pre, [batch(step, rank) for step in range(STEPS)])["params"]
     held = sum(x.decomposition("A") is not None for x in pre.layers.values())
-    return [*out, {"held": torch.tensor(held)}]
+    return {"params": params, "held": held}
 
 
 def _reference(world_size: int) -> list[dict[str, torch.Tensor]]:
     """d_kfac on one rank with the concatenated batch: what every fraction must give."""
     model = make_model()
     pre = dpkfac.KFACPreconditioner(model, strategy="d_kfac", kl_clip=0.01, damping=0.01)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = []
-    for step in range(STEPS):
-        x, y = concat_batch(step, world_size)
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        pre.step()
-        opt.step()
-        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return out
+    return run(model, pre, [concat_batch(step, world_size) for step in range(STEPS)])["params"]
 
 
 @pytest.mark.distributed
@@ -90,16 +74,14 @@ def test_every_fraction_gives_d_kfac_update_at_four_ranks(fraction: float | str)
     results = run_ranks(_train, 4, fraction)
     ref = _reference(4)
     for step in range(STEPS):
-        assert max_rel_err(results[0][step], ref[step]) < 1e-10, (fraction, step)
+        assert max_rel_err(results[0]["params"][step], ref[step]) < 1e-10, (fraction, step)
         for rank in range(1, 4):
-            for name, t in results[rank][step].items():
-                assert torch.equal(t, results[0][step][name]), (fraction, rank, name)
-    held = [int(r[-1]["held"]) for r in results]
-    layers = 3
-    # COMM-OPT: everyone holds every decomposition; MEM-OPT: each layer's on one rank.
-    expected = {"comm_opt": [layers] * 4, "mem_opt": None, 0.5: None}[fraction]
-    if expected is not None:
-        assert held == expected
-    else:
-        workers = 2 if fraction == 0.5 else 1
-        assert sum(held) == layers * workers
+            for name, t in results[rank]["params"][step].items():
+                assert torch.equal(t, results[0]["params"][step][name]), (fraction, rank, name)
+    # Each layer's decompositions are held by its f·P gradient workers (3 layers):
+    # COMM-OPT: every rank holds all of them; MEM-OPT: one rank per layer.
+    held = [r["held"] for r in results]
+    workers = {"comm_opt": 4, 0.5: 2, "mem_opt": 1}[fraction]
+    assert sum(held) == 3 * workers
+    if fraction == "comm_opt":
+        assert held == [3] * 4
