@@ -37,6 +37,7 @@ __all__ = [
     "compute_cost_inverse",
     "factor_decomposition_cost",
     "grad_worker_grid",
+    "grouped_assign",
     "kaisa_assign",
     "load_imbalance",
     "lpt_assign",
@@ -441,6 +442,46 @@ def kaisa_assign(costs: Sequence[float], world_size: int, grad_workers: int) -> 
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         column = min(range(len(columns)), key=lambda c: (sum(loads[r] for r in columns[c]), c))
         rank = min(columns[column], key=lambda r: (loads[r], r))
+        loads[rank] += float(costs[i])
+        result[i] = rank
+    return result
+
+
+def grouped_assign(
+    costs: Sequence[float],
+    group_of: Sequence[int],
+    groups: Sequence[Sequence[int]],
+    world_size: int,
+    grad_workers: int,
+) -> list[int]:
+    """Owners within factor groups: KAISA's greedy rule restricted to each layer's group.
+
+    Layers are taken by cost, largest first; each goes to the gradient-worker
+    column (see :func:`grad_worker_grid`) with the lowest total load among the
+    columns meeting its factor group, and inside it to the least-loaded rank
+    of the group (ties: the lowest index). With one group of every rank this
+    is :func:`kaisa_assign`.
+
+    Args:
+        costs: per layer, the owner's cost (decomposing both factors).
+        group_of: per layer, the index of its factor group in ``groups``.
+        groups: the factor groups (lists of ranks).
+        world_size: number of ranks.
+        grad_workers: W, the gradient workers per layer.
+
+    Returns:
+        The owner rank of each layer.
+    """
+    columns, _ = grad_worker_grid(world_size, grad_workers)
+    if len(costs) != len(group_of):
+        raise ValueError(f"{len(costs)} costs for {len(group_of)} group indices")
+    loads = [0.0] * world_size
+    result = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        members = set(groups[group_of[i]])
+        open_columns = [c for c in range(len(columns)) if members.intersection(columns[c])]
+        column = min(open_columns, key=lambda c: (sum(loads[r] for r in columns[c]), c))
+        rank = min((r for r in columns[column] if r in members), key=lambda r: (loads[r], r))
         loads[rank] += float(costs[i])
         result[i] = rank
     return result

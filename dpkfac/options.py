@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -24,6 +24,7 @@ import torch
 
 from dpkfac.curvature import COMPUTE_METHODS as _DECOMPOSITIONS
 from dpkfac.curvature.factors import WEIGHT_SHARING
+from dpkfac.curvature.kernels import FACTOR_METHODS
 
 __all__ = [
     "COMPUTE_METHODS",
@@ -99,12 +100,20 @@ class KFACOptions:
         skip_layers: regexes searched in module names; matches are left alone.
         weight_sharing: "expand" or "reduce" for positions (Conv2d, sequences).
         factor_dtype: dtype factors are built in (None: the weight's dtype).
+        factor_method: how batch factors are built (:mod:`dpkfac.curvature.kernels`):
+            "auto" (exact fast kernels), "shifted", "unfold" (original im2col
+            path) or "auto_bf16" (bf16 products, opt-in, not exact).
         decomposition_dtype: dtype of decompositions, at least 32-bit.
         pi_damping: π-split of the damping (inverse method only).
         bucket_cap_mb: size cap of fused buffers.
         collective_timeout: seconds before a collective counts as hung.
         accumulation_steps: micro-batches per optimizer step, each with its
             loss divided by this number (gradient accumulation).
+        fidelity_every: run the curvature-fidelity probe (:mod:`dpkfac.fidelity`)
+            at steps where ``step % fidelity_every == 0``; 0 turns it off.
+        fidelity_layers: layer names or regexes (full match) the probe
+            compares at each probe step; None: one layer per probe step, in
+            rotation in module order.
     """
 
     compute_method: str = "eigen"
@@ -117,11 +126,14 @@ class KFACOptions:
     skip_layers: tuple[str, ...] = ()
     weight_sharing: str = "expand"
     factor_dtype: torch.dtype | None = None
+    factor_method: str = "auto"
     decomposition_dtype: torch.dtype = torch.float32
     pi_damping: bool = False
     bucket_cap_mb: float = 25.0
     collective_timeout: float = 300.0
     accumulation_steps: int = 1
+    fidelity_every: int = 0
+    fidelity_layers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.skip_layers, str):
@@ -145,6 +157,7 @@ class KFACOptions:
             raise ValueError("accumulation_steps must be an int >= 1, not a callable")
         _check_steps("accumulation_steps", self.accumulation_steps)
         _check_dtype("factor_dtype", self.factor_dtype)
+        check_choice("factor_method", self.factor_method, FACTOR_METHODS)
         _check_dtype("decomposition_dtype", self.decomposition_dtype)
         if torch.finfo(self.decomposition_dtype).bits < 32:
             raise ValueError(
@@ -165,6 +178,35 @@ class KFACOptions:
                 raise ValueError(f"invalid skip_layers regex {pattern!r}: {err}") from err
         check_positive("bucket_cap_mb", self.bucket_cap_mb)
         check_positive("collective_timeout", self.collective_timeout)
+        self._check_fidelity()
+
+    def _check_fidelity(self) -> None:
+        every = self.fidelity_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"fidelity_every must be an int >= 0 (0: off), got {every!r}")
+        layers = self.fidelity_layers
+        if layers is None:
+            return
+        if isinstance(layers, str):
+            layers = (layers,)
+        elif isinstance(layers, Iterable) and not isinstance(layers, (Mapping, bytes)):
+            layers = tuple(layers)  # a list, a tuple, a Hydra ListConfig
+        else:
+            raise ValueError(
+                f"fidelity_layers must be None or a list of layer names/regexes, got {layers!r}"
+            )
+        if not layers:
+            raise ValueError(
+                "fidelity_layers must name at least one layer, got [] (None: rotation)"
+            )
+        for pattern in layers:
+            if not isinstance(pattern, str):
+                raise ValueError(f"fidelity_layers must be strings, got {pattern!r}")
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"invalid fidelity_layers regex {pattern!r}: {err}") from err
+        object.__setattr__(self, "fidelity_layers", layers)
 
     @property
     def bucket_cap_bytes(self) -> int:

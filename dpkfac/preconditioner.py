@@ -35,6 +35,7 @@ from dpkfac.comm import Communicator
 from dpkfac.curvature import COMPUTE_METHODS, KFACLayer, helper_for
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.curvature.state import layer_state, load_layer_state
+from dpkfac.fidelity import FidelityProbe
 from dpkfac.options import KFACOptions, Scalar, Schedule, check_positive, value_at
 from dpkfac.stats import CommStats, PhaseTimer
 from dpkfac.strategies import (
@@ -52,8 +53,8 @@ class KFACPreconditioner:
 
     Args:
         model: the model, possibly wrapped in ``DistributedDataParallel``.
-        strategy: "dp_kfac", "d_kfac" or "spd_kfac" (the hyphenated
-            spellings are accepted too).
+        strategy: "dp_kfac", "d_kfac", "spd_kfac", "kaisa" or "grouped"
+            (the hyphenated spellings are accepted too).
         compute_method: "eigen" (exact damped Kronecker inverse) or "inverse"
             (damping split as √γ on each factor).
         damping: γ, a float or a callable of the step.
@@ -67,6 +68,10 @@ class KFACPreconditioner:
         process_group: group to distribute over (default: the world group).
         factor_dtype: dtype factors are built and accumulated in (default:
             the layer weight's dtype).
+        factor_method: how batch factors are built: "auto" (default: exact
+            kernels chosen per layer, see :mod:`dpkfac.curvature.kernels`),
+            "shifted", "unfold" (the original im2col path) or "auto_bf16"
+            (bf16 products with float32 sums; opt-in, not exact).
         decomposition_dtype: dtype of decompositions (at least float32; a
             float64 factor is decomposed in float64).
         pi_damping: with the inverse method, split the damping between the
@@ -81,6 +86,17 @@ class KFACPreconditioner:
             the scaler skips). Call ``scaler.unscale_(optimizer)`` before
             ``pre.step()``. With several ranks the model must be DDP-wrapped,
             so every rank's scaler sees the same averaged gradients.
+        fidelity_every: every this many steps (``step % fidelity_every == 0``)
+            run the curvature-fidelity probe (:mod:`dpkfac.fidelity`): the
+            probed layers' batch factors are captured on every rank and
+            averaged by one extra all-reduce (category ``fidelity_allreduce``),
+            and the layer's owner compares the averaged gradient preconditioned
+            with its local factors against the averaged factors; read the
+            values with :meth:`fidelity`. 0 (default) turns it off. Training is
+            bitwise unaffected.
+        fidelity_layers: layer names or regexes (full match; each must match a
+            K-FAC layer, else ValueError) probed at every probe step; None:
+            one layer per probe step, in rotation in module order.
         **strategy_options: the strategy's own options (its ``Options``
             dataclass, e.g. :class:`~dpkfac.strategies.DPKFACOptions`).
             Unknown options raise ValueError.
@@ -107,12 +123,15 @@ class KFACPreconditioner:
         process_group: dist.ProcessGroup | None = None,
         *,
         factor_dtype: torch.dtype | None = None,
+        factor_method: str = "auto",
         decomposition_dtype: torch.dtype = torch.float32,
         pi_damping: bool = False,
         bucket_cap_mb: float = 25.0,
         collective_timeout: float = 300.0,
         accumulation_steps: int = 1,
         grad_scaler: torch.amp.GradScaler | None = None,
+        fidelity_every: int = 0,
+        fidelity_layers: str | Iterable[str] | None = None,
         **strategy_options_kwargs: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -130,11 +149,14 @@ class KFACPreconditioner:
             skip_layers=skip_layers,
             weight_sharing=weight_sharing,
             factor_dtype=factor_dtype,
+            factor_method=factor_method,
             decomposition_dtype=decomposition_dtype,
             pi_damping=pi_damping,
             bucket_cap_mb=bucket_cap_mb,
             collective_timeout=collective_timeout,
             accumulation_steps=accumulation_steps,
+            fidelity_every=fidelity_every,
+            fidelity_layers=fidelity_layers,
         )
         self._skip = [re.compile(p) for p in self.options.skip_layers]
         self.model = model
@@ -156,6 +178,7 @@ class KFACPreconditioner:
             own_options,
             decomposition_dtype=decomposition_dtype,
             bucket_cap_mb=bucket_cap_mb,
+            kfac=self.options,
         )
         if grad_scaler is not None and self.comm.active and not self.ddp:
             raise ValueError(
@@ -174,6 +197,24 @@ class KFACPreconditioner:
         self._capture = self._is_factor_step(0)
         # Set by a checkpoint of another world size that lacks some decompositions.
         self._decompose_next = False
+        # Gradient hooks of a strategy that works inside the backward pass (dp_kfac's overlap).
+        self.strategy.register_hooks(self)
+        self._fidelity: FidelityProbe | None = None
+        if self.options.fidelity_every > 0:
+            self._fidelity = FidelityProbe(
+                self._layer_list,
+                every=self.options.fidelity_every,
+                patterns=self.options.fidelity_layers,
+                comm=self.comm,
+                timer=self._timer,
+                method=compute_method,
+                decomposition_dtype=decomposition_dtype,
+                pi_damping=pi_damping,
+                weight_sharing=weight_sharing,
+                dtype_for=self._dtype_for,
+                grad_scaler=grad_scaler,
+            )
+            self._fidelity.arm(0)
 
     # ------------------------------------------------------------ registration
     def _register(self) -> dict[str, KFACLayer]:
@@ -207,6 +248,12 @@ class KFACPreconditioner:
         kwargs: dict[str, Any],
         output: Any,
     ) -> None:
+        probe = self._fidelity
+        if probe is not None and layer.name in probe.active:
+            # Probed layers are captured on every rank; where the strategy does not
+            # capture now, the probe builds its own copy (never the layer's state).
+            captured = self._capture and self.strategy.captures(layer)
+            probe.forward_hook(layer, module, args, kwargs, output, captured=captured)
         if not (self._capture and module.training and torch.is_grad_enabled()):
             if self._capture and torch.is_grad_enabled():
                 layer.seen_in_eval_mode = True  # explains a missing capture in the warning
@@ -217,14 +264,19 @@ class KFACPreconditioner:
         if not isinstance(x, torch.Tensor):
             return
         with self._timer.phase("factor_compute"):
-            layer.accumulate_a(x, self.options.weight_sharing, self._dtype_for(layer))
+            layer.accumulate_a(
+                x, self.options.weight_sharing, self._dtype_for(layer), self.options.factor_method
+            )
         self._factor_ready(layer, "A")
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(partial(self._grad_hook, layer))
 
     def _grad_hook(self, layer: KFACLayer, grad: torch.Tensor) -> None:
         with self._timer.phase("factor_compute"):
-            layer.accumulate_g(grad, self.options.weight_sharing, self._dtype_for(layer))
+            options = self.options
+            layer.accumulate_g(
+                grad, options.weight_sharing, self._dtype_for(layer), options.factor_method
+            )
         self._factor_ready(layer, "G")
 
     def _factor_ready(self, layer: KFACLayer, which: str) -> None:
@@ -248,8 +300,7 @@ class KFACPreconditioner:
             layer_shape(x, int(n), int(t))
             for x, (n, t) in zip(self._layer_list, stats.tolist(), strict=True)
         ]
-        self.strategy.place(self._layer_list, shapes)
-        self.strategy.placed = True
+        self.strategy.finalise_placement(self._layer_list, shapes)
         for layer in self._layer_list:
             if not self.strategy.captures(layer):
                 # Another rank holds this layer: drop what was built here, and what a
@@ -266,9 +317,25 @@ class KFACPreconditioner:
         step = self.steps
         strat = self.strategy
         layers = self._layer_list
+        probe = self._fidelity
+        if probe is not None:
+            # The local batch factors, before placement drops or reduction averages them.
+            probe.collect()
         if not strat.placed:
             self._finalise_placement()
         self._buffer_peak = max(self._buffer_peak, sum(x.pending_nbytes() for x in layers))
+
+        # A strategy that did this step's work in the backward pass (dp_kfac's
+        # overlap) hands over the updates: only the KL clip and write-back remain.
+        overlapped = strat.overlapped_updates(layers)
+        if overlapped is not None:
+            self._apply(overlapped, step)
+            self._warn_uncaptured()
+            self.steps += 1
+            self._capture = self._is_factor_step(self.steps)
+            if probe is not None:
+                probe.arm(self.steps)
+            return
 
         if not self.ddp:
             strat.reduce_gradients(layers, self._other_params)
@@ -280,6 +347,8 @@ class KFACPreconditioner:
 
         damping = float(value_at(self.options.damping, step))
         check_positive("damping", damping)
+        if probe is not None:
+            probe.run(step, damping)  # gradients averaged, not yet overwritten
         if self._is_inv_step(step) or self._decompose_next:
             self._decompose_next = False
             strat.sync_factors(layers)
@@ -307,6 +376,8 @@ class KFACPreconditioner:
 
         self.steps += 1
         self._capture = self._is_factor_step(self.steps)
+        if probe is not None:
+            probe.arm(self.steps)
 
     def _unscale_g(self, layers: list[KFACLayer]) -> None:
         """Divide the pending G factors by the loss scale squared (mixed precision).
@@ -451,6 +522,17 @@ class KFACPreconditioner:
         """Seconds per phase on this rank since :meth:`reset_stats`."""
         return self._timer.as_dict()
 
+    def fidelity(self) -> dict[str, dict[str, float | int]]:
+        """The curvature-fidelity probe's latest values per probed layer (same on every rank).
+
+        ``{layer: {"cosine": c, "rel_error": e, "step": s}}``: at step ``s`` the
+        layer's owner preconditioned the averaged gradient with the damped
+        factors of its own batch (``a``) and of all ranks' batches (``b``);
+        ``c`` is their cosine similarity and ``e = ‖a − b‖ / ‖b‖``. Empty when
+        ``fidelity_every`` is 0 or no probe ran yet. Reads the host.
+        """
+        return {} if self._fidelity is None else self._fidelity.results()
+
     def reset_stats(self) -> None:
         """Zero the communication, timing and buffer-peak accounting."""
         self._stats.reset()
@@ -564,6 +646,8 @@ class KFACPreconditioner:
                 layer = self.layers[name]
                 load_layer_state(layer, entry, self.method, held=self.strategy.captures(layer))
         self._capture = self._is_factor_step(self.steps)
+        if self._fidelity is not None:
+            self._fidelity.arm(self.steps)
 
     def _load_resized(self, entries: dict[str, dict[str, Any]], saved_size: Any) -> None:
         """Load layer entries saved by another number of ranks (see :meth:`load_state_dict`)."""

@@ -30,6 +30,9 @@ PHASES = (
     "grad_comm",
     "comm_sync",
 )
+#: Phases reported by ``timings()`` only when something was timed in them (the
+#: curvature-fidelity probe's compute and communication, see dpkfac/fidelity.py).
+OPTIONAL_PHASES = ("fidelity", "fidelity_comm")
 #: The phase in which waiting on a collective of each category is counted.
 PHASE_OF_CATEGORY = {
     "grad_allreduce": "grad_comm",
@@ -37,6 +40,7 @@ PHASE_OF_CATEGORY = {
     "decomposition_broadcast": "decomposition_comm",
     "precond_broadcast": "precond_comm",
     "setup": "setup",
+    "fidelity_allreduce": "fidelity_comm",
 }
 
 
@@ -144,4 +148,6 @@ class PhaseTimer:
     def as_dict(self) -> dict[str, float]:
         """Seconds per phase (waits for the device's outstanding timed work)."""
         self._resolve(block=True)
-        return {p: float(self._seconds.get(p, 0.0)) for p in PHASES}
+        out = {p: float(self._seconds.get(p, 0.0)) for p in PHASES}
+        out.update({p: float(self._seconds[p]) for p in OPTIONAL_PHASES if p in self._seconds})
+        return out

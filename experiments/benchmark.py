@@ -300,6 +300,7 @@ def _timing_row(
         least_wait=json.dumps(row["least_wait"]),
         fusion_plan=json.dumps(first.get("fusion_plan")),
         measured_hardware=first.get("hardware") or "",
+        configuration=first.get("configuration") or "",
     )
     for key, value in list(row.items()):
         if isinstance(value, float) and key.startswith(("bytes_", "calls_", "wire_", "mem_")):
@@ -397,8 +398,9 @@ def _summary(row: dict[str, Any]) -> str:
             f"{row['strategy']} P={row['world_size']}: final test accuracy "
             f"{row['final_acc']:.4f} after {row['epochs']} epochs ({row['seconds']:.1f} s)"
         )
+    chosen = f" ({row['configuration']})" if row.get("configuration") else ""
     return (
-        f"{row['model']} {row['strategy']} P={row['world_size']} {row['setting']}: "
+        f"{row['model']} {row['strategy']}{chosen} P={row['world_size']} {row['setting']}: "
         f"iteration {row['iteration_s'] * 1e3:.1f} ms, K-FAC compute {row['compute_s'] * 1e3:.1f}"
         f" ms, comm {row['comm_s'] * 1e3:.1f} ms, second-order bytes "
         f"{row['bytes_second_order']}, K-FAC memory {row['mem_kfac'] / 2**20:.2f} MiB"

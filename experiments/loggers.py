@@ -98,6 +98,21 @@ def flatten_stats(prefix: str, stats: Mapping[str, Any]) -> dict[str, float]:
     return flat
 
 
+def fidelity_metrics(values: Mapping[str, Mapping[str, Any]], step: int) -> dict[str, float]:
+    """Metric names of the curvature-fidelity probe's values of one probe step.
+
+    ``pre.fidelity()`` (``{layer: {"cosine", "rel_error", "step"}}``) becomes
+    ``{"fidelity/<layer>/cosine": c, "fidelity/<layer>/rel_error": e}`` for the
+    layers probed at ``step``; layers last probed earlier are left out.
+    """
+    return {
+        f"fidelity/{layer}/{key}": float(entry[key])
+        for layer, entry in values.items()
+        if entry.get("step") == step
+        for key in ("cosine", "rel_error")
+    }
+
+
 def write_json(path: Path, payload: Mapping[str, Any]) -> None:
     """Write ``payload`` as JSON through a temporary file, so readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)

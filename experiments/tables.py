@@ -399,6 +399,7 @@ def ablation_frame(df: pd.DataFrame, predict_at: int | None = ABLATION_P) -> pd.
             "setting": r["setting"],
             "P": int(r["world_size"]),
             "strategy": r["strategy"],
+            "chosen": str(r.get("configuration") or ""),
             "algorithm": algorithm or "",
             "options": _options_text(options),
             "first_order": first_order(r),
@@ -424,6 +425,7 @@ def ablation_frame(df: pd.DataFrame, predict_at: int | None = ABLATION_P) -> pd.
                 pred_MB=got["bytes_second_order"] / 1e6,
                 pred_total_wire_MB=got["wire_bytes"] / 1e6,
                 pred_memory_MiB=got["memory_bytes"] / MiB,
+                pred_chosen=got["configuration"],
             )
         rows.append(entry)
     frame = pd.DataFrame(rows)
@@ -460,7 +462,8 @@ def write_ablation(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         "comm = factor, decomposition and preconditioned-gradient collectives (seconds, with",
         "a barrier before each phase's collectives when `isolate_comm` is on, and MB per rank);",
         "grad comm = the gradient reduction; wire MB = what every collective, gradients",
-        "included, puts on the wire per rank; memory = K-FAC state of the busiest rank (MiB).",
+        "included, puts on the wire per rank; memory = K-FAC state of the busiest rank (MiB);",
+        "chosen = the (k, f) a `grouped` config chose for itself (`auto`) where one did.",
     ]
     if predicted_p is not None:
         md += [
@@ -472,12 +475,19 @@ def write_ablation(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         ]
     if not frame.empty:
         for (_, setting, p), g in frame.groupby(["model", "setting", "P"], sort=False):
-            show = g[["strategy", *[c for c in _ABLATION_MEASURED if c in g]]].rename(
+            # What a config chose for itself (grouped's "auto"), where any did.
+            chose = g["chosen"].astype(bool).any() or g.get("pred_chosen", g["chosen"]).astype(
+                bool
+            ).any()
+            head = ["strategy", "chosen"] if chose else ["strategy"]
+            show = g[[*head, *[c for c in _ABLATION_MEASURED if c in g]]].rename(
                 columns=_ABLATION_MEASURED
             )
             if predicted_p is not None:
                 for column, header in _ABLATION_PREDICTED.items():
                     show[f"P={predicted_p} {header}"] = g[column].to_numpy()
+                if chose:
+                    show[f"P={predicted_p} chosen"] = g["pred_chosen"].to_numpy()
             md += ["", f"## {g['label'].iloc[0]}, {setting} setting, measured at P={p}", ""]
             md.append(to_markdown(show, {"vs SGD": 2, f"P={predicted_p} vs SGD": 2}))
         configs = frame.drop_duplicates("strategy")

@@ -44,7 +44,7 @@ from experiments.checkpoint import (
 )
 from experiments.data.loading import DataModule, epoch_sampler
 from experiments.distributed import DistEnv, broadcast_buffers, check_replicas, unwrap
-from experiments.loggers import NullLogger, flatten_stats, write_json
+from experiments.loggers import NullLogger, fidelity_metrics, flatten_stats, write_json
 from experiments.preconditioning import strategy_name
 from experiments.tasks.base import evaluate, to_device
 
@@ -328,6 +328,23 @@ class Trainer:
         log.info("epoch %.4g (step %d): test %s", epoch, self.step, shown)
         return metrics
 
+    def _log_fidelity(self) -> None:
+        """Log the curvature-fidelity probe's values when the step just taken ran it.
+
+        ``fidelity/<layer>/cosine`` and ``fidelity/<layer>/rel_error`` at the
+        logging step of that optimizer step; the values are the same on every
+        rank, so only rank 0 reads them (the others' logger discards anyway).
+        """
+        every = getattr(getattr(self.pre, "options", None), "fidelity_every", 0)
+        if not every or not self.env.is_main:
+            return
+        probed = self.pre.steps - 1  # the preconditioner's index of the step just taken
+        if probed % every:
+            return
+        metrics = fidelity_metrics(self.pre.fidelity(), probed)
+        if metrics:
+            self.logger.log(metrics, step=self.step)
+
     def _due(self, every: int | None) -> bool:
         return every is not None and self.step % every == 0
 
@@ -375,6 +392,7 @@ class Trainer:
                     count += 1
                     eval_count += 1
                     bar.update(1)
+                    self._log_fidelity()
                     if self._due(self.settings.log_every_steps):
                         last_loss = self._log_training(
                             loss_sum, count, time.perf_counter() - interval_start

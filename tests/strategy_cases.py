@@ -19,6 +19,10 @@ STRATEGY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "spd_kfac_local": ("spd_kfac", {}),
     "kaisa_comm_opt": ("kaisa", {"grad_worker_fraction": "comm_opt"}),
     "kaisa_mem_opt": ("kaisa", {"grad_worker_fraction": "mem_opt"}),
+    # Owners build the factors alone and broadcast decompositions (k = 1, f = 1).
+    "grouped_local_decomp": ("grouped", {"factor_group_size": 1, "grad_worker_fraction": 1.0}),
+    # (k, f) chosen by the cost model on a preset (no start-up measurement).
+    "grouped_auto": ("grouped", {"hardware": "cpu_gloo_local"}),
 }
 #: Variants whose curvature is the whole (all-ranks) batch's.
 REPLICATED_VARIANTS = ("d_kfac", "spd_kfac", "spd_kfac_local", "kaisa_comm_opt", "kaisa_mem_opt")

@@ -116,7 +116,10 @@ def test_ablation_preset_states_every_switch() -> None:
         "kaisa_comm_opt",
         "kaisa_mem_opt",
         "dp_kfac",
+        "dp_kfac_overlap",
         "dp_kfac_owner",
+        "grouped_local_decomp",
+        "grouped_auto",
     ]
     assert kfac["none"] is None
     switches = ("triangle", "placement", "lazy_factor_sync")
@@ -130,6 +133,12 @@ def test_ablation_preset_states_every_switch() -> None:
     assert kfac["kaisa_comm_opt"]["grad_worker_fraction"] == "comm_opt"
     assert kfac["kaisa_mem_opt"]["grad_worker_fraction"] == "mem_opt"
     assert kfac["dp_kfac_owner"]["grad_reduction"] == "owner"
+    assert kfac["dp_kfac_overlap"]["overlap"] is True
+    assert (
+        kfac["grouped_local_decomp"]["factor_group_size"],
+        kfac["grouped_local_decomp"]["grad_worker_fraction"],
+    ) == (1, 1.0)
+    assert kfac["grouped_auto"]["factor_group_size"] == "auto"
     assert spec["interleaved"] and spec["isolate_comm"] and spec["world_size"] == 2
     assert (spec["factor_every"], spec["inv_every"]) == (10, 100)
 

@@ -497,6 +497,10 @@ def test_results_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     rows = pd.DataFrame([fake_row(s, p) for s in ("none", "dp_kfac") for p in (1, 2)])
     tables.write_table("scaling", rows, results)
     tables.write_table("ablation", ablation_rows(), results)
+    (results / "fidelity.csv").write_text(
+        "run,world_size,strategy,step,layer,cosine,rel_error\n"
+        "digits_cnn,2,dp_kfac,1,conv,0.99,0.01\ndigits_cnn,2,dp_kfac,3,fc,0.8,0.5\n"
+    )
     monkeypatch.setenv("RESULTS_DIR", str(results))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(ROOT / "notebooks" / "results.ipynb", as_version=4)
@@ -518,5 +522,5 @@ def test_results_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         for out in cell.get("outputs", [])
         if "image/png" in out.get("data", {})
     ]
-    assert len(images) == 5
+    assert len(images) == 6
     assert os.environ["RESULTS_DIR"] == str(results)

@@ -46,6 +46,7 @@ from dpkfac.costmodel import (
     transformer,
 )
 from dpkfac.costmodel.__main__ import main
+from dpkfac.costmodel.table import VARIANTS
 from dpkfac.options import KFACOptions
 from dpkfac.strategies import STRATEGIES, DPKFACOptions, SPDKFACOptions, strategy_options
 
@@ -137,11 +138,34 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "placement": "layer_round_robin",
         },
     ),
+    "grouped-auto-preset": ("tiny", "grouped", {"hardware": "v100_ib100"}),
+    "grouped-local-decomp-kl": (
+        "attn",
+        "grouped",
+        {"factor_group_size": 1, "grad_worker_fraction": 1.0, "kl_clip": 0.001},
+    ),
 }
-#: KAISA's hybrid: 2 gradient workers per layer at P = 4 (rank groups differ per column).
+#: KAISA's hybrid: 2 gradient workers per layer at P = 4 (rank groups differ per column),
+#: and grouped's factor groups of 2 (factor traffic within pairs of ranks).
 HYBRID_CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "kaisa-hybrid-kl": ("tiny", "kaisa", {"grad_worker_fraction": 0.5, "kl_clip": 0.001}),
     "kaisa-hybrid-attn": ("attn", "kaisa", {"grad_worker_fraction": 0.5, "triangle": True}),
+    "grouped-k2-f05-kl": (
+        "tiny",
+        "grouped",
+        {"factor_group_size": 2, "grad_worker_fraction": 0.5, "kl_clip": 0.001},
+    ),
+    "grouped-k2-f1-eager-triangle": (
+        "attn",
+        "grouped",
+        {
+            "factor_group_size": 2,
+            "grad_worker_fraction": 1.0,
+            "triangle": True,
+            "lazy_factor_sync": False,
+        },
+    ),
+    "grouped-k1-f05": ("tiny", "grouped", {"factor_group_size": 1, "grad_worker_fraction": 0.5}),
 }
 #: Preconditioner arguments of every case: factors and decompositions every 2 steps.
 RUN: dict[str, Any] = {
@@ -229,6 +253,10 @@ def test_kaisa_hybrid_bytes_and_memory_per_rank_equal_measured() -> None:
     assert all(s["calls"] > 0 for s in stats)
     memory = [r["kaisa-hybrid-attn"][1]["decompositions"] for r in results]
     assert len(set(memory)) > 1  # columns hold different layers' decompositions
+    # Factor groups of 2: factors travel within pairs, and only the pair's layers.
+    factor = [r["grouped-k2-f1-eager-triangle"][0][2]["factor_allreduce"] for r in results]
+    assert all(s["calls"] > 0 for s in factor)
+    assert factor[0] == factor[1] and factor[2] == factor[3]
 
 
 def _check_cases(
@@ -660,7 +688,7 @@ def test_spd_plan_follows_the_fusion_rule() -> None:
 def test_predicted_table_and_printout(capsys) -> None:
     rows = predicted_table(PAPER_MODELS, world_size=64)
     assert {r["model"] for r in rows} == set(PAPER_MODELS)
-    assert len(rows) == 4 * len(PAPER_MODELS)
+    assert len(rows) == len(VARIANTS) * len(PAPER_MODELS)
     for r in rows:
         if r["strategy"] == "dp_kfac":
             # no factor traffic and a fraction of the factors per rank
@@ -668,6 +696,8 @@ def test_predicted_table_and_printout(capsys) -> None:
             assert r["computation_s_x_d_kfac"] > 1
     text = format_table(rows)
     assert "ResNet-50" in text and "spd_kfac" in text
+    # grouped's automatic choice is named beside its label
+    assert "grouped_auto (k=" in text
     main(["--world-size", "16"])
     assert "BERT-large" in capsys.readouterr().out
 

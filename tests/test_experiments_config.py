@@ -44,6 +44,7 @@ def test_all_groups_and_presets_exist():
         assert options(group), group
     assert set(options("strategy")) == {
         "dp_kfac",
+        "dp_kfac_overlap",
         "dp_kfac_owner",
         "d_kfac",
         "d_kfac_eager",
@@ -52,6 +53,8 @@ def test_all_groups_and_presets_exist():
         "spd_kfac",
         "kaisa_comm_opt",
         "kaisa_mem_opt",
+        "grouped_auto",
+        "grouped_local_decomp",
         "none",
     }
     assert set(options("model")) == set(MODEL_KWARGS)

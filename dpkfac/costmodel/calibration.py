@@ -37,6 +37,7 @@ __all__ = [
     "measure_collectives",
     "measure_compute",
     "measure_in_group",
+    "start_up_hardware",
 ]
 
 SIZES = (256, 4096, 65536, 262144, 1048576, 4194304)  # float32 elements
@@ -324,3 +325,17 @@ def measure_in_group(comm: Communicator, base: Hardware, name: str = "measured")
         engines={**base.engines, "eigh": Engine(1.0 / inv_rate if inv_rate > 0 else 1e30, latency)},
         sources=(f"measured in-process on {comm.size} ranks by measure_in_group",),
     )
+
+
+def start_up_hardware(comm: Communicator) -> Hardware:
+    """The model a strategy measures when it starts: ``measure_in_group`` on this machine's preset.
+
+    A collective over ``comm`` (nothing is measured on one rank: no
+    collective would ever be timed there).
+    """
+    from dpkfac.costmodel.presets import PRESETS
+
+    base = PRESETS["cpu_gloo_local"]
+    if not comm.active:
+        return base
+    return measure_in_group(comm, base)

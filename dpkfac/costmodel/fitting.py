@@ -205,7 +205,9 @@ def predict_measurement(
     plan = m.fusion_plan if replay else None
     options = m.options
     if replay and m.strategy is not None and options is not None and m.measured_hardware:
-        options = strategy_class(m.strategy).resolve_options(options, m.measured_hardware)
+        options = strategy_class(m.strategy).resolve_options(
+            options, m.measured_hardware, shapes=list(m.shapes), world_size=p, kfac=m.kfac
+        )
     return predict(
         m.shapes,
         strategy=m.strategy,

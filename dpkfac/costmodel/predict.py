@@ -90,9 +90,12 @@ class Prediction:
 
         Their measured wait is not a transfer time (see :meth:`samples`).
         """
+        phases: tuple[str, ...] = ()
         if self.traits is not None and self.traits.factor_comm == "pipelined":
-            return ("factor_comm",)
-        return ()
+            phases += ("factor_comm",)
+        if self.traits is not None and self.traits.overlapped_precondition:
+            phases += ("grad_comm", "precond_comm")
+        return phases
 
     @property
     def update(self) -> StepPrediction:
@@ -295,7 +298,16 @@ def predict(
         name, opts, traits = None, None, None
     else:
         name = canonical_name(strategy)
-        opts = _strategy_options(name, options)
+        # What the run would fill in at start-up (spd_kfac's measured hardware,
+        # grouped's automatic choice).
+        given = _strategy_options(name, options)
+        opts = strategy_class(name).resolve_options(
+            given,
+            hardware,
+            shapes=list(shapes),
+            world_size=int(world_size),
+            kfac=kfac,
+        )
         traits = strategy_class(name).traits(opts)
     model = as_model_shapes(shapes, bias=bias, other_params=other_params)
     p, hw = int(world_size), hardware
@@ -312,16 +324,16 @@ def predict(
     every: list[tr.Collective] = [] if ddp else list(sgd_grads)
     updates: list[list[tr.Collective]] = [[] for _ in range(p)]
     setup: list[tr.Collective] = []
-    factor_colls: list[tr.Collective] = []
+    factor_colls: list[list[tr.Collective]] = [[] for _ in range(p)]
     decomp_colls: list[list[tr.Collective]] = [[] for _ in range(p)]
     if name is not None and opts is not None and traits is not None:
         cls = strategy_class(name)
-        # What the run would fill in at start-up (spd_kfac's measured hardware).
-        placement = cls.placement(list(model), p, cls.resolve_options(opts, hw))
+        placement = cls.placement(list(model), p, opts)
         roles = tr.Roles(
             tuple(cls.preconditioners(o, p, opts) for o in placement.owner),
             tuple(tuple(g) for g in cls.decomposition_groups(p, opts)),
             tuple(tuple(g) for g in cls.update_groups(p, opts)),
+            tuple(tuple(g) for g in cls.factor_groups(p, opts)),
         )
         if traits.owner_grad_reduction and active and not ddp:
             every = tr.grad_collectives(
@@ -338,13 +350,14 @@ def predict(
             )
             for r in range(p)
         ]
-        if cls.placement_uses_batch(opts):
+        if cls.placement_uses_batch(given):
             # (batch_size, positions) of every layer, as float64, agreed by a max-reduce.
             setup.append(tr.Collective("setup", "allreduce", 16 * len(model), p))
         n_keys = len(tr.factor_keys(model))
         setup += [
             tr.Collective("setup", kind, nbytes, p)
-            for kind, nbytes in cls.setup_collectives(opts, n_keys)
+            # What the run does at start-up, with the options it was given.
+            for kind, nbytes in cls.setup_collectives(given, n_keys)
         ]
         if traits.factor_comm == "pipelined":
             fusion, comm = _fusion_comm(opts, hw, p)
@@ -353,9 +366,17 @@ def predict(
             else:
                 ready = ready_times or timeline(model, hw, sharing, fi)[0]
                 plan = pipelined_plan(model, ready, comm, fi, fusion, traits.triangle)
-        factor_colls = tr.factor_collectives(
-            model, p, traits, itemsize=fi, cap_bytes=cap, plan=plan
-        )
+        for r in range(p):
+            group = roles.factor_group(r)
+            factor_colls[r] = tr.factor_collectives(
+                model,
+                len(group),
+                traits,
+                itemsize=fi,
+                cap_bytes=cap,
+                plan=plan,
+                include=[roles.captures(r, o) for o in placement.owner],
+            )
         decomp_colls = [
             tr.decomposition_collectives(
                 model, placement, roles, r, compute_method=method, itemsize=di, cap_bytes=cap
@@ -375,7 +396,7 @@ def predict(
             rank_colls = [
                 every
                 + updates[r]
-                + (factor_colls if sync else [])
+                + (factor_colls[r] if sync else [])
                 + (decomp_colls[r] if decomp else [])
                 for r in range(p)
             ]

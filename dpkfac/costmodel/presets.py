@@ -47,9 +47,11 @@ localhost, one thread each); regenerate it with
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dpkfac.costmodel.hardware import Engine, Hardware, Link
 
-__all__ = ["PRESETS"]
+__all__ = ["PRESETS", "check_hardware_option", "hardware_option"]
 
 _IB_BETA = 1.0 / 10e9  # s per wire byte: 10 GB/s bus bandwidth (80% of EDR's 12.5 GB/s)
 
@@ -109,3 +111,23 @@ CPU_GLOO_LOCAL = Hardware(
 
 #: Hardware presets by name.
 PRESETS: dict[str, Hardware] = {hw.name: hw for hw in (V100_IB100, CPU_GLOO_LOCAL)}
+
+
+def check_hardware_option(value: object) -> None:
+    """Validate a strategy's ``hardware=`` option: a preset name, a JSON file, a model or None.
+
+    Raises:
+        ValueError: a string that is neither a preset nor an existing file.
+    """
+    if isinstance(value, str) and value not in PRESETS and not Path(value).is_file():
+        raise ValueError(
+            f"unknown hardware {value!r}: neither a preset ({', '.join(PRESETS)}) "
+            "nor an existing JSON file"
+        )
+
+
+def hardware_option(value: str | Hardware | None) -> Hardware | None:
+    """The model a ``hardware=`` option names (None stays None: measured at start-up)."""
+    if not isinstance(value, str):
+        return value
+    return PRESETS.get(value) or Hardware.from_json(value)

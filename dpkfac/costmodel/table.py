@@ -19,6 +19,7 @@ from dpkfac.costmodel.hardware import Hardware
 from dpkfac.costmodel.predict import predict, predict_sgd
 from dpkfac.costmodel.presets import PRESETS
 from dpkfac.options import KFACOptions
+from dpkfac.strategies import strategy_class
 
 __all__ = ["BASELINES", "VARIANTS", "format_table", "predicted_table"]
 
@@ -28,6 +29,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "dp_kfac_owner": ("dp_kfac", {"grad_reduction": "owner"}),
     "d_kfac": ("d_kfac", {}),
     "spd_kfac": ("spd_kfac", {}),
+    "kaisa_comm_opt": ("kaisa", {"grad_worker_fraction": "comm_opt"}),
+    "kaisa_mem_opt": ("kaisa", {"grad_worker_fraction": "mem_opt"}),
+    "grouped_local_decomp": ("grouped", {"factor_group_size": 1, "grad_worker_fraction": 1.0}),
+    "grouped_auto": ("grouped", {}),
 }
 #: Labels of the rows the others are compared with (the papers' D-KFAC baselines).
 BASELINES: tuple[str, ...] = ("d_kfac", "spd_kfac")
@@ -88,6 +93,7 @@ def predicted_table(
                 "kfac_wire_mb": (wire - sgd_wire) / 2**20,
                 "iteration_s": pred.iteration,
                 "sgd_iteration_s": sgd.iteration,
+                "configuration": strategy_class(strategy).describe(pred.options),
             }
             by_label[label] = row
             rows.append(row)
@@ -128,7 +134,7 @@ def format_table(rows: Sequence[Mapping[str, Any]], baselines: Sequence[str] = B
             _num(r["iteration_s"], 1e3),
             _num(r["sgd_iteration_s"], 1e3),
         ]
-        lines.append(f"| {r['model']} | {r['strategy']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['model']} | {_label(r)} | " + " | ".join(cells) + " |")
     vs_heads = " | ".join(f"vs {b} (comp / comm / mem)" for b in baselines)
     lines += [
         "",
@@ -146,5 +152,11 @@ def format_table(rows: Sequence[Mapping[str, Any]], baselines: Sequence[str] = B
             for b in baselines
         ]
         best = " | ".join(f"{r[f'{m}_x_best']:.2f}" for m in _METRICS)
-        lines.append(f"| {r['model']} | {r['strategy']} | {best} | " + " | ".join(vs) + " |")
+        lines.append(f"| {r['model']} | {_label(r)} | {best} | " + " | ".join(vs) + " |")
     return "\n".join(lines)
+
+
+def _label(row: Mapping[str, Any]) -> str:
+    """The row's strategy, with what it chose (grouped's k and f) when it chose anything."""
+    chosen = row.get("configuration")
+    return f"{row['strategy']} ({chosen})" if chosen else str(row["strategy"])

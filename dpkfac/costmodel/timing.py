@@ -2,12 +2,21 @@
 
 Work (``kind -> (calls, amount)``, see :mod:`dpkfac.costmodel.hardware`) per phase:
 
-* ``factor_compute``: per factor, ``2·rows·d²`` flops of kind "factor"
-  (``aᵀa`` and ``gᵀg``; rows = ``N·T`` for "expand", ``N`` for "reduce")
-  plus ``3·rows·d·itemsize`` bytes of kind "memory" (im2col or reshape
-  copy, scaling copy, the product's read), which dominates for tall, narrow
-  convolution patch matrices on CPUs; "reduce" reads ``N·T·d`` once and
-  works on ``N`` rows;
+* ``factor_compute``: per factor, the kernels ``factor_method="auto"`` uses
+  (:mod:`dpkfac.curvature.kernels`): a Conv2d "expand" A factor by shifted
+  correlations, ``2·C²·N·(H+k−1)²`` flops of kind "factor" per shift
+  (``2k²−2k+1`` shifts) plus the border corrections, and
+  ``3·C·N·(H+k−1)²·itemsize`` "memory" bytes (one flat copy, no im2col);
+  LayerShape keeps neither kernel nor stride, so k and C are guessed from
+  ``a_dim`` (:func:`~dpkfac.curvature.kernels.guess_square_kernel`) and the
+  input map is taken as the output map (stride 1). Every other product is
+  the triangle-only ``XᵀX`` (about ``rows·d²`` flops for ``d ≥ 128``,
+  ``2·rows·d²`` below; rows = ``N·T`` for "expand", ``N`` for "reduce")
+  with ``2·rows·d·itemsize`` bytes (im2col or reshape copy and the
+  product's read; a Conv2d G and reduce-mode reads are one pass). Each
+  factor counts as one call: the shifted path's dozen small GEMMs are not
+  priced per launch (that would make the fitted latency and overlap less
+  identifiable);
 * ``decomposition``: per factor, ``9·d³`` flops of kind "eigh" (Golub & Van
   Loan, symmetric QR with vectors; :data:`dpkfac.assignment.EIGH_COEFF` in
   flops) or ``2·d³`` of kind "inverse" (Cholesky and its inverse);
@@ -115,15 +124,27 @@ class StepPrediction:
 
 
 def factor_work(s: LayerShape, which: str, weight_sharing: str, itemsize: int) -> Work:
-    """Work of building one batch factor ("A" or "G") of layer ``s``."""
+    """Work of building one batch factor ("A" or "G") of layer ``s`` (see the module docstring)."""
+    from dpkfac.curvature import kernels
+
     d = s.a_dim if which == "A" else s.g_dim
+    n, t = s.batch_size, s.positions
+    if which == "A" and s.kind == "conv2d" and weight_sharing == "expand":
+        k, c = kernels.guess_square_kernel(d)
+        side = math.sqrt(t) + k - 1
+        flat = n * side * side
+        shifts = kernels.shift_count(k, k)
+        border = n * 4 * (k - 1) * side * (2 * k - 1)  # positions in the corrections
+        flops = 2.0 * c * c * (shifts * flat + border)
+        return {"factor": (1, flops), "memory": (0, 3.0 * c * flat * itemsize)}
     if weight_sharing == "expand":
-        rows = s.batch_size * s.positions
-        nbytes = 3 * rows * d * itemsize
+        rows = n * t
+        nbytes = (1 if s.kind == "conv2d" else 2) * rows * d * itemsize
     else:
-        rows = s.batch_size
-        nbytes = (s.batch_size * s.positions + 2 * rows) * d * itemsize
-    return {"factor": (1, 2.0 * rows * d * d), "memory": (0, float(nbytes))}
+        rows = n
+        nbytes = (n * t + rows) * d * itemsize
+    _, flops = kernels.triangle_work(rows, d)
+    return {"factor": (1, flops), "memory": (0, float(nbytes))}
 
 
 def _fb_flops(s: LayerShape) -> float:
@@ -204,8 +225,7 @@ def _rank_work(
     for i, s in enumerate(model):
         if traits is None or placement is None or roles is None or not model.captured[i]:
             continue
-        owned = placement.owner[i] == rank
-        if factor and (traits.captures_all or owned):
+        if factor and roles.captures(rank, placement.owner[i]):
             for which in "AG":
                 for kind, (c, a) in factor_work(s, which, weight_sharing, itemsize).items():
                     add_work(w.setdefault("factor_compute", {}), kind, c, a)
@@ -217,6 +237,73 @@ def _rank_work(
             flops = pre_coeff * s.g_dim * s.a_dim * (s.g_dim + s.a_dim)
             add_work(w.setdefault("precondition", {}), "precondition", 1, flops)
     return w
+
+
+def _overlap_backward(
+    model: ModelShapes,
+    hw: Hardware,
+    seconds: list[dict[str, float]],
+    compute_method: str,
+    weight_sharing: str,
+    itemsize: int,
+) -> None:
+    """Hide gradient and update traffic behind the backward pass (``overlapped_precondition``).
+
+    One link, layers in backward order: a layer's share of the gradient
+    all-reduce (by its ``a·g`` elements) starts once its backward is done
+    (:func:`timeline`), its owner preconditions it once that is reduced, and
+    its share of the update broadcasts follows; the link serves whichever is
+    ready first. Decomposition and preconditioning run on the compute
+    stream, so they lengthen the backward (they stay in the breakdown). Only
+    the link's tail past the end of that compute is exposed, to the extent
+    the hardware overlaps (``Hardware.overlap``); the rest is serial. The
+    collectives, hence the bytes, are unchanged: only the ``grad_comm`` and
+    ``precond_comm`` waits shrink (by the same factor on every rank).
+    """
+    grad = seconds[0]["grad_comm"]
+    bcast = seconds[0]["precond_comm"]
+    serial = grad + bcast
+    if serial <= 0.0:
+        return
+    ready_at, backward_end = timeline(model, hw, weight_sharing, itemsize)
+    pre_coeff = 4.0 if compute_method == "eigen" else 2.0
+    order = list(reversed(range(len(model))))
+    sizes = [float(model[i].a_dim * model[i].g_dim) for i in order]
+    total = sum(sizes) or 1.0
+    t, last, ready = 0.0, 0.0, []
+    for i in order:  # a layer's backward end (an uncaptured one: the previous layer's)
+        last = ready_at.get((model[i].name, "G"), last)
+        ready.append(last)
+    prec = [
+        hw.time(
+            {
+                "precondition": (
+                    1,
+                    pre_coeff * model[i].g_dim * model[i].a_dim * (model[i].g_dim + model[i].a_dim),
+                )
+            },
+            1,
+        )
+        for i in order
+    ]
+    queued: list[tuple[float, float]] = []  # (ready, seconds) of update broadcasts
+    j = 0
+    while j < len(order) or queued:
+        next_grad = max(t, ready[j]) if j < len(order) else math.inf
+        if queued and max(t, queued[0][0]) <= next_grad:
+            arrival, dur = queued.pop(0)
+            t = max(t, arrival) + dur
+            continue
+        t = next_grad + grad * sizes[j] / total
+        queued.append((t + prec[j], bcast * sizes[j] / total))
+        queued.sort()
+        j += 1
+    compute = max(r.get("decomposition", 0.0) + r.get("precondition", 0.0) for r in seconds)
+    tail = min(serial, max(0.0, t - (backward_end + compute)))
+    scale = (hw.overlap * tail + (1.0 - hw.overlap) * serial) / serial
+    for r in seconds:
+        r["grad_comm"] *= scale
+        r["precond_comm"] *= scale
 
 
 def step_prediction(
@@ -284,6 +371,8 @@ def step_prediction(
         unpack = hw.time({"unpack": comm_work["factor_comm"].get("unpack", (0.0, 0.0))}, p)
         for t in seconds:
             t["factor_comm"] = hidden + (1.0 - hw.overlap) * (t["factor_comm"] - unpack) + unpack
+    if traits is not None and traits.overlapped_precondition:
+        _overlap_backward(model, hw, seconds, compute_method, weight_sharing, factor_itemsize)
 
     def critical(phases: Sequence[str]) -> dict[str, float]:
         r = max(range(p), key=lambda r: sum(seconds[r][ph] for ph in phases))
@@ -293,7 +382,8 @@ def step_prediction(
     breakdown.update(critical(["factor_compute"]))
     if ddp_grad:
         breakdown["ddp_grad_comm"] = ddp_grad
-    breakdown.update({ph: seconds[0][ph] for ph in ("grad_comm", "factor_comm")})
+    breakdown["grad_comm"] = seconds[0]["grad_comm"]
+    breakdown["factor_comm"] = max(t["factor_comm"] for t in seconds)
     if traits is not None and traits.decomposition_broadcast:
         # The broadcast waits for the slowest decomposer, and preconditioning for it.
         breakdown.update(critical(["decomposition"]))

@@ -125,11 +125,28 @@ class Roles:
         update_groups: groups within which preconditioned updates are
             broadcast, each by the group's member among the layer's
             preconditioners (``Strategy.update_groups``).
+        factor_groups: groups within which a layer's factors are built (by
+            the group of its owner) and averaged (``Strategy.factor_groups``).
     """
 
     preconditioners: tuple[tuple[int, ...], ...]
     decomposition_groups: tuple[tuple[int, ...], ...]
     update_groups: tuple[tuple[int, ...], ...]
+    factor_groups: tuple[tuple[int, ...], ...] = ()
+
+    def factor_group(self, rank: int) -> tuple[int, ...]:
+        """The factor group of ``rank`` (itself alone when no groups are given)."""
+        return next((tuple(g) for g in self.factor_groups if rank in g), (rank,))
+
+    def captures(self, rank: int, owner: int | None) -> bool:
+        """Whether ``rank`` builds the factors of a layer whose owner is ``owner``.
+
+        In a group of every rank, all capture whatever the owner (d_kfac's
+        owner may be None or -1: decomposed everywhere).
+        """
+        group = self.factor_group(rank)
+        world = sum(len(g) for g in self.factor_groups)
+        return len(group) == world or owner in group
 
     @staticmethod
     def group_of(groups: Sequence[Sequence[int]], rank: int) -> tuple[int, ...] | None:
@@ -189,8 +206,9 @@ def factor_collectives(
     itemsize: int,
     cap_bytes: int,
     plan: Sequence[Sequence[Key]] | None = None,
+    include: Sequence[bool] | None = None,
 ) -> list[Collective]:
-    """Factor averaging, as ``traits.factor_comm`` says.
+    """Factor averaging within a group of ``world_size`` ranks, as ``traits.factor_comm`` says.
 
     "none": nothing. "allreduce": the factors in capped buckets, from
     ``step()`` (batch factors on factor steps, or with
@@ -200,9 +218,14 @@ def factor_collectives(
     profiling steps, where each factor travels alone), launched from the
     capture hooks. With ``traits.triangle`` only upper triangles
     travel and the full matrices are rebuilt on arrival (``unpack_bytes``).
+    ``include`` (per layer) restricts the factors to those of the group's
+    layers; a group of one rank sends nothing.
     """
     keys = factor_keys(model)
-    if traits.factor_comm == "none" or not keys:
+    if include is not None:
+        held = {s.name for s, keep in zip(model, include, strict=True) if keep}
+        keys = [k for k in keys if k[0] in held]
+    if traits.factor_comm == "none" or not keys or world_size < 2:
         return []
     tri = traits.triangle
     dims = [factor_dim(model, k) for k in keys]
@@ -285,9 +308,10 @@ def memory_per_rank(
 ) -> list[dict[str, int]]:
     """``memory_usage()`` of each rank after a factor and decomposition step.
 
-    Where every rank captures every layer (``traits.captures_all``) every
-    rank holds all factors and batch factors, otherwise a rank holds its own
-    layers'; a rank holds the decompositions of the layers it preconditions.
+    A rank holds the factors and batch factors of the layers its factor
+    group captures (every layer where the group is the world, its own
+    layers' where it is the rank alone); a rank holds the decompositions
+    of the layers it preconditions.
     """
     out = []
     for r in range(world_size):
@@ -295,7 +319,7 @@ def memory_per_rank(
         for i, s in enumerate(model):
             if not model.captured[i]:
                 continue
-            if traits.captures_all or placement.owner[i] == r:
+            if roles.captures(r, placement.owner[i]):
                 factors += (s.a_dim**2 + s.g_dim**2) * factor_itemsize
             if r in roles.preconditioners[i]:
                 decomps += (

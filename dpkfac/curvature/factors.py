@@ -10,11 +10,19 @@ with N samples and T positions per sample.
 
 A column of ones is appended to ``a`` after any averaging when the layer has a
 bias, so A is (d_in + 1)².
+
+The products are :func:`dpkfac.curvature.kernels.sym_gram` (upper block
+triangle only, mirrored) unless ``triangle=False``, which keeps the original
+full product (the "unfold" baseline of ``factor_method``). The Conv2d fast
+paths that avoid im2col altogether live in :mod:`dpkfac.curvature.kernels`
+and are dispatched by :class:`dpkfac.curvature.modules.Conv2dHelper`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from dpkfac.curvature.kernels import sym_gram
 
 WEIGHT_SHARING = ("expand", "reduce")
 
@@ -32,6 +40,8 @@ def a_factor(
     has_bias: bool,
     weight_sharing: str = "expand",
     dtype: torch.dtype | None = None,
+    triangle: bool = True,
+    bf16: bool = False,
 ) -> torch.Tensor:
     """The batch A factor from the (N, T, d_in) layer input.
 
@@ -42,6 +52,8 @@ def a_factor(
             averages them first, which is cheaper and what the DP-KFAC code
             uses for sequences.
         dtype: accumulation dtype of the factor (default: the input's).
+        triangle: upper-triangle-only product (False: the original full one).
+        bf16: opt-in bf16 products with float32 partial sums (not exact).
 
     Returns:
         The symmetric (d_in[+1])² factor.
@@ -56,6 +68,8 @@ def a_factor(
         rows, denom = a.reshape(n * t, d), n * t
     if has_bias:
         rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+    if triangle or bf16:
+        return sym_gram(rows, bf16=bf16) / denom
     factor = rows.t() @ (rows / denom)
     return _symmetrize(factor)
 
@@ -65,6 +79,8 @@ def g_factor(
     *,
     weight_sharing: str = "expand",
     dtype: torch.dtype | None = None,
+    triangle: bool = True,
+    bf16: bool = False,
 ) -> torch.Tensor:
     """The batch G factor from the (N, T, d_out) gradient of a batch-mean loss.
 
@@ -76,15 +92,46 @@ def g_factor(
         weight_sharing: "expand" sums outer products over positions; "reduce"
             sums the gradients over positions first.
         dtype: accumulation dtype of the factor (default: the input's).
+        triangle: upper-triangle-only product of the unscaled rows, scaled by
+            N after (False: the original full product of rescaled rows).
+        bf16: opt-in bf16 products with float32 partial sums (not exact).
     """
     _check_sharing(weight_sharing)
     if dtype is not None:
         g = g.to(dtype)
     n, t, d = g.shape
+    if triangle or bf16:
+        # (g·N)ᵀ(g·N)/N = N·gᵀg: scale the d×d result, not the rows.
+        rows = g.sum(dim=1) if weight_sharing == "reduce" else g.reshape(n * t, d)
+        return sym_gram(rows, bf16=bf16) * n
     g = g * n
     rows = g.sum(dim=1) if weight_sharing == "reduce" else g.reshape(n * t, d)
     factor = rows.t() @ (rows / n)
     return _symmetrize(factor)
+
+
+def conv_g_factor(
+    grad_output: torch.Tensor,
+    *,
+    weight_sharing: str = "expand",
+    dtype: torch.dtype | None = None,
+    bf16: bool = False,
+) -> torch.Tensor:
+    """:func:`g_factor` of a Conv2d straight from its (N, C, H, W) ``grad_output``.
+
+    ``gᵀg`` summed over samples as one batched product of the contiguous
+    (C, H·W) slices (no transposed copy of the gradient), symmetrised.
+    """
+    _check_sharing(weight_sharing)
+    if dtype is not None:
+        grad_output = grad_output.to(dtype)
+    n, c = grad_output.shape[:2]
+    g = grad_output.reshape(n, c, -1)
+    if weight_sharing == "reduce":
+        return sym_gram(g.sum(dim=2), bf16=bf16) * n
+    if bf16:
+        return sym_gram(g.transpose(1, 2).reshape(-1, c), bf16=True) * n
+    return _symmetrize(torch.bmm(g, g.transpose(1, 2)).sum(0)) * n
 
 
 def _symmetrize(factor: torch.Tensor) -> torch.Tensor:

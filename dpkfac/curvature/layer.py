@@ -25,8 +25,7 @@ from dpkfac.curvature.decomposition import (
     precondition,
     working_dtype,
 )
-from dpkfac.curvature.factors import a_factor as build_a_factor
-from dpkfac.curvature.factors import g_factor as build_g_factor
+from dpkfac.curvature.kernels import DEFAULT_METHOD
 from dpkfac.curvature.modules import ModuleHelper
 
 FACTORS = ("A", "G")
@@ -145,19 +144,32 @@ class KFACLayer:
 
     # ------------------------------------------------------------------ capture
     def accumulate_a(
-        self, x: torch.Tensor, weight_sharing: str, dtype: torch.dtype | None
+        self,
+        x: torch.Tensor,
+        weight_sharing: str,
+        dtype: torch.dtype | None,
+        method: str = DEFAULT_METHOD,
     ) -> torch.Tensor:
-        """Add the batch A factor of input ``x``; returns the running batch sum."""
-        a = self.helper.a_matrix(x.detach())
-        self.batch_size, self.positions = a.shape[0], a.shape[1]
-        factor = build_a_factor(
-            a, has_bias=self.helper.has_bias, weight_sharing=weight_sharing, dtype=dtype
-        )
+        """Add the batch A factor of input ``x``; returns the running batch sum.
+
+        ``method`` is the ``factor_method`` option (see :mod:`dpkfac.curvature.kernels`).
+        The forward hook runs inside the model's autocast region, which would
+        turn the factor's products into half precision: autocast is off here,
+        so the factor is built in ``dtype`` whatever the forward runs in.
+        """
+        with torch.autocast(x.device.type, enabled=False):
+            factor, self.batch_size, self.positions = self.helper.a_factor(
+                x.detach(), weight_sharing, dtype, method
+            )
         self.ever_captured = True
         return self.factors["A"].add(factor)
 
     def accumulate_g(
-        self, grad_output: torch.Tensor, weight_sharing: str, dtype: torch.dtype | None
+        self,
+        grad_output: torch.Tensor,
+        weight_sharing: str,
+        dtype: torch.dtype | None,
+        method: str = DEFAULT_METHOD,
     ) -> torch.Tensor:
         """Add the batch G factor of ``grad_output``; returns the running batch sum.
 
@@ -169,8 +181,7 @@ class KFACLayer:
         layer) contributes one gradient per call to ∇W, which the convention
         treats like extra positions (averaged in A, summed in G).
         """
-        g = self.helper.g_matrix(grad_output.detach())
-        factor = build_g_factor(g, weight_sharing=weight_sharing, dtype=dtype)
+        factor = self.helper.g_factor(grad_output.detach(), weight_sharing, dtype, method)
         k = self.accumulation_steps
         if k != 1:
             factor = factor.mul_(k * k)

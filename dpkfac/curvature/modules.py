@@ -7,6 +7,13 @@ that reads and writes the weight gradient as the (d_out, d_in[+1]) matrix of
 the design contract (bias gradient as the last column). The registry
 ``MODULE_HELPERS`` maps module types to helpers, so a new layer type is one
 class and one registry entry.
+
+:meth:`ModuleHelper.a_factor` / :meth:`ModuleHelper.g_factor` build the batch
+factors; the default goes through ``a``/``g`` and
+:mod:`dpkfac.curvature.factors`, and :class:`Conv2dHelper` dispatches on
+``factor_method`` (see :mod:`dpkfac.curvature.kernels`): "auto" builds a
+stride-1 expand A factor by shifted correlations, a reduce A factor by masked
+window sums, neither with im2col; "unfold" is the original im2col path.
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dpkfac.curvature import kernels
+from dpkfac.curvature.factors import a_factor, conv_g_factor, g_factor
 
 
 class ModuleHelper(ABC):
@@ -60,6 +70,51 @@ class ModuleHelper(ABC):
     @abstractmethod
     def g_matrix(self, grad_output: torch.Tensor) -> torch.Tensor:
         """Output gradient as (N, T, out_features)."""
+
+    def a_factor(
+        self,
+        x: torch.Tensor,
+        weight_sharing: str,
+        dtype: torch.dtype | None,
+        method: str = kernels.DEFAULT_METHOD,
+    ) -> tuple[torch.Tensor, int, int]:
+        """The batch A factor of layer input ``x``, with N and T.
+
+        Args:
+            x: the layer input (detached).
+            weight_sharing: "expand" or "reduce".
+            dtype: dtype the factor is built in (None: the input's).
+            method: a :data:`~dpkfac.curvature.kernels.FACTOR_METHODS` value;
+                "unfold" keeps the original full product.
+        """
+        kernels.check_method(method)
+        a = self.a_matrix(x)
+        factor = a_factor(
+            a,
+            has_bias=self.has_bias,
+            weight_sharing=weight_sharing,
+            dtype=dtype,
+            triangle=method != "unfold",
+            bf16=method == "auto_bf16",
+        )
+        return factor, a.shape[0], a.shape[1]
+
+    def g_factor(
+        self,
+        grad_output: torch.Tensor,
+        weight_sharing: str,
+        dtype: torch.dtype | None,
+        method: str = kernels.DEFAULT_METHOD,
+    ) -> torch.Tensor:
+        """The batch G factor of the layer's output gradient (see :meth:`a_factor`)."""
+        kernels.check_method(method)
+        return g_factor(
+            self.g_matrix(grad_output),
+            weight_sharing=weight_sharing,
+            dtype=dtype,
+            triangle=method != "unfold",
+            bf16=method == "auto_bf16",
+        )
 
     def parameters(self) -> list[nn.Parameter]:
         """Weight, then bias when present: the order of the gradient matrix columns."""
@@ -158,6 +213,67 @@ class Conv2dHelper(ModuleHelper):
             grad_output = grad_output.unsqueeze(0)
         n, c = grad_output.shape[:2]
         return grad_output.reshape(n, c, -1).transpose(1, 2)
+
+    def a_factor(
+        self,
+        x: torch.Tensor,
+        weight_sharing: str,
+        dtype: torch.dtype | None,
+        method: str = kernels.DEFAULT_METHOD,
+    ) -> tuple[torch.Tensor, int, int]:
+        """A without im2col where the geometry allows (see the module docstring).
+
+        Other padding modes and string padding are applied to the input
+        first, so the kernels see zero padding (or none). "expand" with a
+        stride other than 1 falls back to im2col with the triangle product.
+        """
+        kernels.check_method(method)
+        if method == "unfold":
+            return super().a_factor(x, weight_sharing, dtype, method)
+        if x.dim() == 3:
+            x = x.unsqueeze(0)
+        x, padding = self._padded_input(x)
+        if dtype is not None:
+            x = x.to(dtype)
+        conv, bf16 = self.module, method == "auto_bf16"
+        stride, dilation = tuple(conv.stride), tuple(conv.dilation)
+        n, _, h, w = x.shape
+        kh, kw = conv.kernel_size
+        t = kernels.out_positions((h, w), (kh, kw), stride, padding, dilation)
+        if weight_sharing == "reduce":
+            factor = kernels.conv_a_reduce(
+                x, (kh, kw), stride, padding, dilation, has_bias=self.has_bias, bf16=bf16
+            )
+        elif kernels.use_shifted(method, stride, (kh, kw), (n, h, w)):
+            factor = kernels.conv_a_shifted(
+                x, (kh, kw), padding, dilation, has_bias=self.has_bias, bf16=bf16
+            )
+        else:
+            a = F.unfold(x, (kh, kw), dilation=dilation, padding=padding, stride=stride)
+            factor = a_factor(
+                a.transpose(1, 2),
+                has_bias=self.has_bias,
+                weight_sharing=weight_sharing,
+                bf16=bf16,
+            )
+        return factor, n, t
+
+    def g_factor(
+        self,
+        grad_output: torch.Tensor,
+        weight_sharing: str,
+        dtype: torch.dtype | None,
+        method: str = kernels.DEFAULT_METHOD,
+    ) -> torch.Tensor:
+        """G by one batched product of the (C, H·W) slices of each sample ("unfold": original)."""
+        kernels.check_method(method)
+        if method == "unfold":
+            return super().g_factor(grad_output, weight_sharing, dtype, method)
+        if grad_output.dim() == 3:
+            grad_output = grad_output.unsqueeze(0)
+        return conv_g_factor(
+            grad_output, weight_sharing=weight_sharing, dtype=dtype, bf16=method == "auto_bf16"
+        )
 
 
 MODULE_HELPERS: dict[type[nn.Module], type[ModuleHelper]] = {

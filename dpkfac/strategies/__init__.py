@@ -2,7 +2,7 @@
 
 Every strategy has one name, spelled the same in Python, Hydra (``strategy=``),
 the command line, tables and W&B: ``dp_kfac``, ``d_kfac``, ``spd_kfac``,
-``kaisa``. The
+``kaisa`` and ``grouped`` (the space between them). The
 hyphenated spellings of the papers (``dp-kfac``, ...) are accepted as input
 and normalised by :func:`canonical_name`; nothing is ever written with them.
 """
@@ -16,10 +16,13 @@ from dpkfac.options import StrategyOptions, make_options
 from dpkfac.strategies.base import Preconditioned, Strategy, Traits
 from dpkfac.strategies.d_kfac import DKFAC, DKFACOptions
 from dpkfac.strategies.dp_kfac import DPKFAC, DPKFACOptions
+from dpkfac.strategies.grouped import GroupedKFAC, GroupedOptions
 from dpkfac.strategies.kaisa import KAISA, KAISAOptions
 from dpkfac.strategies.spd_kfac import SPDKFAC, SPDKFACOptions
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (DPKFAC, DKFAC, SPDKFAC, KAISA)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (DPKFAC, DKFAC, SPDKFAC, KAISA, GroupedKFAC)
+}
 
 
 def canonical_name(name: str) -> str:
@@ -57,6 +60,8 @@ __all__ = [
     "STRATEGIES",
     "DKFACOptions",
     "DPKFACOptions",
+    "GroupedKFAC",
+    "GroupedOptions",
     "KAISAOptions",
     "Preconditioned",
     "SPDKFACOptions",

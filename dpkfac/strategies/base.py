@@ -24,10 +24,11 @@ from dpkfac.comm import Communicator
 from dpkfac.curvature import Decomposition, KFACLayer
 from dpkfac.curvature.decomposition import working_dtype
 from dpkfac.curvature.layer import FACTORS
-from dpkfac.options import StrategyOptions
+from dpkfac.options import KFACOptions, StrategyOptions
 
 if TYPE_CHECKING:
     from dpkfac.costmodel.hardware import Hardware
+    from dpkfac.preconditioner import KFACPreconditioner
 
 
 @dataclass
@@ -71,6 +72,10 @@ class Traits:
         lazy_factor_sync: with ``factor_comm="allreduce"``, the running
             averages are all-reduced on decomposition steps only, instead of
             the batch factors on every factor step.
+        overlapped_precondition: gradient reduction, preconditioning and the
+            broadcast of preconditioned updates are launched from gradient
+            hooks during the backward pass (dp_kfac's ``overlap``), so their
+            communication overlaps it as far as the hardware overlaps.
     """
 
     captures_all: bool
@@ -80,6 +85,7 @@ class Traits:
     preconditions_all: bool
     owner_grad_reduction: bool = False
     lazy_factor_sync: bool = False
+    overlapped_precondition: bool = False
 
 
 def layer_shape(layer: KFACLayer, batch_size: int, positions: int) -> LayerShape:
@@ -109,6 +115,8 @@ class Strategy(ABC):
         options: this strategy's :attr:`Options` (default: all defaults).
         decomposition_dtype: dtype decompositions run in (receive buffers use it too).
         bucket_cap_mb: size cap of fused buckets.
+        kfac: the preconditioner's common options (what a strategy that
+            chooses its own configuration from the cost model prices).
     """
 
     name: ClassVar[str]
@@ -123,6 +131,7 @@ class Strategy(ABC):
         *,
         decomposition_dtype: torch.dtype = torch.float32,
         bucket_cap_mb: float = 25.0,
+        kfac: KFACOptions | None = None,
     ) -> None:
         options = self.Options() if options is None else options
         if not isinstance(options, self.Options):
@@ -137,6 +146,8 @@ class Strategy(ABC):
         self.method = method
         self.decomposition_dtype = decomposition_dtype
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        #: The preconditioner's common options (update schedule, compute method).
+        self.kfac = KFACOptions() if kfac is None else kfac
         self.placed = False
 
     @property
@@ -165,14 +176,43 @@ class Strategy(ABC):
         """
 
     @classmethod
-    def resolve_options(cls, options: StrategyOptions, hardware: Hardware) -> StrategyOptions:
+    def resolve_options(
+        cls,
+        options: StrategyOptions,
+        hardware: Hardware,
+        *,
+        shapes: Sequence[LayerShape] = (),
+        world_size: int = 1,
+        kfac: KFACOptions | None = None,
+    ) -> StrategyOptions:
         """The options a run on ``hardware`` ends up with (the cost model's view of a run).
 
         A strategy that measures something at start-up (spd_kfac's hardware
-        model) fills it in from the hardware being predicted; the others
+        model) fills it in from the hardware being predicted, one that
+        chooses its configuration (grouped's ``"auto"``) makes the choice the
+        run would make for these shapes, world size and schedule; the others
         return their options unchanged.
         """
         return options
+
+    @classmethod
+    def describe(cls, options: StrategyOptions) -> str:
+        """What a run with these (resolved) options chose, in a few words ("" if nothing)."""
+        return ""
+
+    @classmethod
+    def factor_groups(cls, world_size: int, options: StrategyOptions) -> list[list[int]]:
+        """Groups of ranks within which a layer's batch factors are built and averaged.
+
+        A layer is captured by the group of its owner, every member on its
+        local batch, and its factors are averaged within that group (when
+        ``Traits.factor_comm`` is not "none"). Every rank is in exactly one
+        group: the whole world where every rank captures every layer,
+        singletons where the owner alone does.
+        """
+        if cls.traits(options).captures_all:
+            return [list(range(world_size))]
+        return [[r] for r in range(world_size)]
 
     @classmethod
     def placement_uses_batch(cls, options: StrategyOptions) -> bool:
@@ -236,6 +276,17 @@ class Strategy(ABC):
         for i, layer in enumerate(layers):
             layer.set_placement(placement.owner[i], placement.a_owner[i], placement.g_owner[i])
 
+    def finalise_placement(
+        self, layers: Sequence[KFACLayer], shapes: Sequence[LayerShape]
+    ) -> None:
+        """Place with the shapes all ranks agreed on at the first step; placement is final.
+
+        A collective where the strategy makes choices that need process groups
+        (grouped's "auto"): every rank calls it, from the first ``step()``.
+        """
+        self.place(layers, shapes)
+        self.placed = True
+
     # ----------------------------------------------------------------- queries
     @abstractmethod
     def captures(self, layer: KFACLayer) -> bool:
@@ -249,6 +300,24 @@ class Strategy(ABC):
     @abstractmethod
     def preconditions(self, layer: KFACLayer) -> bool:
         """Whether this rank preconditions the layer's gradient."""
+
+    # ------------------------------------------------- work inside the backward
+    def register_hooks(self, pre: KFACPreconditioner) -> None:
+        """Called once at the end of the preconditioner's construction.
+
+        A strategy that works inside the backward pass (dp_kfac's ``overlap``)
+        registers its gradient hooks here; the default does nothing.
+        """
+
+    def overlapped_updates(self, layers: Sequence[KFACLayer]) -> dict[str, Preconditioned] | None:
+        """This step's updates, if the strategy computed them during the backward pass.
+
+        Called by ``step()`` after placement. None (the default): ``step()``
+        reduces, folds, decomposes, preconditions and shares as usual.
+        Otherwise every rank's update of every layer with a gradient, by
+        layer name, and ``step()`` only applies the KL clip and writes them.
+        """
+        return None
 
     # ---------------------------------------------------- communication points
     def factor_ready(self, layer: KFACLayer, which: str) -> None:
@@ -332,11 +401,14 @@ class Strategy(ABC):
                 if src == self.rank:
                     tensors += layer.decomposition(which).tensors()
                 else:
-                    factor = layer.factor(which)
-                    dtype = working_dtype(factor.dtype, self.decomposition_dtype)
+                    # A receiver may hold no factor of the layer (grouped's
+                    # gradient workers outside the owner's factor group).
+                    weight = layer.module.weight
+                    factor_dtype = self.kfac.factor_dtype or weight.dtype
+                    dtype = working_dtype(factor_dtype, self.decomposition_dtype)
                     tensors += [
-                        torch.empty(shape, dtype=dtype, device=factor.device)
-                        for shape in self.method.shapes(factor.shape[0])
+                        torch.empty(shape, dtype=dtype, device=weight.device)
+                        for shape in self.method.shapes(layer.dim(which))
                     ]
             handle = comm.broadcast(
                 tensors,

@@ -110,6 +110,8 @@ class DKFAC(Strategy):
         super().__init__(*args, **kwargs)
         #: Lazy sync: whether the running factors changed since they were last averaged.
         self.unsynced = False
+        #: Where factors are averaged (grouped averages within factor groups).
+        self.factor_comm = self.comm
 
     def reduce_factors(self, layers: Sequence[KFACLayer]) -> None:
         if self.options.lazy_factor_sync:
@@ -120,7 +122,7 @@ class DKFAC(Strategy):
             return
         items = [(layer, w) for layer in layers for w in FACTORS if layer.has_pending(w)]
         tensors = [layer.pending(w) for layer, w in items]
-        self.comm.allreduce_mean(
+        self.factor_comm.allreduce_mean(
             tensors,
             "factor_allreduce",
             triangle=self.options.triangle,
@@ -135,7 +137,7 @@ class DKFAC(Strategy):
             return
         self.unsynced = False
         tensors = [layer.factor(w) for layer in layers for w in FACTORS]
-        self.comm.allreduce_mean(
+        self.factor_comm.allreduce_mean(
             [t for t in tensors if t is not None],
             "factor_allreduce",
             triangle=self.options.triangle,

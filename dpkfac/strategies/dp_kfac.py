@@ -10,20 +10,30 @@ of layers.
 ``grad_reduction="owner"`` replaces the gradient all-reduce of the K-FAC
 layers by a reduce onto each owner: a reduce plus a broadcast moves what one
 all-reduce moves, so K-FAC then costs the communication of plain SGD.
+
+``overlap=True`` does the gradient reduction, the owners' factor folds,
+decompositions and preconditioning, and the broadcasts of the updates inside
+the backward pass, from gradient hooks (:mod:`dpkfac.overlap`); ``step()``
+then only waits for what is left and applies the KL clip. The update is the
+same as without overlap.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from dpkfac.assignment import ASSIGNMENTS, COSTS, CostFn, LayerShape, Placement, assign_layers
 from dpkfac.curvature import KFACLayer
 from dpkfac.options import StrategyOptions, check_choice
+from dpkfac.overlap import OverlapEngine
 from dpkfac.strategies.base import Preconditioned, Strategy, Traits
+
+if TYPE_CHECKING:
+    from dpkfac.preconditioner import KFACPreconditioner
 
 GRAD_REDUCTIONS = ("allreduce", "owner")
 
@@ -40,14 +50,28 @@ class DPKFACOptions(StrategyOptions):
             "best" (whichever of the two has the lower busiest-rank cost).
         assignment_cost: a name in :data:`dpkfac.assignment.COSTS` or a
             callable ``LayerShape -> float``.
+        overlap: reduce gradients in fused buckets in backward order from
+            gradient hooks, and let each owner precondition and broadcast a
+            layer as soon as its averaged gradient is there, during the
+            backward pass (:mod:`dpkfac.overlap`). Needs
+            ``grad_reduction="allreduce"``, a model not wrapped in DDP and no
+            ``grad_scaler``.
     """
 
     grad_reduction: str = "allreduce"
     assignment: str = "lpt"
     assignment_cost: str | CostFn = "compute"
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         check_choice("grad_reduction", self.grad_reduction, GRAD_REDUCTIONS)
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
+        if self.overlap and self.grad_reduction != "allreduce":
+            raise ValueError(
+                f"overlap=True does not support grad_reduction={self.grad_reduction!r}; "
+                "use grad_reduction='allreduce'"
+            )
         check_choice("assignment", self.assignment, ASSIGNMENTS)
         if not callable(self.assignment_cost):
             check_choice("assignment_cost", self.assignment_cost, tuple(COSTS))
@@ -69,6 +93,7 @@ class DPKFAC(Strategy):
             decomposition_broadcast=False,
             preconditions_all=False,
             owner_grad_reduction=options.grad_reduction == "owner",
+            overlapped_precondition=options.overlap,
         )
 
     @classmethod
@@ -85,6 +110,30 @@ class DPKFAC(Strategy):
         # Every balanced assignment prices the layers with the batch's rows,
         # which differ between ranks; round robin looks at the order only.
         return options.assignment != "round_robin"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.overlap: OverlapEngine | None = None
+
+    def register_hooks(self, pre: KFACPreconditioner) -> None:
+        if not self.options.overlap:
+            return
+        if pre.ddp:
+            raise ValueError(
+                "overlap=True with a DistributedDataParallel model: the overlap reduces the "
+                "gradients itself; pass the unwrapped module"
+            )
+        if pre.grad_scaler is not None:
+            raise ValueError(
+                f"overlap=True does not support grad_scaler={pre.grad_scaler!r}: the overflow "
+                "check would need the gradients before the hooks reduce them"
+            )
+        self.overlap = OverlapEngine(self, pre)
+
+    def overlapped_updates(  # type: ignore[override]
+        self, layers: Sequence[KFACLayer]
+    ) -> dict[str, Preconditioned] | None:
+        return None if self.overlap is None else self.overlap.finish()
 
     def captures(self, layer: KFACLayer) -> bool:
         # Before the final placement every rank captures, so the first step

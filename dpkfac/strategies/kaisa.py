@@ -49,6 +49,25 @@ from dpkfac.strategies.d_kfac import DKFAC, DKFACOptions
 NAMED_FRACTIONS = ("comm_opt", "mem_opt")
 
 
+def grad_workers_of(fraction: float | str, world_size: int) -> int:
+    """W = f·P, the gradient workers per layer, for a fraction or its name.
+
+    Raises:
+        ValueError: f·P is not an integer dividing P.
+    """
+    if fraction == "comm_opt":
+        return world_size
+    if fraction == "mem_opt":
+        return 1
+    workers = max(1.0, float(fraction) * world_size)
+    if abs(workers - round(workers)) > 1e-9 or world_size % round(workers):
+        raise ValueError(
+            f"grad_worker_fraction={fraction} gives {workers:g} gradient workers at world size "
+            f"{world_size}; f·P must be an integer that divides P"
+        )
+    return round(workers)
+
+
 @dataclass(frozen=True)
 class KAISAOptions(DKFACOptions):
     """Options of kaisa.
@@ -76,23 +95,8 @@ class KAISAOptions(DKFACOptions):
             )
 
     def grad_workers(self, world_size: int) -> int:
-        """W = f·P, the gradient workers per layer.
-
-        Raises:
-            ValueError: f·P is not an integer dividing P.
-        """
-        f = self.grad_worker_fraction
-        if f == "comm_opt":
-            return world_size
-        if f == "mem_opt":
-            return 1
-        workers = max(1.0, float(f) * world_size)
-        if abs(workers - round(workers)) > 1e-9 or world_size % round(workers):
-            raise ValueError(
-                f"grad_worker_fraction={f} gives {workers:g} gradient workers at world size "
-                f"{world_size}; f·P must be an integer that divides P"
-            )
-        return round(workers)
+        """W = f·P, the gradient workers per layer (see :func:`grad_workers_of`)."""
+        return grad_workers_of(self.grad_worker_fraction, world_size)
 
 
 class KAISA(DKFAC):

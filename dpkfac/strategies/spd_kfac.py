@@ -31,7 +31,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -92,14 +91,9 @@ class SPDKFACOptions(StrategyOptions):
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.profile_steps < 1:
             raise ValueError(f"profile_steps must be >= 1, got {self.profile_steps}")
-        if isinstance(self.hardware, str):
-            from dpkfac.costmodel.presets import PRESETS
+        from dpkfac.costmodel.presets import check_hardware_option
 
-            if self.hardware not in PRESETS and not Path(self.hardware).is_file():
-                raise ValueError(
-                    f"unknown hardware {self.hardware!r}: neither a preset "
-                    f"({', '.join(PRESETS)}) nor an existing JSON file"
-                )
+        check_hardware_option(self.hardware)
 
     @property
     def fixed_comm_model(self) -> bool:
@@ -113,12 +107,9 @@ class SPDKFACOptions(StrategyOptions):
 
     def hardware_model(self) -> Hardware | None:
         """The hardware model, read from its preset or file (None: not known yet)."""
-        if not isinstance(self.hardware, str):
-            return self.hardware
-        from dpkfac.costmodel.hardware import Hardware
-        from dpkfac.costmodel.presets import PRESETS
+        from dpkfac.costmodel.presets import hardware_option
 
-        return PRESETS.get(self.hardware) or Hardware.from_json(self.hardware)
+        return hardware_option(self.hardware)
 
 
 def decomposition_seconds(hardware: Hardware, dim: int) -> float:
@@ -158,7 +149,7 @@ class SPDKFAC(DKFAC):
 
     @classmethod
     def resolve_options(  # type: ignore[override]
-        cls, options: SPDKFACOptions, hardware: Hardware
+        cls, options: SPDKFACOptions, hardware: Hardware, **_: Any
     ) -> SPDKFACOptions:
         """A run that measures its hardware at start-up finds ``hardware``."""
         return replace(options, hardware=hardware) if options.measures_hardware else options
@@ -306,14 +297,13 @@ class SPDKFAC(DKFAC):
         self._reset_step()
 
     def _measure_hardware(self) -> Hardware:
-        """The group's decomposition and broadcast model, agreed by every rank."""
-        from dpkfac.costmodel.calibration import measure_in_group
-        from dpkfac.costmodel.presets import PRESETS
+        """The group's decomposition and broadcast model, agreed by every rank.
 
-        base = PRESETS["cpu_gloo_local"]
-        if not self.comm.active:
-            return base  # one rank: nothing is ever received, the rule keeps all local
-        return measure_in_group(self.comm, base)
+        On one rank nothing is ever received, and the rule keeps every factor local.
+        """
+        from dpkfac.costmodel.calibration import start_up_hardware
+
+        return start_up_hardware(self.comm)
 
     # ------------------------------------------------------------------ fusion
     def _measure_comm_model(self) -> CommModel:

@@ -54,6 +54,15 @@ def step_kinds(factor_every: int, inv_every: int) -> list[str]:
     return kinds
 
 
+def _option_names(strategy: str | None) -> set[str]:
+    """The names of a strategy's own options (none for the first-order baseline)."""
+    from dataclasses import fields
+
+    from dpkfac.strategies import strategy_class
+
+    return {f.name for f in fields(strategy_class(strategy).Options)} if strategy else set()
+
+
 def _schedule(kinds: list[str], due: tuple[str, ...]) -> Callable[[int], int]:
     """An interval callable for KFACPreconditioner that fires on the chosen kinds.
 
@@ -123,6 +132,12 @@ class _Stepper:
                 else value
                 for key, value in member["kfac"].items()
             }
+            if "auto_intervals" in _option_names(kwargs.get("strategy")):
+                # A strategy that prices the schedule (grouped's "auto") is told the
+                # setting's intervals: the cycle of step kinds below is not the run's.
+                kwargs.setdefault(
+                    "auto_intervals", (int(spec["factor_every"]), int(spec["inv_every"]))
+                )
             self.pre = KFACPreconditioner(
                 self.model,
                 factor_update_steps=_schedule(self.kinds, ("decomp", "factor")),
@@ -236,6 +251,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
                     "placement": _placement(s.pre),
                     "fusion_plan": _fusion_plan(s.pre),
                     "hardware": _measured_hardware(s.pre),
+                    "configuration": _configuration(s.pre),
                 }
                 for s in steppers
             },
@@ -258,6 +274,13 @@ def _fusion_plan(pre: Any) -> list[list[list[str]]] | None:
     """spd_kfac's fusion buckets as fixed after profiling (the cost model replays them)."""
     plan = getattr(getattr(pre, "strategy", None), "plan", None)
     return [[list(key) for key in bucket] for bucket in plan] if plan else None
+
+
+def _configuration(pre: Any) -> str:
+    """What the strategy chose for this run (grouped's k and f), "" when nothing."""
+    if pre is None:
+        return ""
+    return type(pre.strategy).describe(pre.strategy.options)
 
 
 def _measured_hardware(pre: Any) -> str | None:

@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 STRATEGY_ORDER = [
     "none",
     "dp_kfac",
+    "dp_kfac_overlap",
     "dp_kfac_owner",
     "d_kfac_eager",
     "d_kfac_triangle",
@@ -30,6 +31,8 @@ STRATEGY_ORDER = [
     "spd_kfac",
     "kaisa_comm_opt",
     "kaisa_mem_opt",
+    "grouped_local_decomp",
+    "grouped_auto",
 ]
 #: The DP-KFAC paper's headline compares these strategy configs' costs with REFERENCE's;
 #: `best` is the cheapest of them, so it spans every baseline a table measured.

@@ -40,7 +40,7 @@ import pandas as pd
 from dpkfac.costmodel import PRESETS, Hardware, Measurement, ModelShapes, Prediction
 from dpkfac.costmodel import fitting as fitting_lib
 from dpkfac.options import KFACOptions
-from dpkfac.strategies import canonical_name, strategy_options
+from dpkfac.strategies import canonical_name, strategy_class, strategy_options
 
 COMPUTE = ("factor_compute", "decomposition", "precondition")
 COMM = ("grad_comm", "factor_comm", "decomposition_comm", "precond_comm")
@@ -248,14 +248,16 @@ def amortised_prediction(row: Mapping[str, Any], prediction: Prediction) -> dict
 
 def paper_predictions(
     rows: Iterable[Mapping[str, Any]], world_size: int, preset: str = PAPER_PRESET
-) -> list[dict[str, float]]:
+) -> list[dict[str, Any]]:
     """:func:`amortised_prediction` of every row at ``world_size`` ranks with its paper-size model.
 
     Each row keeps its strategy, options and update intervals; the shapes are
     those of its model at the papers' sizes (``workload.paper``), built once
     per model, and the hardware is the ``preset`` (default: the papers'
     V100/InfiniBand cluster). Spd_kfac's fusion plan is made from the
-    modelled ready times there, not replayed from the measurement.
+    modelled ready times there, not replayed from the measurement. Each entry
+    also says what the strategy chose there (``configuration``: grouped's k
+    and f), "" where it chose nothing.
     """
     hardware = PRESETS[preset]
     rows = list(rows)
@@ -268,7 +270,8 @@ def paper_predictions(
         shapes, sharing = shapes_of[str(r["model"])]
         m = measurement(r, shapes=shapes, weight_sharing=sharing)
         pred = fitting_lib.predict_measurement(m, hardware, world_size=world_size)
-        out.append(amortised_prediction(r, pred))
+        chosen = strategy_class(pred.strategy).describe(pred.options) if pred.strategy else ""
+        out.append({**amortised_prediction(r, pred), "configuration": chosen})
     return out
 
 

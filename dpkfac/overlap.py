@@ -1,0 +1,407 @@
+"""DP-KFAC overlapped with the backward pass (``dp_kfac`` option ``overlap=True``).
+
+What happens where, on the last micro-batch of a step (``accumulation_steps``):
+
+* **Gradient buckets.** The trainable parameters, in reverse registration
+  order (the order a sequential network's backward produces them), are cut
+  into fused buckets of one dtype under the preconditioner's
+  ``bucket_cap_mb``. A ``register_post_accumulate_grad_hook`` on every
+  parameter counts down its bucket; a complete bucket is all-reduced
+  asynchronously (category ``grad_allreduce``), buckets strictly in plan
+  order, so every rank issues the same collectives in the same order
+  whatever the timing of its hooks.
+* **Factors.** When the last parameter of a layer has its gradient (its G
+  hook, on the output tensor, fired before), the layer's owner folds the
+  pending batch factors into the running averages and, on decomposition
+  steps, decomposes them, while the layer's bucket is still in flight.
+* **Preconditioning.** Every later hook polls the launched buckets without
+  blocking (``Work.is_completed()``, in order). Once a bucket is reduced, for
+  each rank in turn, the layers whose last bucket it is are preconditioned by
+  that owner and broadcast from it asynchronously (category
+  ``precond_broadcast``, one fused broadcast per bucket and owner). The
+  broadcasts run on a second process group over the same ranks: their launch
+  time depends on when each rank's poll sees its bucket complete, and two
+  groups keep each group's order identical on every rank.
+* **step()** launches what the hooks could not (buckets holding a parameter
+  without a gradient), waits for the buckets and broadcasts left, applies the
+  KL clip and writes the gradients (:meth:`OverlapEngine.finish`).
+
+Non-finite factors, without a host read in the hooks: the fold keeps the
+previous running average on the device (``torch.where``) where a batch
+factor holds NaN/Inf, and records the device flag. ``step()`` reads the flags
+of the step together (one host read per factor step, as without overlap),
+warns for each rejected factor, and where a layer had no running average yet
+sets it back to None (its update was computed masked: the averaged gradient,
+unpreconditioned, as without overlap). The update is therefore the same as
+with ``overlap=False``; the guarantee "skip with a warning, never corrupt"
+holds. ``pi_damping`` and ``eigh``'s own checks read the host on
+decomposition steps, as without overlap.
+
+Requirements: exactly ``accumulation_steps`` backward passes per
+``step()`` (a further backward raises), a model not wrapped in DDP (the
+overlap does the reduction), no ``grad_scaler``. The first step (placement
+not final) and steps of the fidelity probe run the ordinary ``step()``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dpkfac.comm import Communicator, Handle
+from dpkfac.curvature.layer import FACTORS, KFACLayer
+from dpkfac.fusion import size_cap_buckets
+from dpkfac.options import check_positive, value_at
+from dpkfac.strategies.base import Preconditioned
+
+if TYPE_CHECKING:
+    from dpkfac.preconditioner import KFACPreconditioner
+    from dpkfac.strategies.base import Strategy
+
+
+def backward_buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[list[int]]:
+    """Consecutive buckets of ``params`` (already in backward order): one dtype and device each,
+    split at ``cap_bytes`` by :func:`dpkfac.fusion.size_cap_buckets`."""
+    runs: list[list[int]] = []
+    for i, p in enumerate(params):
+        if runs and (params[runs[-1][0]].dtype, params[runs[-1][0]].device) == (p.dtype, p.device):
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    buckets: list[list[int]] = []
+    for run in runs:
+        sizes = [params[i].numel() * params[i].element_size() for i in run]
+        buckets += [[run[j] for j in b] for b in size_cap_buckets(sizes, cap_bytes)]
+    return buckets
+
+
+def duplicate_communicator(comm: Communicator) -> Communicator:
+    """A communicator over a new process group of the same ranks, sharing the accounting.
+
+    A collective at construction (every rank of ``comm`` calls it). With one
+    rank, or no process group, ``comm`` itself (it never communicates).
+    """
+    if not comm.active:
+        return comm
+    ranks = [comm.global_rank(r) for r in range(comm.size)]
+    group = dist.new_group(ranks, use_local_synchronization=True)
+    return Communicator(group, timeout=comm.timeout, stats=comm.stats, timer=comm.timer)
+
+
+class _StepState:
+    """What one overlapped step has done so far."""
+
+    def __init__(self, n_buckets: int) -> None:
+        self.fired: dict[int, int] = {}
+        self.left: list[int] = []
+        self.layer_left: dict[str, int] = {}
+        self.handles: list[Handle] = []
+        self.done = 0  # buckets processed (reduced, their layers preconditioned and sent)
+        self.prepared: set[str] = set()
+        self.results: dict[str, Preconditioned] = {}
+        self.sends: list[tuple[list[KFACLayer], list[torch.Tensor], Handle]] = []
+        # (layer, factor, finite flag on the device, had a running average, old decomposition)
+        self.flags: list[tuple[KFACLayer, str, torch.Tensor, bool, object]] = []
+        self.damping: float | None = None
+        self.n_buckets = n_buckets
+
+
+class OverlapEngine:
+    """Gradient hooks and the end of step of dp_kfac with ``overlap=True`` (module docstring).
+
+    Args:
+        strategy: the dp_kfac strategy (placement queries, communicator, bucket cap).
+        pre: the preconditioner, read for its schedule, options and layers.
+    """
+
+    def __init__(self, strategy: Strategy, pre: KFACPreconditioner) -> None:
+        self.strategy = strategy
+        self.pre = pre
+        self.comm = strategy.comm
+        self.bcast_comm = duplicate_communicator(self.comm)
+        self.layers = list(pre.layers.values())
+        kfac = {id(p) for x in self.layers for p in x.helper.parameters()}
+        other = {id(p) for p in pre._other_params}
+        seen: set[int] = set()
+        params: list[nn.Parameter] = []
+        for p in pre.module.parameters():
+            if (id(p) in kfac or id(p) in other) and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        self.params = params[::-1]  # the order a sequential model's backward produces them
+        self.buckets = backward_buckets(self.params, strategy.bucket_cap_bytes)
+        self.bucket_of = {id(self.params[i]): b for b, idx in enumerate(self.buckets) for i in idx}
+        self.layers_of: dict[int, list[KFACLayer]] = {}
+        for layer in self.layers:
+            for p in layer.helper.parameters():
+                self.layers_of.setdefault(id(p), []).append(layer)
+        # A layer is sent once the last bucket holding one of its parameters is reduced.
+        self.last_bucket = {
+            x.name: max(self.bucket_of[id(p)] for p in x.helper.parameters()) for x in self.layers
+        }
+        self.k = pre.options.accumulation_steps
+        self.state: _StepState | None = None
+        self.inactive = False  # this step runs the ordinary step()
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    # ------------------------------------------------------------------ hooks
+    def _begin(self) -> None:
+        pre = self.pre
+        probe = getattr(pre, "_fidelity", None)
+        self.inactive = (
+            not self.strategy.placed
+            or pre._decompose_next
+            or (probe is not None and bool(probe.active))
+        )
+        if self.inactive:
+            return
+        st = _StepState(len(self.buckets))
+        st.left = [len(b) for b in self.buckets]
+        st.layer_left = {x.name: len(set(map(id, x.helper.parameters()))) for x in self.layers}
+        self.state = st
+
+    @torch.no_grad()
+    def _hook(self, param: nn.Parameter) -> None:
+        if self.state is None and not self.inactive:
+            self._begin()
+        st = self.state
+        if st is None:
+            return
+        key = id(param)
+        n = st.fired[key] = st.fired.get(key, 0) + 1
+        if n < self.k:
+            return
+        if n > self.k:
+            raise RuntimeError(
+                f"dpkfac: dp_kfac with overlap=True needs exactly accumulation_steps="
+                f"{self.k} backward passes per step(), but a parameter received gradient "
+                f"number {n} since the last step()"
+            )
+        st.left[self.bucket_of[key]] -= 1
+        for layer in self.layers_of.get(key, ()):
+            st.layer_left[layer.name] -= 1
+            if st.layer_left[layer.name] == 0 and layer.owner == self.comm.rank:
+                self._prepare(layer)
+        self._launch(ready_only=True)
+        self._poll(block=False)
+
+    # ------------------------------------------------------------- the work
+    def _launch(self, *, ready_only: bool) -> None:
+        """All-reduce the next buckets in plan order (complete ones only when ``ready_only``)."""
+        st = self.state
+        assert st is not None
+        while len(st.handles) < st.n_buckets:
+            b = len(st.handles)
+            if ready_only and st.left[b] > 0:
+                return
+            grads = [self.params[i].grad for i in self.buckets[b]]
+            grads = [g for g in grads if g is not None]
+            st.handles.append(
+                self.comm.allreduce_mean(grads, "grad_allreduce", async_op=True, overlapped=True)
+            )
+
+    def _poll(self, *, block: bool) -> None:
+        """Process reduced buckets in order; without ``block`` stop at the first one in flight."""
+        st = self.state
+        assert st is not None
+        while st.done < len(st.handles):
+            handle = st.handles[st.done]
+            if not block and not all(w.is_completed() for w in handle.works):
+                return
+            self.comm.wait(handle)  # done: only unpacks (timed as grad_comm)
+            self._send(st.done)
+            st.done += 1
+
+    def _damping(self) -> float:
+        st = self.state
+        assert st is not None
+        if st.damping is None:
+            damping = float(value_at(self.pre.options.damping, self.pre.steps))
+            check_positive("damping", damping)
+            st.damping = damping
+        return st.damping
+
+    def _prepare(self, layer: KFACLayer) -> None:
+        """Fold the owner's pending batch factors; decompose on decomposition steps."""
+        st = self.state
+        assert st is not None
+        if layer.name in st.prepared:
+            return
+        st.prepared.add(layer.name)
+        pre = self.pre
+        step = pre.steps
+        pending = sum(x.pending_nbytes() for x in self.layers)
+        pre._buffer_peak = max(pre._buffer_peak, pending)
+        decay = float(value_at(pre.options.factor_decay, step))
+        for which in FACTORS:
+            state = layer.factors[which]
+            batch = state.pending()
+            if batch is None:
+                continue
+            finite = torch.isfinite(batch).all()
+            had = state.running is not None
+            st.flags.append((layer, which, finite, had, state.decomposition))
+            if had:
+                new = state.running.mul(decay).add_(
+                    batch.to(state.running.dtype), alpha=1.0 - decay
+                )
+                state.running = torch.where(finite, new, state.running)
+            else:
+                # No previous average to keep: zeros stand in, the layer's update is
+                # masked below, and finish() sets the average back to None.
+                state.running = torch.where(finite, batch, torch.zeros_like(batch))
+        layer.clear_pending()
+        if not pre._is_inv_step(step):
+            return
+        damping = self._damping()
+        with pre._timer.phase("decomposition"):
+            for which in FACTORS:
+                if layer.factor(which) is None or not self.strategy.decomposes(layer, which):
+                    continue
+                factor_damping = (
+                    layer.pi_damping(which, damping) if pre.options.pi_damping else damping
+                )
+                layer.decompose(
+                    which, pre.method, damping=factor_damping, dtype=pre.options.decomposition_dtype
+                )
+
+    def _valid(self, layer: KFACLayer) -> torch.Tensor | None:
+        """Device flag: no factor of the layer was built from scratch out of a non-finite batch."""
+        st = self.state
+        assert st is not None
+        flags = [ok for x, _, ok, had, _ in st.flags if x is layer and not had]
+        if not flags:
+            return None
+        return torch.stack(flags).all()
+
+    def _precondition(self, layer: KFACLayer) -> Preconditioned:
+        """As ``KFACPreconditioner._precondition`` for one layer (its gradient is averaged)."""
+        with self.pre._timer.phase("precondition"):
+            grad = layer.helper.grad_matrix()
+            assert grad is not None
+            v = layer.preconditioned_grad(self._damping(), grad)
+            kl_dtype = torch.promote_types(grad.dtype, torch.float32)
+            if v is None:
+                return Preconditioned(grad, grad.new_zeros((), dtype=kl_dtype), False)
+            vg = (v.to(kl_dtype) * grad.to(kl_dtype)).sum()
+            valid = self._valid(layer)
+            if valid is None:
+                return Preconditioned(v, vg, True)
+            return Preconditioned(
+                torch.where(valid, v, grad), torch.where(valid, vg, 0.0), valid.clone()
+            )
+
+    def _send(self, bucket: int) -> None:
+        """Precondition the layers whose last bucket is ``bucket`` and broadcast them, per owner."""
+        st = self.state
+        assert st is not None
+        rank, size = self.comm.rank, self.comm.size
+        with_kl = self.pre.options.kl_clip is not None
+        for owner in range(size):
+            sent = [
+                x
+                for x in self.layers
+                if self.last_bucket[x.name] == bucket
+                and x.owner == owner
+                and x.module.weight.grad is not None
+            ]
+            if not sent:
+                continue
+            buffers: list[torch.Tensor] = []
+            for layer in sent:
+                if owner == rank:
+                    self._prepare(layer)
+                    res = self._precondition(layer)
+                    st.results[layer.name] = res
+                    matrix = res.matrix.contiguous()
+                    flag = res.preconditioned
+                    meta_flag = (
+                        flag.to(res.vg.dtype)
+                        if isinstance(flag, torch.Tensor)
+                        else torch.full_like(res.vg, float(flag))
+                    )
+                    meta = torch.stack([res.vg, meta_flag])
+                else:
+                    grad = layer.module.weight.grad
+                    matrix = grad.new_empty(layer.helper.g_dim, layer.helper.a_dim)
+                    kl_dtype = torch.promote_types(matrix.dtype, torch.float32)
+                    meta = matrix.new_zeros(2, dtype=kl_dtype)
+                buffers += [matrix, meta] if with_kl else [matrix]
+            if not self.comm.active:
+                continue
+            handle = self.bcast_comm.broadcast(
+                buffers,
+                owner,
+                "precond_broadcast",
+                cap_bytes=self.strategy.bucket_cap_bytes,
+                async_op=True,
+            )
+            st.sends.append((sent, buffers, handle))
+
+    # ------------------------------------------------------------- step()
+    def finish(self) -> dict[str, Preconditioned] | None:
+        """Wait for what is left and return every layer's update (None: not overlapped)."""
+        st, self.state = self.state, None
+        inactive, self.inactive = self.inactive, False
+        if st is None:
+            if inactive or not self.strategy.placed:
+                return None
+            self._begin()  # no backward this step (or no hook fired): do it all here
+            st, self.state = self.state, None
+            if st is None:
+                return None
+        self.state = st
+        try:
+            for layer in self.layers:
+                if layer.owner == self.comm.rank:
+                    self._prepare(layer)  # layers without gradients still fold their factors
+            self._launch(ready_only=False)
+            self._poll(block=True)
+            final = self._collect(st)
+            self._check_factors(st)
+        finally:
+            self.state = None
+        return final
+
+    def _collect(self, st: _StepState) -> dict[str, Preconditioned]:
+        """Wait for the broadcasts; the updates in the form ``share_preconditioned`` gives."""
+        if not self.comm.active:
+            return st.results
+        with_kl = self.pre.options.kl_clip is not None
+        step = 2 if with_kl else 1
+        out: dict[str, Preconditioned] = {}
+        for sent, buffers, handle in st.sends:
+            self.bcast_comm.wait(handle)
+            for i, layer in enumerate(sent):
+                matrix = buffers[i * step]
+                if with_kl:
+                    meta = buffers[i * step + 1]
+                    out[layer.name] = Preconditioned(matrix, meta[0], meta[1] > 0.5)
+                else:
+                    out[layer.name] = Preconditioned(matrix, matrix.new_zeros(()), True)
+        return out
+
+    def _check_factors(self, st: _StepState) -> None:
+        """Read the step's finiteness flags at once; warn, and undo first averages of NaN/Inf."""
+        if not st.flags:
+            return
+        device = st.flags[0][2].device
+        finite = torch.stack([ok.to(device) for _, _, ok, _, _ in st.flags]).tolist()
+        for (layer, which, _, had, old_decomposition), ok in zip(st.flags, finite, strict=True):
+            if ok:
+                continue
+            warnings.warn(
+                f"dpkfac: non-finite values in the {which} factor of layer {layer.name!r}; "
+                "update skipped, previous factor kept",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            if not had:
+                layer.factors[which].running = None
+                layer.factors[which].decomposition = old_decomposition  # type: ignore[assignment]

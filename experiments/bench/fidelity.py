@@ -1,0 +1,224 @@
+"""Curvature fidelity over short training runs: ``python -m experiments.bench.fidelity``.
+
+DP-KFAC builds each layer's factors from its owner's local batch (1/P of the
+global one). The preconditioner's fidelity probe (``strategy.fidelity_every``,
+``dpkfac/fidelity.py``) compares, on the owner, the averaged gradient
+preconditioned with those local factors against the one preconditioned with the
+factors averaged over all ranks. This script trains, through the training entry
+point (``torchrun -m experiments.train``, gloo on CPU), a short digits_cnn run
+and a short ResNet-20 run on fake CIFAR-10 images (random pixels), with the
+probe on, records what the trainer logs (``fidelity/<layer>/cosine`` and
+``.../rel_error``) through :class:`RecordingLogger`, and writes
+
+* ``results/fidelity.csv``: ``run, world_size, strategy, step, layer, cosine, rel_error``
+  (``step``: optimizer steps done, the W&B step the trainer logs at; the probe
+  ran in the last of them);
+* ``results/fidelity.png``: cosine and relative error per layer over the steps.
+
+With one rank the comparison is trivially exact (cosine 1), so the default is
+two ranks. A few minutes on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from experiments.loggers import NullLogger
+
+REPO = Path(__file__).resolve().parents[2]
+RECORD = "fidelity.jsonl"
+FIELDS = ("run", "world_size", "strategy", "step", "layer", "cosine", "rel_error")
+
+#: The runs: name -> training overrides (the probe's own settings are added).
+RUNS: dict[str, list[str]] = {
+    "digits_cnn": ["experiment=digits_cnn", "data.batch_size=32"],
+    "resnet20_fake_cifar": [
+        "experiment=cifar10_resnet32",
+        "model.depth=20",
+        "data.fake=true",
+        "data.batch_size=16",
+        "data.eval_batch_size=64",
+        "data.num_workers=0",
+        "data.augment=false",
+        # Decompositions every 4 steps keep ResNet-20 on a CPU within a minute or two.
+        "strategy.inv_update_steps=4",
+        "strategy.fidelity_layers=[conv1,layers.0.conv1,layers.3.conv1,layers.6.conv1,layers.8.conv2,fc]",
+    ],
+}
+
+
+class RecordingLogger(NullLogger):
+    """A logger that appends the fidelity metrics it is given to ``<dir>/fidelity.jsonl``.
+
+    Takes (and ignores) every other argument of the ``logger`` config node, so it
+    replaces W&B with ``logger._target_=experiments.bench.fidelity.RecordingLogger``.
+    """
+
+    def __init__(self, dir: str | Path | None = None, **_: Any) -> None:
+        self.path = Path(dir or ".") / RECORD
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        rows: dict[str, dict[str, Any]] = {}
+        for key, value in metrics.items():
+            if not key.startswith("fidelity/"):
+                continue
+            layer, _, name = key.removeprefix("fidelity/").rpartition("/")
+            rows.setdefault(layer, {"step": step, "layer": layer})[name] = float(value)
+        if rows:
+            with self.path.open("a") as f:
+                for row in rows.values():
+                    f.write(json.dumps(row) + "\n")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_run(
+    name: str,
+    overrides: Sequence[str],
+    *,
+    nproc: int,
+    steps: int,
+    every: int,
+    strategy: str,
+    out: Path,
+    timeout: float,
+) -> list[dict[str, Any]]:
+    """One probed training run under torchrun; returns its CSV rows."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        "-m",
+        "experiments.train",
+        *overrides,
+        f"strategy={strategy}",
+        f"strategy.fidelity_every={every}",
+        f"trainer.max_steps={steps}",
+        "trainer.progress_bar=false",
+        "trainer.checkpoint_every_steps=null",
+        "trainer.resume=null",
+        "trainer.check_replicas=true",
+        "logger._target_=experiments.bench.fidelity.RecordingLogger",
+        f"hydra.run.dir={out}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    started = time.perf_counter()
+    proc = subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"run {name!r} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    print(f"{name}: {steps} steps on {nproc} rank(s) in {time.perf_counter() - started:.0f} s")
+    rows = []
+    for line in (out / RECORD).read_text().splitlines():
+        entry = json.loads(line)
+        rows.append({"run": name, "world_size": nproc, "strategy": strategy, **entry})
+    return rows
+
+
+def write_csv(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: row[k] for k in FIELDS})
+
+
+def figure(rows: Sequence[Mapping[str, Any]]) -> Any:
+    """Cosine and relative error per layer over steps, one row of panels per run.
+
+    Args:
+        rows: CSV rows (``FIELDS``), e.g. ``pandas.read_csv(...).to_dict("records")``.
+
+    Returns:
+        The matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    fig, axes = plt.subplots(len(runs), 2, figsize=(12, 3.6 * len(runs)), squeeze=False)
+    for (ax_cos, ax_err), run in zip(axes, runs, strict=True):
+        mine = [r for r in rows if r["run"] == run]
+        for layer in dict.fromkeys(r["layer"] for r in mine):
+            points = sorted((int(r["step"]), r) for r in mine if r["layer"] == layer)
+            steps = [s for s, _ in points]
+            ax_cos.plot(steps, [float(r["cosine"]) for _, r in points], marker=".", label=layer)
+            ax_err.plot(steps, [float(r["rel_error"]) for _, r in points], marker=".", label=layer)
+        p = mine[0]["world_size"]
+        ax_cos.set_title(f"{run} (P={p}): cosine(local, all-ranks update)")
+        ax_err.set_title(f"{run} (P={p}): ‖local − all‖ / ‖all‖")
+        ax_err.set_yscale("log")
+        for ax in (ax_cos, ax_err):
+            ax.set_xlabel("optimizer step")
+            ax.grid(alpha=0.3)
+        ax_cos.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def plot(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+    """Write :func:`figure` to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = figure(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per run (default 2)")
+    parser.add_argument("--strategy", default="dp_kfac", help="strategy config (default dp_kfac)")
+    parser.add_argument("--every", type=int, default=2, help="probe interval (default 2)")
+    parser.add_argument("--digits-steps", type=int, default=200)
+    parser.add_argument("--resnet-steps", type=int, default=60)
+    parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated run names")
+    parser.add_argument("--out", type=Path, default=REPO / "results")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    args = parser.parse_args(argv)
+    steps = {"digits_cnn": args.digits_steps, "resnet20_fake_cifar": args.resnet_steps}
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="dpkfac-fidelity-") as tmp:
+        for name in args.runs.split(","):
+            rows += train_run(
+                name,
+                RUNS[name],
+                nproc=args.nproc,
+                steps=steps[name],
+                every=args.every,
+                strategy=args.strategy,
+                out=Path(tmp) / name,
+                timeout=args.timeout,
+            )
+    write_csv(rows, args.out / "fidelity.csv")
+    plot(rows, args.out / "fidelity.png")
+    print(f"wrote {args.out / 'fidelity.csv'} ({len(rows)} rows) and {args.out / 'fidelity.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

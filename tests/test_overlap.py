@@ -1,0 +1,344 @@
+"""dp_kfac with ``overlap=True`` gives the update of ``overlap=False``.
+
+Float64, tiny models (a conv net with GroupNorm, a conv net with BatchNorm, so
+parameters K-FAC leaves alone are reduced in the buckets too), P = 1, 2, 3 on
+gloo, factor and decomposition intervals above one, ``accumulation_steps=2``,
+the KL clip on and off, one bucket and many: the gradients written by
+``step()`` match the non-overlapped run's within 1e-10, every rank holds the
+same parameters, and ``comm_stats()`` has the same categories and bytes.
+Also: no host read in the hooks, non-finite factors skipped with a warning as
+without overlap, and the configurations overlap refuses.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_ranks
+from strategy_cases import batch, make_model, make_preconditioner
+from test_core_host_sync import counting_host_reads
+from torch import nn
+
+import dpkfac
+from dpkfac.strategies import DPKFACOptions
+
+TOL = 1e-10
+STEPS = 6
+
+
+class BNNet(nn.Module):
+    """Conv -> BatchNorm -> conv (no bias) -> Linear: BatchNorm's parameters are not K-FAC's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 3, 3, stride=2, bias=False)
+        self.fc = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn(self.conv1(x)))
+        x = F.relu(self.conv2(x))
+        return self.fc(x.mean((2, 3)))
+
+
+def _model(kind: str) -> nn.Module:
+    if kind == "tiny":
+        return make_model()
+    torch.manual_seed(0)
+    return BNNet().double()
+
+
+#: name -> (model, preconditioner keyword arguments)
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny": ("tiny", {}),
+    "tiny-intervals-kl": (
+        "tiny",
+        {"factor_update_steps": 2, "inv_update_steps": 3, "kl_clip": 0.01},
+    ),
+    "tiny-accum-kl": ("tiny", {"accumulation_steps": 2, "kl_clip": 0.01, "inv_update_steps": 2}),
+    "bn-small-buckets": ("bn", {"bucket_cap_mb": 300 / 2**20, "factor_update_steps": 2}),
+    "bn-kl-accum-buckets": (
+        "bn",
+        {"bucket_cap_mb": 600 / 2**20, "kl_clip": 0.001, "accumulation_steps": 2},
+    ),
+    "bn-pi-inverse": ("bn", {"compute_method": "inverse", "pi_damping": True, "kl_clip": 0.01}),
+}
+
+
+def _train(rank: int, kind: str, kwargs: dict[str, Any], overlap: bool) -> dict[str, Any]:
+    model = _model(kind)
+    pre = make_preconditioner(model, "dp_kfac", overlap=overlap, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    micro = int(kwargs.get("accumulation_steps", 1))
+    grads, params, stats = [], [], []
+    for step in range(STEPS):
+        pre.reset_stats()
+        opt.zero_grad()
+        for m in range(micro):
+            x, y = batch(10 * step + m, rank)
+            (F.cross_entropy(model(x), y) / micro).backward()
+        pre.step()
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        opt.step()
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        stats.append(pre.comm_stats())
+    return {"grads": grads, "params": params, "stats": stats}
+
+
+def _both(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
+    out = {}
+    for name in names:
+        kind, kwargs = CASES[name]
+        out[name] = {o: _train(rank, kind, kwargs, o) for o in (False, True)}
+    return out
+
+
+def _max_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    worst = 0.0
+    for k in a:
+        denom = b[k].abs().max().clamp(min=1e-30)
+        worst = max(worst, float((a[k] - b[k]).abs().max() / denom))
+    return worst
+
+
+def _check(results: list[dict[str, Any]], names: list[str]) -> float:
+    worst = 0.0
+    for name in names:
+        for rank, res in enumerate(results):
+            plain, overlapped = res[name][False], res[name][True]
+            for step in range(STEPS):
+                err = _max_err(overlapped["grads"][step], plain["grads"][step])
+                worst = max(worst, err)
+                assert err < TOL, (name, rank, step, err)
+                # The same categories and byte counts (calls can differ: bucket split).
+                bytes_plain = {c: v["bytes"] for c, v in plain["stats"][step].items()}
+                bytes_over = {c: v["bytes"] for c, v in overlapped["stats"][step].items()}
+                assert bytes_over == bytes_plain, (name, rank, step)
+                wire_plain = {c: v["wire_bytes"] for c, v in plain["stats"][step].items()}
+                wire_over = {c: v["wire_bytes"] for c, v in overlapped["stats"][step].items()}
+                assert wire_over == wire_plain, (name, rank, step)
+        for step in range(STEPS):  # identical replicas
+            first = results[0][name][True]["params"][step]
+            for res in results[1:]:
+                other = res[name][True]["params"][step]
+                assert all(torch.equal(first[k], other[k]) for k in first), (name, step)
+    return worst
+
+
+def test_overlap_equals_plain_on_one_rank() -> None:
+    names = list(CASES)
+    worst = _check([_both(0, 1, names)], names)
+    print(f"P=1 max relative difference {worst:.3e}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_overlap_equals_plain_distributed(world_size: int) -> None:
+    names = list(CASES)
+    worst = _check(run_ranks(_both, world_size, names), names)
+    print(f"P={world_size} max relative difference {worst:.3e}")
+
+
+def test_single_bucket_has_the_same_calls_too() -> None:
+    """With every gradient in one bucket, the collectives are the same ones (P = 2)."""
+    results = run_ranks(_both, 2, ["tiny"])
+    for res in results:
+        for step in range(STEPS):
+            assert res["tiny"][True]["stats"][step] == res["tiny"][False]["stats"][step]
+
+
+# ------------------------------------------------------------------ host reads
+def _reads(rank: int, world_size: int) -> dict[str, list[int]]:
+    model = make_model()
+    pre = make_preconditioner(model, "dp_kfac", overlap=True, kl_clip=0.01, inv_update_steps=100)
+    hooks, steps = [], []
+    for step in range(5):
+        x, y = batch(step, rank)
+        model.zero_grad()
+        with counting_host_reads() as in_hooks:
+            F.cross_entropy(model(x), y).backward()
+        with counting_host_reads() as in_step:
+            pre.step()
+        if step > 1:
+            hooks.append(len(in_hooks))
+            steps.append(len(in_step))
+    return {"hooks": hooks, "steps": steps}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_no_host_reads_in_hooks_and_at_most_one_per_step(world_size: int) -> None:
+    for out in run_ranks(_reads, world_size):
+        assert out["hooks"] == [0, 0, 0]
+        assert max(out["steps"]) <= 1, out["steps"]
+
+
+# ------------------------------------------------------------------ non-finite
+def _poisoned(rank: int, world_size: int, overlap: bool) -> dict[str, Any]:
+    """fc1's A is NaN at steps 0 and 1 (no running average yet), conv's A at step 3."""
+    model = make_model()
+    pre = make_preconditioner(model, "dp_kfac", overlap=overlap, kl_clip=0.01)
+    poison = {0: "fc1", 1: "fc1", 3: "conv"}
+    current = {"step": 0}
+
+    def corrupt(name: str, module: nn.Module, args: Any, output: Any) -> None:
+        state = pre.layers[name].factors["A"]
+        if poison.get(current["step"]) == name and state.batch is not None:
+            state.batch[0, 0] = float("nan")
+
+    for name in ("conv", "fc1"):
+        getattr(model, name).register_forward_hook(lambda m, a, o, n=name: corrupt(n, m, a, o))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads, caught, factors = [], [], []
+    for step in range(5):
+        current["step"] = step
+        opt.zero_grad()
+        x, y = batch(step, rank)
+        F.cross_entropy(model(x), y).backward()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            pre.step()
+        caught.append(sorted(str(w.message) for w in seen if "non-finite" in str(w.message)))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        factors.append(
+            {
+                f"{n}/{w}": (s.running is None, bool(torch.isfinite(s.running).all()))
+                if s.running is not None
+                else (True, True)
+                for n, x in pre.layers.items()
+                for w, s in x.factors.items()
+            }
+        )
+        opt.step()
+    return {"grads": grads, "warnings": caught, "factors": factors}
+
+
+@pytest.mark.distributed
+def test_non_finite_factors_are_skipped_with_a_warning_as_without_overlap() -> None:
+    plain = run_ranks(_poisoned, 2, False)
+    over = run_ranks(_poisoned, 2, True)
+    for p, o in zip(plain, over, strict=True):
+        assert o["warnings"] == p["warnings"]
+        assert o["factors"] == p["factors"]
+        for step in range(5):
+            assert _max_err(o["grads"][step], p["grads"][step]) < TOL, step
+            assert all(torch.isfinite(g).all() for g in o["grads"][step].values())
+    assert sum(len(w) for r in over for w in r["warnings"]) == 3  # each on its owner only
+
+
+# ------------------------------------------------------------------ refusals
+def test_overlap_refuses_owner_reduction_and_non_bools() -> None:
+    with pytest.raises(ValueError, match="grad_reduction='owner'"):
+        DPKFACOptions(overlap=True, grad_reduction="owner")
+    with pytest.raises(ValueError, match="overlap must be a bool, got 'yes'"):
+        DPKFACOptions(overlap="yes")  # type: ignore[arg-type]
+
+
+def test_overlap_refuses_a_grad_scaler() -> None:
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(ValueError, match="grad_scaler"):
+        dpkfac.KFACPreconditioner(make_model(), overlap=True, grad_scaler=scaler)
+
+
+def _ddp(rank: int, world_size: int) -> str:
+    ddp = nn.parallel.DistributedDataParallel(make_model())
+    try:
+        dpkfac.KFACPreconditioner(ddp, overlap=True)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.distributed
+def test_overlap_refuses_a_ddp_model() -> None:
+    (message,) = run_ranks(_ddp, 1)
+    assert "DistributedDataParallel" in message and "overlap=True" in message
+
+
+def test_too_many_backward_passes_raise() -> None:
+    model = make_model()
+    pre = make_preconditioner(model, "dp_kfac", overlap=True)
+    for step in range(2):
+        x, y = batch(step, 0)
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+    x, y = batch(5, 0)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="accumulation_steps=1 backward passes"):
+        F.cross_entropy(model(x), y).backward()
+
+
+def _engaged(rank: int, world_size: int) -> dict[str, Any]:
+    model = _model("bn")
+    pre = make_preconditioner(model, "dp_kfac", overlap=True, bucket_cap_mb=300 / 2**20)
+    engine = pre.strategy.overlap
+    out: dict[str, Any] = {"buckets": len(engine.buckets)}
+    for step in range(3):
+        x, y = batch(step, rank)
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if step == 2:
+            state = engine.state
+            out["launched"] = len(state.handles)
+            out["processed"] = state.done
+            out["preconditioned"] = sorted(state.results)
+            out["owned"] = sorted(n for n, x in pre.layers.items() if x.owner == rank)
+        pre.step()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_backward_pass_launches_every_bucket(world_size: int) -> None:
+    """Every bucket is launched from the hooks; on one rank all work is done there too."""
+    for out in run_ranks(_engaged, world_size):
+        assert out["buckets"] > 1
+        assert out["launched"] == out["buckets"]
+        if world_size == 1:
+            assert out["processed"] == out["buckets"]
+            assert out["preconditioned"] == out["owned"]
+
+
+# ------------------------------------------------------------------ cost model
+@pytest.mark.parametrize("world_size", [2, 8, 32])
+@pytest.mark.parametrize("model", ["resnet50", "bert_qa"])
+def test_cost_model_overlap_is_no_slower_and_moves_the_same_bytes(
+    model: str, world_size: int
+) -> None:
+    from dataclasses import replace
+
+    from dpkfac.costmodel import PRESETS, bert_qa, predict, resnet50
+
+    shapes = resnet50(batch_size=32) if model == "resnet50" else bert_qa()
+    hw = PRESETS["v100_ib100"]
+    plain = predict(shapes, strategy="dp_kfac", world_size=world_size, hardware=hw)
+    over = predict(
+        shapes, strategy="dp_kfac", options={"overlap": True}, world_size=world_size, hardware=hw
+    )
+    assert over.traits is not None and over.traits.overlapped_precondition
+    assert set(over.overlapped_phases) == {"grad_comm", "precond_comm"}
+    for key, step in over.steps.items():
+        assert step.comm == plain.steps[key].comm  # bytes, calls, wire bytes
+        assert step.iteration <= plain.steps[key].iteration + 1e-12
+        # Compute is not hidden: only the communication waits shrink.
+        for phase in ("forward_backward", "factor_compute", "decomposition", "precondition"):
+            assert step.breakdown[phase] == pytest.approx(plain.steps[key].breakdown[phase])
+    assert over.update.iteration < plain.update.iteration
+    assert over.memory == plain.memory
+    # No overlap in the hardware: the serial prediction.
+    serial = predict(
+        shapes,
+        strategy="dp_kfac",
+        options={"overlap": True},
+        world_size=world_size,
+        hardware=replace(hw, overlap=0.0),
+    )
+    base = predict(
+        shapes, strategy="dp_kfac", world_size=world_size, hardware=replace(hw, overlap=0.0)
+    )
+    assert serial.update.iteration == pytest.approx(base.update.iteration)

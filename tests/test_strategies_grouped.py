@@ -1,0 +1,202 @@
+"""grouped: the (k, f) design space, its corners, identical replicas, and the automatic choice."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from strategy_cases import batch, concat_batch, make_model, max_rel_err, run
+
+import dpkfac
+from dpkfac.assignment import grouped_assign, kaisa_assign
+from dpkfac.costmodel import PRESETS, predict, zoo
+from dpkfac.options import KFACOptions
+from dpkfac.strategies import GroupedKFAC, strategy_class, strategy_options
+from dpkfac.strategies.grouped import factor_groups_of
+
+STEPS = 3
+KW: dict[str, Any] = {
+    "kl_clip": 0.01,
+    "damping": 0.01,
+    "factor_update_steps": 1,
+    "inv_update_steps": 2,
+    "collective_timeout": 60.0,
+}
+
+
+def _train(rank: int, world_size: int, strategy: str, options: dict[str, Any]) -> dict[str, Any]:
+    model = make_model()
+    pre = dpkfac.KFACPreconditioner(model, strategy=strategy, **KW, **options)
+    out = run(model, pre, [batch(step, rank) for step in range(STEPS)])
+    return {
+        "params": out["params"],
+        "captured": sorted(n for n, x in pre.layers.items() if x.factor("A") is not None),
+        "k": getattr(pre.strategy, "factor_group_size", None),
+        "f": getattr(pre.strategy, "grad_worker_fraction", None),
+    }
+
+
+def _same_on_every_rank(results: list[dict[str, Any]], label: Any) -> None:
+    for rank in range(1, len(results)):
+        for step in range(STEPS):
+            for name, t in results[rank]["params"][step].items():
+                assert torch.equal(t, results[0]["params"][step][name]), (label, rank, name)
+
+
+@pytest.mark.distributed
+def test_k1_f_over_p_is_dp_kfac_bit_for_bit() -> None:
+    p = 2
+    grouped = run_ranks(
+        _train, p, "grouped", {"factor_group_size": 1, "grad_worker_fraction": 1 / p}
+    )
+    dp = run_ranks(_train, p, "dp_kfac", {})
+    for step in range(STEPS):
+        for name, t in dp[0]["params"][step].items():
+            assert torch.equal(grouped[0]["params"][step][name], t), (step, name)
+    # The same owners hold the same layers' factors.
+    assert [r["captured"] for r in grouped] == [r["captured"] for r in dp]
+
+
+@pytest.mark.distributed
+def test_every_k_and_f_at_four_ranks() -> None:
+    """Replicas stay identical; f never changes the maths; k = P is d_kfac's update."""
+    p = 4
+    ref_model = make_model()
+    ref_pre = dpkfac.KFACPreconditioner(ref_model, strategy="d_kfac", **KW)
+    reference = run(ref_model, ref_pre, [concat_batch(step, p) for step in range(STEPS)])["params"]
+    by_k: dict[int, list[dict[str, torch.Tensor]]] = {}
+    for k in (1, 2, 4):
+        for f in (0.25, 0.5, 1.0):
+            results = run_ranks(
+                _train, p, "grouped", {"factor_group_size": k, "grad_worker_fraction": f}
+            )
+            _same_on_every_rank(results, (k, f))
+            params = results[0]["params"]
+            if k in by_k:  # the fraction decides who computes, not what
+                for step in range(STEPS):
+                    assert max_rel_err(params[step], by_k[k][step]) < 1e-10, (k, f, step)
+            by_k[k] = params
+            if k == p:
+                for step in range(STEPS):
+                    assert max_rel_err(params[step], reference[step]) < 1e-10, (k, f, step)
+            # A rank holds the factors of its factor group's layers only.
+            groups = factor_groups_of(p, k)
+            captured = [set(r["captured"]) for r in results]
+            for group in groups:
+                assert all(captured[r] == captured[group[0]] for r in group), (k, f)
+    # Curvature from fewer samples gives another update.
+    assert max_rel_err(by_k[1][-1], by_k[4][-1]) > 1e-6
+    assert max_rel_err(by_k[2][-1], by_k[4][-1]) > 1e-6
+
+
+def test_options_name_the_bad_value() -> None:
+    with pytest.raises(ValueError, match="factor_group_size must be an int >= 1 or 'auto', got 0"):
+        strategy_options("grouped", {"factor_group_size": 0})
+    with pytest.raises(ValueError, match="unknown grad_worker_fraction 'half'"):
+        strategy_options("grouped", {"grad_worker_fraction": "half"})
+    opts = strategy_options("grouped", {"factor_group_size": 3, "grad_worker_fraction": 1.0})
+    with pytest.raises(ValueError, match="factor_group_size=3 must divide the world size 4"):
+        opts.group_size(4)
+    with pytest.raises(ValueError, match="unknown hardware 'tpu'"):
+        strategy_options("grouped", {"hardware": "tpu"})
+    with pytest.raises(ValueError, match="factor_group_size='auto' is chosen at the first step"):
+        strategy_options("grouped", {}).group_size(2)
+
+
+def test_grouped_assign_is_kaisa_with_one_group_and_stays_in_groups() -> None:
+    costs = [5.0, 3.0, 3.0, 2.0, 1.0, 1.0]
+    assert grouped_assign(costs, [0] * 6, [[0, 1, 2, 3]], 4, 2) == kaisa_assign(costs, 4, 2)
+    groups = factor_groups_of(4, 2)
+    group_of = [0, 1, 0, 1, 0, 1]
+    owners = grouped_assign(costs, group_of, groups, 4, 1)
+    assert all(o in groups[g] for o, g in zip(owners, group_of, strict=True))
+    assert len(set(owners)) == 4  # spread within the groups
+
+
+def _zoo_resnet32() -> zoo.ModelShapes:
+    return zoo.cifar_resnet(32, batch_size=32)
+
+
+@pytest.mark.parametrize(
+    ("intervals", "expected"),
+    [((10, 100), (1, 1.0)), ((1, 1), (1, 0.5))],
+)
+def test_auto_choice_is_the_cheapest_prediction(
+    intervals: tuple[int, int], expected: tuple[int, float]
+) -> None:
+    """ResNet-32 at P = 2 on this machine's preset: the choice follows the rule.
+
+    Practical setting (factors every 10 steps, decompositions every 100): local
+    factors with decompositions broadcast (no gradient broadcast), within the
+    tolerance of the fastest and with half its bytes; paper setting
+    (everything every step): dp_kfac's corner.
+    """
+    shapes = _zoo_resnet32()
+    kfac = KFACOptions(
+        factor_update_steps=intervals[0], inv_update_steps=intervals[1], kl_clip=0.001
+    )
+    hw = PRESETS["cpu_gloo_local"]
+    options = strategy_options("grouped", {"hardware": hw})
+    chosen, candidates = GroupedKFAC.choose(shapes, 2, options, kfac)
+    assert {(c.factor_group_size, c.grad_worker_fraction) for c in candidates} == {
+        (1, 0.5), (1, 1.0), (2, 0.5), (2, 1.0)
+    }  # fmt: skip
+    fastest = min(c.iteration for c in candidates)
+    near = [c for c in candidates if c.iteration <= 1.05 * fastest]
+    best = min(near, key=lambda c: c.comm_bytes)
+    assert (chosen.factor_group_size, chosen.grad_worker_fraction) == (
+        best.factor_group_size,
+        best.grad_worker_fraction,
+    )
+    assert (chosen.factor_group_size, chosen.grad_worker_fraction) == expected
+    # Without the tolerance: the fastest prediction, whatever it sends.
+    strict, _ = GroupedKFAC.choose(shapes, 2, replace(options, auto_tolerance=0.0), kfac)
+    assert strict.factor_group_size == min(candidates, key=lambda c: c.iteration).factor_group_size
+    # The cost model resolves "auto" the same way when it predicts the run.
+    pred = predict(shapes, strategy="grouped", world_size=2, hardware=hw, kfac=kfac, options={})
+    assert pred.options.factor_group_size == chosen.factor_group_size
+    assert pred.options.grad_worker_fraction == chosen.grad_worker_fraction
+
+
+def _auto(rank: int, world_size: int) -> dict[str, Any]:
+    model = make_model()
+    pre = dpkfac.KFACPreconditioner(model, strategy="grouped", hardware="v100_ib100", **KW)
+    assert pre.strategy.factor_group_size is None  # chosen at the first step
+    params = run(model, pre, [batch(step, rank) for step in range(STEPS)])["params"]
+    state = pre.state_dict()
+    return {
+        "params": params,
+        "choice": (pre.strategy.factor_group_size, pre.strategy.grad_worker_fraction),
+        "candidates": len(pre.strategy.choice),
+        "state": state if rank == 0 else None,
+    }
+
+
+@pytest.mark.distributed
+def test_auto_resolves_at_the_first_step_identically_on_every_rank(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    results = run_ranks(_auto, 2)
+    _same_on_every_rank(results, "auto")
+    assert results[0]["choice"] == results[1]["choice"]
+    assert results[0]["candidates"] == 4
+    k, f = results[0]["choice"]
+    assert results[0]["state"]["strategy_state"] == {
+        "factor_group_size": k,
+        "grad_worker_fraction": f,
+    }
+    cls = strategy_class("grouped")
+    assert cls.traits(strategy_options("grouped", {"grad_worker_fraction": 1.0})).preconditions_all
+
+
+def test_auto_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    model = make_model()
+    pre = dpkfac.KFACPreconditioner(model, strategy="grouped", hardware="cpu_gloo_local", **KW)
+    with caplog.at_level(logging.INFO, logger="dpkfac.strategies.grouped"):
+        run(model, pre, [batch(0, 0)])
+    assert "grouped: chose factor_group_size=1, grad_worker_fraction=1" in caplog.text
+    assert (pre.strategy.factor_group_size, pre.strategy.grad_worker_fraction) == (1, 1.0)
