@@ -57,7 +57,7 @@ from dpkfac.comm import Communicator, Handle
 from dpkfac.curvature.layer import FACTORS, KFACLayer
 from dpkfac.fusion import size_cap_buckets
 from dpkfac.options import check_positive, value_at
-from dpkfac.strategies.base import Preconditioned
+from dpkfac.strategies.base import Preconditioned, received_updates
 
 if TYPE_CHECKING:
     from dpkfac.preconditioner import KFACPreconditioner
@@ -374,17 +374,10 @@ class OverlapEngine:
         if not self.comm.active:
             return st.results
         with_kl = self.pre.options.kl_clip is not None
-        step = 2 if with_kl else 1
         out: dict[str, Preconditioned] = {}
         for sent, buffers, handle in st.sends:
             self.bcast_comm.wait(handle)
-            for i, layer in enumerate(sent):
-                matrix = buffers[i * step]
-                if with_kl:
-                    meta = buffers[i * step + 1]
-                    out[layer.name] = Preconditioned(matrix, meta[0], meta[1] > 0.5)
-                else:
-                    out[layer.name] = Preconditioned(matrix, matrix.new_zeros(()), True)
+            out.update(received_updates(sent, buffers, with_kl=with_kl))
         return out
 
     def _check_factors(self, st: _StepState) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -50,9 +51,14 @@ def counting_host_reads() -> Iterator[list[str]]:
         torch.cuda.synchronize = sync
 
 
-def _reads_per_phase(rank: int, world_size: int, variant: str) -> dict[str, list[int]]:
+def reads_per_phase(
+    rank: int, world_size: int, variant: str, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Host reads in the hooks and in ``step()`` of steps 2..4 (``overrides``: preconditioner
+    arguments); ``probes``: how many layers the fidelity probe reported."""
     model = make_model()
-    pre = make_preconditioner(model, variant, kl_clip=0.01, inv_update_steps=100)
+    options = {"kl_clip": 0.01, "inv_update_steps": 100, **(overrides or {})}
+    pre = make_preconditioner(model, variant, **options)
     hooks, steps = [], []
     for step in range(5):
         x, y = batch(step, rank)
@@ -64,12 +70,12 @@ def _reads_per_phase(rank: int, world_size: int, variant: str) -> dict[str, list
         if step > 1:  # one-time work: placement, decompositions, spd_kfac's fusion plan
             hooks.append(len(in_hooks))
             steps.append(len(in_step))
-    return {"hooks": hooks, "steps": steps}
+    return {"hooks": hooks, "steps": steps, "probes": len(pre.fidelity())}
 
 
 @pytest.mark.parametrize("variant", ["dp_kfac", "d_kfac", "spd_kfac"])
 def test_no_host_reads_in_hooks_and_one_per_factor_step(variant: str) -> None:
-    out = _reads_per_phase(0, 1, variant)
+    out = reads_per_phase(0, 1, variant)
     assert out["hooks"] == [0, 0, 0]
     # Factor steps: one read, the joint non-finite check of every factor.
     assert out["steps"] == [1, 1, 1]
@@ -78,6 +84,6 @@ def test_no_host_reads_in_hooks_and_one_per_factor_step(variant: str) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize("variant", sorted(STRATEGY_VARIANTS))
 def test_no_host_reads_in_hooks_and_one_per_factor_step_distributed(variant: str) -> None:
-    for out in run_ranks(_reads_per_phase, 2, variant):
+    for out in run_ranks(reads_per_phase, 2, variant):
         assert out["hooks"] == [0, 0, 0], variant
         assert max(out["steps"]) <= 1, (variant, out["steps"])

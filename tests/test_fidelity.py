@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from dist_utils import run_ranks
 from strategy_cases import STRATEGY_VARIANTS, batch, make_model, make_preconditioner
-from test_core_host_sync import counting_host_reads
+from test_core_host_sync import reads_per_phase
 from torch import nn
 
 import dpkfac
@@ -274,30 +274,11 @@ def test_selected_layers_travel_in_one_allreduce() -> None:
 # ------------------------------------------------------------ host reads
 
 
-def _reads(rank: int, world_size: int, variant: str, every: int) -> dict[str, list[int]]:
-    model = make_model()
-    pre = make_preconditioner(
-        model, variant, kl_clip=0.01, inv_update_steps=100, fidelity_every=every
-    )
-    hooks, steps = [], []
-    for step in range(5):
-        x, y = batch(step, rank)
-        model.zero_grad()
-        with counting_host_reads() as in_hooks:
-            F.cross_entropy(model(x), y).backward()
-        with counting_host_reads() as in_step:
-            pre.step()
-        if step > 1:
-            hooks.append(len(in_hooks))
-            steps.append(len(in_step))
-    return {"hooks": hooks, "steps": steps, "probes": len(pre.fidelity())}
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("variant", ["dp_kfac", "d_kfac", "spd_kfac", "kaisa_comm_opt"])
 def test_probe_adds_no_host_reads(variant: str) -> None:
-    off = run_ranks(_reads, 2, variant, 0)
-    on = run_ranks(_reads, 2, variant, 1)
+    off = run_ranks(reads_per_phase, 2, variant, {"fidelity_every": 0})
+    on = run_ranks(reads_per_phase, 2, variant, {"fidelity_every": 1})
     for a, b in zip(off, on, strict=True):
         assert a["hooks"] == b["hooks"] == [0, 0, 0]
         assert a["steps"] == b["steps"]

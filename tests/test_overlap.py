@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from dist_utils import run_ranks
 from strategy_cases import batch, make_model, make_preconditioner
-from test_core_host_sync import counting_host_reads
+from test_core_host_sync import reads_per_phase
 from torch import nn
 
 import dpkfac
@@ -153,27 +153,10 @@ def test_single_bucket_has_the_same_calls_too() -> None:
 
 
 # ------------------------------------------------------------------ host reads
-def _reads(rank: int, world_size: int) -> dict[str, list[int]]:
-    model = make_model()
-    pre = make_preconditioner(model, "dp_kfac", overlap=True, kl_clip=0.01, inv_update_steps=100)
-    hooks, steps = [], []
-    for step in range(5):
-        x, y = batch(step, rank)
-        model.zero_grad()
-        with counting_host_reads() as in_hooks:
-            F.cross_entropy(model(x), y).backward()
-        with counting_host_reads() as in_step:
-            pre.step()
-        if step > 1:
-            hooks.append(len(in_hooks))
-            steps.append(len(in_step))
-    return {"hooks": hooks, "steps": steps}
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_no_host_reads_in_hooks_and_at_most_one_per_step(world_size: int) -> None:
-    for out in run_ranks(_reads, world_size):
+    for out in run_ranks(reads_per_phase, world_size, "dp_kfac", {"overlap": True}):
         assert out["hooks"] == [0, 0, 0]
         assert max(out["steps"]) <= 1, out["steps"]
 

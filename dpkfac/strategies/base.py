@@ -88,6 +88,26 @@ class Traits:
     overlapped_precondition: bool = False
 
 
+def received_updates(
+    sent: Sequence[KFACLayer], buffers: Sequence[torch.Tensor], *, with_kl: bool
+) -> dict[str, Preconditioned]:
+    """The updates of one broadcast bucket, by layer name, as its buffers hold them.
+
+    A bucket holds each layer's update matrix and, with the KL clip on, its
+    two scalars (⟨V, ∇W⟩, and whether it is preconditioned) right after it.
+    """
+    step = 2 if with_kl else 1
+    out: dict[str, Preconditioned] = {}
+    for i, layer in enumerate(sent):
+        matrix = buffers[i * step]
+        if with_kl:
+            meta = buffers[i * step + 1]
+            out[layer.name] = Preconditioned(matrix, meta[0], meta[1] > 0.5)
+        else:
+            out[layer.name] = Preconditioned(matrix, matrix.new_zeros(()), True)
+    return out
+
+
 def layer_shape(layer: KFACLayer, batch_size: int, positions: int) -> LayerShape:
     """The cost-model view of a layer, with the batch statistics all ranks agreed on."""
     kind = "conv2d" if isinstance(layer.module, nn.Conv2d) else "linear"
@@ -480,16 +500,9 @@ class Strategy(ABC):
                 async_op=True,
             )
             handles.append((sent, buffers, handle))
-        step = 2 if with_kl else 1
         for sent, buffers, handle in handles:
             comm.wait(handle)
-            for i, layer in enumerate(sent):
-                matrix = buffers[i * step]
-                if with_kl:
-                    meta = buffers[i * step + 1]
-                    out[layer.name] = Preconditioned(matrix, meta[0], meta[1] > 0.5)
-                else:
-                    out[layer.name] = Preconditioned(matrix, matrix.new_zeros(()), True)
+            out.update(received_updates(sent, buffers, with_kl=with_kl))
         return out
 
     # ------------------------------------------------------------------- state
