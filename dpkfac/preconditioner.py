@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dpkfac.comm import Communicator
 from dpkfac.curvature import COMPUTE_METHODS, KFACLayer, helper_for
 from dpkfac.curvature.layer import FACTORS
-from dpkfac.curvature.state import layer_state, load_layer_state
+from dpkfac.curvature.state import layer_state, load_layer_state, merge_layer_states
 from dpkfac.fidelity import FidelityProbe
 from dpkfac.options import KFACOptions, Scalar, Schedule, check_positive, value_at
 from dpkfac.stats import CommStats, PhaseTimer
@@ -306,9 +306,11 @@ class KFACPreconditioner:
                 # Another rank holds this layer: drop what was built here, and what a
                 # checkpoint of another world size gave every rank (dp_kfac's factors).
                 layer.clear_pending()
+                keep_decompositions = self.strategy.preconditions(layer)
                 for state in layer.factors.values():
                     state.running = None
-                    state.decomposition = None
+                    if not keep_decompositions:  # a gradient worker keeps them
+                        state.decomposition = None
 
     # -------------------------------------------------------------------- step
     @torch.no_grad()
@@ -555,9 +557,11 @@ class KFACPreconditioner:
     def state_dict(self) -> dict[str, Any]:
         """Factors, decompositions, placement and step counters (tensors cloned).
 
-        Under dp_kfac each rank holds only its own layers' factors, so this is a
-        collective there: every rank must call it, and rank 0 receives the
-        complete state (the usual "save on rank 0" pattern then loses nothing).
+        Under dp_kfac each rank holds only its own layers' factors (and under
+        kaisa with f < 1 and grouped, decompositions live on gradient workers
+        only), so this is a collective there: every rank must call it, and
+        rank 0 receives the complete state, each piece from a rank that holds
+        it (the usual "save on rank 0" pattern then loses nothing).
         Other ranks return their own part. Under lazy factor synchronisation
         (d_kfac's and kaisa's default) the ranks' running factors differ until
         the next decomposition, so this is a collective there too: it averages
@@ -567,12 +571,12 @@ class KFACPreconditioner:
         # Lazily synchronised factors differ between ranks until averaged: a
         # checkpoint holds their average (a collective then, on every rank).
         self.strategy.sync_factors(self._layer_list)
-        layers = {x.name: layer_state(x, held=self.strategy.captures(x)) for x in self._layer_list}
+        layers = {x.name: layer_state(x, **self._held(x)) for x in self._layer_list}
         if self.comm.active and not self.strategy.replicated_state:
-            owned = {name: entry for name, entry in layers.items() if entry["A"] is not None}
-            parts = self.comm.gather_objects(owned, dst=0)
+            parts = self.comm.gather_objects(layers, dst=0)
             for part in parts or []:
-                layers.update(part)
+                for name, entry in part.items():
+                    layers[name] = merge_layer_states(layers[name], entry)
         return {
             "steps": self.steps,
             "strategy": self.strategy_name,
@@ -582,6 +586,12 @@ class KFACPreconditioner:
             "layers": layers,
             "strategy_state": self.strategy.state_dict(),
         }
+
+    def _held(self, layer: KFACLayer) -> dict[str, bool]:
+        """What this rank holds of a layer: its factors where it captures the layer, its
+        decompositions there and where it preconditions the layer (a gradient worker)."""
+        captures = self.strategy.captures(layer)
+        return {"held": captures, "decompositions": captures or self.strategy.preconditions(layer)}
 
     def load_state_dict(
         self, state: dict[str, Any], *, allow_world_size_change: bool = False
@@ -644,7 +654,7 @@ class KFACPreconditioner:
                 load_layer_state(self.layers[name], entry, self.method, held=None)
             for name, entry in entries.items():
                 layer = self.layers[name]
-                load_layer_state(layer, entry, self.method, held=self.strategy.captures(layer))
+                load_layer_state(layer, entry, self.method, **self._held(layer))
         self._capture = self._is_factor_step(self.steps)
         if self._fidelity is not None:
             self._fidelity.arm(self.steps)

@@ -476,9 +476,10 @@ def write_ablation(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     if not frame.empty:
         for (_, setting, p), g in frame.groupby(["model", "setting", "P"], sort=False):
             # What a config chose for itself (grouped's "auto"), where any did.
-            chose = g["chosen"].astype(bool).any() or g.get("pred_chosen", g["chosen"]).astype(
-                bool
-            ).any()
+            chose = (
+                g["chosen"].astype(bool).any()
+                or g.get("pred_chosen", g["chosen"]).astype(bool).any()
+            )
             head = ["strategy", "chosen"] if chose else ["strategy"]
             show = g[[*head, *[c for c in _ABLATION_MEASURED if c in g]]].rename(
                 columns=_ABLATION_MEASURED

@@ -158,6 +158,18 @@ class Prediction:
         """Seconds per step averaged over the factor and decomposition intervals."""
         return self._average(lambda s: s.iteration)
 
+    @property
+    def bytes_per_step(self) -> float:
+        """Bytes handed to collectives per step and rank (mean over ranks), averaged like
+        :attr:`iteration_avg`."""
+
+        def mean_bytes(step: StepPrediction) -> float:
+            ranks = range(self.world_size)
+            total = sum(c["bytes"] for r in ranks for c in step.comm_of(r).values())
+            return total / self.world_size
+
+        return self._average(mean_bytes)
+
     def samples(
         self,
         timings: Sequence[Mapping[str, float]],

@@ -150,9 +150,7 @@ def _mirror_upper(out: torch.Tensor) -> torch.Tensor:
     return torch.triu(out) + torch.triu(out, 1).t()
 
 
-def sym_gram(
-    x: torch.Tensor, *, block: int = TRIANGLE_BLOCK, bf16: bool = False
-) -> torch.Tensor:
+def sym_gram(x: torch.Tensor, *, block: int = TRIANGLE_BLOCK, bf16: bool = False) -> torch.Tensor:
     """``xᵀx`` of an (m, d) matrix from its upper block triangle only.
 
     Row strip ``b`` of the result is ``x[:, b]ᵀ x[:, b:]`` (one GEMM per
@@ -231,9 +229,7 @@ def _out_size(size: int, k: int, stride: int, pad: int, dil: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(
-    h: int, w: int, kh: int, kw: int, ph: int, pw: int, dh: int, dw: int
-) -> _Plan:
+def _plan(h: int, w: int, kh: int, kw: int, ph: int, pw: int, dh: int, dw: int) -> _Plan:
     """Index and mask tables of the shifted kernel for one stride-1 geometry."""
     ho, wo = _out_size(h, kh, 1, ph, dh), _out_size(w, kw, 1, pw, dw)
     win_r = _window(kh, h, ho, 1, ph, dh)
@@ -411,9 +407,7 @@ def conv_a_shifted(
     factor = out.reshape(d, d) / count
     if not has_bias:
         return factor
-    sums = torch.einsum(
-        "iu,cuv,jv->cij", plan.win_rows.to(mdt), x.sum(0), plan.win_cols.to(mdt)
-    )
+    sums = torch.einsum("iu,cuv,jv->cij", plan.win_rows.to(mdt), x.sum(0), plan.win_cols.to(mdt))
     return _with_bias(factor, sums.reshape(d) / count, 1.0)
 
 

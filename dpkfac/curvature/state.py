@@ -25,19 +25,45 @@ def _clone(t: torch.Tensor | None, device: torch.device | None = None) -> torch.
 _CPU = torch.device("cpu")
 
 
-def layer_state(layer: KFACLayer, *, held: bool = True) -> dict[str, Any]:
-    """A layer's checkpoint entry (CPU tensors); with ``held=False`` only its placement."""
+def layer_state(
+    layer: KFACLayer, *, held: bool = True, decompositions: bool | None = None
+) -> dict[str, Any]:
+    """A layer's checkpoint entry (CPU tensors).
+
+    Args:
+        layer: the layer.
+        held: whether this rank holds the layer's factors (False: no factors).
+        decompositions: whether it holds the layer's decompositions (None: as
+            ``held``); a gradient worker holds them without the factors.
+    """
+    keep_decomp = held if decompositions is None else decompositions
     entry: dict[str, Any] = {"owner": layer.owner, "ever_captured": layer.ever_captured}
     for which, state in layer.factors.items():
-        dec = state.decomposition if held else None
+        dec = state.decomposition if keep_decomp else None
         entry[which] = _clone(state.running, _CPU) if held else None
         entry[f"{which}_decomp"] = None if dec is None else [_clone(t, _CPU) for t in dec.tensors()]
         entry[f"{which.lower()}_owner"] = state.owner
     return entry
 
 
+def merge_layer_states(mine: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """One entry from two ranks' entries of a layer: each factor and decomposition from
+    whichever holds it (``mine`` first); the placement is the same in both."""
+    merged = dict(mine)
+    for key in (*FACTORS, *(f"{w}_decomp" for w in FACTORS)):
+        if merged.get(key) is None:
+            merged[key] = other.get(key)
+    merged["ever_captured"] = bool(mine.get("ever_captured") or other.get("ever_captured"))
+    return merged
+
+
 def load_layer_state(
-    layer: KFACLayer, entry: dict[str, Any], method: type[Decomposition], *, held: bool | None
+    layer: KFACLayer,
+    entry: dict[str, Any],
+    method: type[Decomposition],
+    *,
+    held: bool | None,
+    decompositions: bool | None = None,
 ) -> None:
     """Restore a layer from its entry.
 
@@ -47,6 +73,8 @@ def load_layer_state(
         method: decomposition class of the compute method.
         held: None restores only the placement; True also the factors and
             decompositions; False drops them (another rank holds this layer).
+        decompositions: whether to restore the decompositions (None: as
+            ``held``), for a gradient worker that holds them without the factors.
     """
     layer.set_placement(entry["owner"], entry["a_owner"], entry["g_owner"])
     layer.ever_captured = bool(entry.get("ever_captured", False))
@@ -57,7 +85,8 @@ def load_layer_state(
     for which in FACTORS:
         state = layer.factors[which]
         state.running = _clone(entry[which], device) if held else None
-        tensors = entry[f"{which}_decomp"] if held else None
+        keep_decomp = held if decompositions is None else decompositions
+        tensors = entry[f"{which}_decomp"] if keep_decomp else None
         state.decomposition = (
             None if tensors is None else method.from_tensors([_clone(t, device) for t in tensors])
         )

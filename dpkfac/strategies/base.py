@@ -282,8 +282,14 @@ class Strategy(ABC):
 
     @property
     def replicated_state(self) -> bool:
-        """Whether every rank holds every layer's factors (False: owners only)."""
-        return self.traits(self.options).captures_all
+        """Whether every rank holds every layer's factors and decompositions.
+
+        False where owners alone hold factors (dp_kfac, grouped) or gradient
+        workers alone hold decompositions (kaisa with f < 1): a checkpoint then
+        gathers the pieces onto rank 0.
+        """
+        traits = self.traits(self.options)
+        return traits.captures_all and traits.preconditions_all
 
     # --------------------------------------------------------------- placement
     def place(self, layers: Sequence[KFACLayer], shapes: Sequence[LayerShape]) -> None:
@@ -296,9 +302,7 @@ class Strategy(ABC):
         for i, layer in enumerate(layers):
             layer.set_placement(placement.owner[i], placement.a_owner[i], placement.g_owner[i])
 
-    def finalise_placement(
-        self, layers: Sequence[KFACLayer], shapes: Sequence[LayerShape]
-    ) -> None:
+    def finalise_placement(self, layers: Sequence[KFACLayer], shapes: Sequence[LayerShape]) -> None:
         """Place with the shapes all ranks agreed on at the first step; placement is final.
 
         A collective where the strategy makes choices that need process groups

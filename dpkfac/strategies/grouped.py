@@ -105,9 +105,7 @@ def average_interval(schedule: int | Callable[[int], int]) -> int:
 def factor_groups_of(world_size: int, size: int) -> list[list[int]]:
     """Contiguous blocks of ``size`` ranks (the ranks of a node, on a cluster)."""
     if size < 1 or world_size % size:
-        raise ValueError(
-            f"factor_group_size={size} must divide the world size {world_size}"
-        )
+        raise ValueError(f"factor_group_size={size} must divide the world size {world_size}")
     return [list(range(g, g + size)) for g in range(0, world_size, size)]
 
 
@@ -226,7 +224,7 @@ class Candidate:
         factor_group_size: k.
         grad_worker_fraction: f.
         iteration: predicted seconds per step, averaged over the schedule.
-        comm_bytes: predicted bytes handed to collectives per step (rank 0, averaged).
+        comm_bytes: predicted bytes handed to collectives per step and rank.
     """
 
     factor_group_size: int
@@ -364,20 +362,21 @@ class GroupedKFAC(KAISA):
         candidates = []
         for k in ks:
             for w in ws:
-                opts = replace(
-                    options, factor_group_size=k, grad_worker_fraction=w / world_size
-                )
+                opts = replace(options, factor_group_size=k, grad_worker_fraction=w / world_size)
                 if world_size == 1:
                     candidates.append(Candidate(k, w / world_size, 0.0, 0.0))
                     continue
                 pred = predict(
-                    shapes, strategy=cls.name, world_size=world_size, hardware=hardware,
-                    kfac=fixed, options=opts,
-                )  # fmt: skip
-                sent = pred._average(
-                    lambda s: float(sum(c["bytes"] for c in s.comm.values()))
+                    shapes,
+                    strategy=cls.name,
+                    world_size=world_size,
+                    hardware=hardware,
+                    kfac=fixed,
+                    options=opts,
                 )
-                candidates.append(Candidate(k, w / world_size, pred.iteration_avg, sent))
+                candidates.append(
+                    Candidate(k, w / world_size, pred.iteration_avg, pred.bytes_per_step)
+                )
         fastest = min(c.iteration for c in candidates)
         near = [c for c in candidates if c.iteration <= fastest * (1 + options.auto_tolerance)]
         best = min(
@@ -424,9 +423,7 @@ class GroupedKFAC(KAISA):
             super().place(layers, shapes)
         # Unresolved: nothing is placed until the first step; every rank captures.
 
-    def finalise_placement(
-        self, layers: Sequence[KFACLayer], shapes: Sequence[LayerShape]
-    ) -> None:
+    def finalise_placement(self, layers: Sequence[KFACLayer], shapes: Sequence[LayerShape]) -> None:
         if not self.options.resolved:
             self.options, self.choice = self.choose(
                 shapes, self.world_size, self.options, self.kfac
