@@ -250,6 +250,20 @@ def test_aggregate_takes_busiest_rank_median_and_amortises() -> None:
     assert paper["compute_s"] == pytest.approx(2.0 + 0.2)
 
 
+def test_phases_timed_in_the_backward_pass_leave_forward_backward() -> None:
+    """dp_kfac's overlap decomposes and preconditions inside the backward: not fwd/bwd time."""
+    record = _record("decomp", 2.0, 8)
+    record["phases"]["precondition"] = 0.3
+    # In the hooks: the factors (0.2 s), the decomposition and 0.1 s of preconditioning.
+    record["phases_in_fwd_bwd"] = {"factor_compute": 0.2, "decomposition": 2.0, "precondition": 0.1}
+    record["fwd_bwd_wall"] = 0.5 + 0.2 + 2.0 + 0.1
+    record["step_wall"] = 0.2 + 0.05  # the rest of the preconditioning, and other work
+    row = aggregate([{"rank": 0, "records": [record] * 3}], 1, 1)
+    assert row["fwd_bwd_s"] == pytest.approx(0.5)
+    assert row["step_other_s"] == pytest.approx(0.05)
+    assert row["decomposition_s"] == pytest.approx(2.0)
+
+
 def test_least_wait_is_the_per_step_minimum_over_ranks() -> None:
     """Whichever rank arrives last waits only for the transfer, and that rank changes."""
     waits = [[9.0, 1.0, 9.0], [1.0, 9.0, 9.0], [9.0, 9.0, 1.0]]  # per rank, per step

@@ -6,10 +6,11 @@ Conventions (also in the README, "Reproducing the tables"):
   over ranks (the step waits for the slowest rank); the row then holds the
   median of those maxima over the measured steps. Memory is the K-FAC state
   of the rank that holds the most.
-* **Forward/backward** excludes ``factor_compute``: the preconditioner builds
-  factors inside the forward and backward hooks, so the wall time of
-  ``loss.backward()`` contains it; reporting both separately keeps the
-  stacked bars additive.
+* **Forward/backward** excludes the phases timed inside the forward and
+  backward hooks: ``factor_compute`` (factors are built there), and with
+  dp_kfac's ``overlap`` also the gradient reduction, decompositions,
+  preconditioning and broadcasts. The wall time of ``loss.backward()``
+  contains them; reporting them apart keeps the stacked bars additive.
 * **Other work in the step** (``step_other_s``) is ``pre.step()``'s wall time
   minus the phases timed inside it: folding factors into running averages,
   packing and unpacking fused buffers, the KL clip and writing gradients
@@ -55,10 +56,14 @@ def kind_weights(factor_every: int, inv_every: int) -> dict[str, float]:
 def _flatten(record: dict[str, Any]) -> dict[str, float]:
     """One rank's step record as flat scalars."""
     phases = record["phases"]
-    in_step = sum(phases.get(p, 0.0) for p in (*KFAC_PHASES[1:], "grad_comm"))
+    # Rows written before the hooks' phases were recorded: factors only.
+    in_hooks = record.get("phases_in_fwd_bwd") or {
+        "factor_compute": phases.get("factor_compute", 0.0)
+    }
+    in_step = sum(max(t - in_hooks.get(p, 0.0), 0.0) for p, t in phases.items())
     flat = {
         "iteration": record["iteration"],
-        "fwd_bwd": max(record["fwd_bwd_wall"] - phases.get("factor_compute", 0.0), 0.0),
+        "fwd_bwd": max(record["fwd_bwd_wall"] - sum(in_hooks.values()), 0.0),
         "optimizer": record["optimizer"],
         "step_other": max(record["step_wall"] - in_step, 0.0),
         "grad_comm": phases.get("grad_comm", 0.0),

@@ -172,6 +172,9 @@ class _Stepper:
         loss.backward()
         self._sync()
         t1 = time.perf_counter()
+        # Phases timed inside the forward and backward hooks (factors, and with dp_kfac's
+        # overlap also reductions, decompositions and preconditioning).
+        in_fwd_bwd = self.pre.timings() if self.pre is not None else {}
         if self.pre is not None:
             self.pre.step()
         else:
@@ -193,6 +196,7 @@ class _Stepper:
             "kind": self.kinds[index % len(self.kinds)] if self.pre is not None else "decomp",
             "loss": float(loss.detach()),
             "fwd_bwd_wall": t1 - t0,
+            "phases_in_fwd_bwd": in_fwd_bwd,
             "step_wall": t2 - t1,
             "optimizer": t3 - t2,
             "iteration": t3 - t0,
