@@ -274,7 +274,9 @@ def write_time_breakdown(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     md = [
         "# Time breakdown of one iteration (ms, medians over steps, busiest rank per phase)",
         "",
-        "forward/backward excludes factor computation (timed inside the hooks);",
+        "forward/backward excludes what is timed inside the hooks (factor computation, and",
+        "with `dp_kfac_overlap` the reductions, decompositions, preconditioning and broadcasts",
+        "it runs in the backward pass), so the parts add up to the iteration;",
         "`practical` is amortised per step at factors every 10 and decompositions every 100 steps.",
         "`sum` adds the parts; `iteration` is the measured wall time per step.",
     ]
