@@ -57,7 +57,7 @@ from dpkfac.comm import Communicator, Handle
 from dpkfac.curvature.layer import FACTORS, KFACLayer
 from dpkfac.fusion import size_cap_buckets
 from dpkfac.options import check_positive, value_at
-from dpkfac.strategies.base import Preconditioned, received_updates
+from dpkfac.strategies.base import Preconditioned, received_updates, update_buffers
 
 if TYPE_CHECKING:
     from dpkfac.preconditioner import KFACPreconditioner
@@ -315,24 +315,12 @@ class OverlapEngine:
                 continue
             buffers: list[torch.Tensor] = []
             for layer in sent:
+                res = None
                 if owner == rank:
                     self._prepare(layer)
                     res = self._precondition(layer)
                     st.results[layer.name] = res
-                    matrix = res.matrix.contiguous()
-                    flag = res.preconditioned
-                    meta_flag = (
-                        flag.to(res.vg.dtype)
-                        if isinstance(flag, torch.Tensor)
-                        else torch.full_like(res.vg, float(flag))
-                    )
-                    meta = torch.stack([res.vg, meta_flag])
-                else:
-                    grad = layer.module.weight.grad
-                    matrix = grad.new_empty(layer.helper.g_dim, layer.helper.a_dim)
-                    kl_dtype = torch.promote_types(matrix.dtype, torch.float32)
-                    meta = matrix.new_zeros(2, dtype=kl_dtype)
-                buffers += [matrix, meta] if with_kl else [matrix]
+                buffers += update_buffers(layer, res, with_kl=with_kl)
             if not self.comm.active:
                 continue
             handle = self.bcast_comm.broadcast(

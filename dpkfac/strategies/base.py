@@ -88,6 +88,31 @@ class Traits:
     overlapped_precondition: bool = False
 
 
+def update_buffers(
+    layer: KFACLayer, result: Preconditioned | None, *, with_kl: bool
+) -> list[torch.Tensor]:
+    """The buffers one layer's update travels in, in a fused broadcast bucket.
+
+    The sender passes its ``result``; a receiver passes None and gets empty
+    buffers of the right shapes. With the KL clip on, the update travels with
+    ⟨V, ∇W⟩ and its "preconditioned" flag, in at least float32.
+    """
+    if result is not None:
+        flag = result.preconditioned
+        flag_value = (
+            flag.to(result.vg.dtype)
+            if isinstance(flag, torch.Tensor)
+            else torch.full_like(result.vg, float(flag))
+        )
+        matrix = result.matrix.contiguous()
+        meta = torch.stack([result.vg, flag_value])
+    else:
+        grad = layer.module.weight.grad
+        matrix = grad.new_empty(layer.helper.g_dim, layer.helper.a_dim)
+        meta = matrix.new_zeros(2, dtype=torch.promote_types(matrix.dtype, torch.float32))
+    return [matrix, meta] if with_kl else [matrix]
+
+
 def received_updates(
     sent: Sequence[KFACLayer], buffers: Sequence[torch.Tensor], *, with_kl: bool
 ) -> dict[str, Preconditioned]:
@@ -484,18 +509,8 @@ class Strategy(ABC):
                 continue
             buffers: list[torch.Tensor] = []
             for layer in sent:
-                if src == self.rank:
-                    res = results[layer.name]
-                    matrix = res.matrix.contiguous()
-                    # This rank computed the update itself: its flag is a bool.
-                    flag = torch.full_like(res.vg, float(bool(res.preconditioned)))
-                    meta = torch.stack([res.vg, flag])
-                else:
-                    grad = layer.module.weight.grad
-                    matrix = grad.new_empty(layer.helper.g_dim, layer.helper.a_dim)
-                    kl_dtype = torch.promote_types(matrix.dtype, torch.float32)
-                    meta = matrix.new_zeros(2, dtype=kl_dtype)
-                buffers += [matrix, meta] if with_kl else [matrix]
+                mine = results[layer.name] if src == self.rank else None
+                buffers += update_buffers(layer, mine, with_kl=with_kl)
             handle = comm.broadcast(
                 buffers,
                 position,
