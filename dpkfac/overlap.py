@@ -57,7 +57,12 @@ from dpkfac.comm import Communicator, Handle
 from dpkfac.curvature.layer import FACTORS, KFACLayer
 from dpkfac.fusion import size_cap_buckets
 from dpkfac.options import check_positive, value_at
-from dpkfac.strategies.base import Preconditioned, received_updates, update_buffers
+from dpkfac.strategies.base import (
+    Preconditioned,
+    precondition_layer,
+    received_updates,
+    update_buffers,
+)
 
 if TYPE_CHECKING:
     from dpkfac.preconditioner import KFACPreconditioner
@@ -236,8 +241,9 @@ class OverlapEngine:
         st.prepared.add(layer.name)
         pre = self.pre
         step = pre.steps
-        pending = sum(x.pending_nbytes() for x in self.layers)
-        pre._buffer_peak = max(pre._buffer_peak, pending)
+        if pre._capture:  # batch factors are pending on capture steps only
+            pending = sum(x.pending_nbytes() for x in self.layers)
+            pre._buffer_peak = max(pre._buffer_peak, pending)
         decay = float(value_at(pre.options.factor_decay, step))
         for which in FACTORS:
             state = layer.factors[which]
@@ -262,14 +268,8 @@ class OverlapEngine:
         damping = self._damping()
         with pre._timer.phase("decomposition"):
             for which in FACTORS:
-                if layer.factor(which) is None or not self.strategy.decomposes(layer, which):
-                    continue
-                factor_damping = (
-                    layer.pi_damping(which, damping) if pre.options.pi_damping else damping
-                )
-                layer.decompose(
-                    which, pre.method, damping=factor_damping, dtype=pre.options.decomposition_dtype
-                )
+                if layer.factor(which) is not None and self.strategy.decomposes(layer, which):
+                    pre._decompose(layer, which, damping)
 
     def _valid(self, layer: KFACLayer) -> torch.Tensor | None:
         """Device flag: no factor of the layer was built from scratch out of a non-finite batch."""
@@ -285,16 +285,14 @@ class OverlapEngine:
         with self.pre._timer.phase("precondition"):
             grad = layer.helper.grad_matrix()
             assert grad is not None
-            v = layer.preconditioned_grad(self._damping(), grad)
-            kl_dtype = torch.promote_types(grad.dtype, torch.float32)
-            if v is None:
-                return Preconditioned(grad, grad.new_zeros((), dtype=kl_dtype), False)
-            vg = (v.to(kl_dtype) * grad.to(kl_dtype)).sum()
+            res = precondition_layer(layer, grad, self._damping())
             valid = self._valid(layer)
-            if valid is None:
-                return Preconditioned(v, vg, True)
+            if res.preconditioned is False or valid is None:
+                return res
             return Preconditioned(
-                torch.where(valid, v, grad), torch.where(valid, vg, 0.0), valid.clone()
+                torch.where(valid, res.matrix, grad),
+                torch.where(valid, res.vg, 0.0),
+                valid.clone(),
             )
 
     def _send(self, bucket: int) -> None:

@@ -45,7 +45,7 @@ from dpkfac.strategies import (
     strategy_class,
     strategy_options,
 )
-from dpkfac.strategies.base import layer_shape
+from dpkfac.strategies.base import layer_shape, precondition_layer
 
 
 class KFACPreconditioner:
@@ -359,15 +359,7 @@ class KFACPreconditioner:
                 for name, which in sorted(due):
                     layer = self.layers[name]
                     if strat.decomposes(layer, which):
-                        factor_damping = (
-                            layer.pi_damping(which, damping) if self.options.pi_damping else damping
-                        )
-                        layer.decompose(
-                            which,
-                            self.method,
-                            damping=factor_damping,
-                            dtype=self.options.decomposition_dtype,
-                        )
+                        self._decompose(layer, which, damping)
             strat.share_decompositions(layers, due)
 
         results = self._precondition(damping)
@@ -380,6 +372,13 @@ class KFACPreconditioner:
         self._capture = self._is_factor_step(self.steps)
         if probe is not None:
             probe.arm(self.steps)
+
+    def _decompose(self, layer: KFACLayer, which: str, damping: float) -> None:
+        """Decompose one factor with the step's damping (split by π under ``pi_damping``)."""
+        factor_damping = layer.pi_damping(which, damping) if self.options.pi_damping else damping
+        layer.decompose(
+            which, self.method, damping=factor_damping, dtype=self.options.decomposition_dtype
+        )
 
     def _unscale_g(self, layers: list[KFACLayer]) -> None:
         """Divide the pending G factors by the loss scale squared (mixed precision).
@@ -436,16 +435,7 @@ class KFACPreconditioner:
                 grad = layer.helper.grad_matrix()
                 if grad is None:
                     continue
-                v = layer.preconditioned_grad(damping, grad)
-                # ⟨V, ∇W⟩ stays on the device (no host sync per layer), in at
-                # least float32 so a half-precision model cannot overflow it.
-                kl_dtype = torch.promote_types(grad.dtype, torch.float32)
-                if v is None:
-                    zero = grad.new_zeros((), dtype=kl_dtype)
-                    results[layer.name] = Preconditioned(grad, zero, False)
-                else:
-                    vg = (v.to(kl_dtype) * grad.to(kl_dtype)).sum()
-                    results[layer.name] = Preconditioned(v, vg, True)
+                results[layer.name] = precondition_layer(layer, grad, damping)
         return results
 
     def _kl_scale(self, final: dict[str, Preconditioned], step: int) -> torch.Tensor | None:

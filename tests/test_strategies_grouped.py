@@ -177,9 +177,7 @@ def _auto(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-def test_auto_resolves_at_the_first_step_identically_on_every_rank(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_auto_resolves_at_the_first_step_identically_on_every_rank() -> None:
     results = run_ranks(_auto, 2)
     _same_on_every_rank(results, "auto")
     assert results[0]["choice"] == results[1]["choice"]

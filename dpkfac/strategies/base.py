@@ -88,6 +88,20 @@ class Traits:
     overlapped_precondition: bool = False
 
 
+def precondition_layer(layer: KFACLayer, grad: torch.Tensor, damping: float) -> Preconditioned:
+    """One layer's update from its averaged gradient matrix, with ⟨V, ∇W⟩ for the KL clip.
+
+    ⟨V, ∇W⟩ stays on the device (no host sync per layer), in at least float32
+    so a half-precision model cannot overflow it. Without decompositions the
+    update is the gradient itself, not preconditioned.
+    """
+    v = layer.preconditioned_grad(damping, grad)
+    kl_dtype = torch.promote_types(grad.dtype, torch.float32)
+    if v is None:
+        return Preconditioned(grad, grad.new_zeros((), dtype=kl_dtype), False)
+    return Preconditioned(v, (v.to(kl_dtype) * grad.to(kl_dtype)).sum(), True)
+
+
 def update_buffers(
     layer: KFACLayer, result: Preconditioned | None, *, with_kl: bool
 ) -> list[torch.Tensor]:

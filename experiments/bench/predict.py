@@ -76,26 +76,21 @@ def row_shapes(row: Mapping[str, Any], *, paper: bool = False) -> tuple[ModelSha
     from dpkfac.costmodel import shapes_from_model
     from experiments.bench.models import row_model
 
-    for device in ("meta", "cpu"):
-        try:
-            with torch.device(device):
-                bench = row_model(row, paper=paper)
-                return (
-                    shapes_from_model(
-                        bench.model,
-                        bench.example_input,
-                        bench.batch_size,
-                        skip_layers=bench.skip_layers,
-                    ),
-                    bench.weight_sharing,
-                )
-        except (NotImplementedError, RuntimeError, TypeError, ValueError):
-            # A builder that computes on real data while constructing (meta
-            # tensors hold none) fails here; it is built on the CPU instead.
-            # The bundled builders all build on meta.
-            if device == "cpu":
-                raise
-    raise AssertionError("unreachable")
+    def on(device: str) -> tuple[ModelShapes, str]:
+        with torch.device(device):
+            bench = row_model(row, paper=paper)
+            shapes = shapes_from_model(
+                bench.model, bench.example_input, bench.batch_size, skip_layers=bench.skip_layers
+            )
+        return shapes, bench.weight_sharing
+
+    try:
+        return on("meta")
+    except (NotImplementedError, RuntimeError, TypeError, ValueError):
+        # Meta tensors hold no data: a builder that computes on real values
+        # while constructing fails there, and is built on the CPU instead
+        # (the bundled builders all build on meta).
+        return on("cpu")
 
 
 def _kfac_split(
