@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dpkfac.device import HostReader, TableCache, check_device
 from dpkfac.fusion import size_cap_buckets
 from dpkfac.stats import PHASE_OF_CATEGORY, CommStats, PhaseTimer
 
@@ -36,10 +37,9 @@ class CollectiveTimeout(RuntimeError):
     """A collective did not complete within the configured timeout."""
 
 
-_TRIU_CACHE: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _triu(dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _triu(
+    dim: int, device: torch.device, cache: TableCache | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather indices for packing and unpacking the upper triangle of ``dim``².
 
     ``upper``: flat (row-major) index of every upper-triangle entry, in packed
@@ -48,9 +48,10 @@ def _triu(dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     which on CPUs is several times faster than the two-dimensional
     advanced-index scatter ``out[rows, cols] = packed`` (measured: 3.6 ns per
     element against 0.5, which made unpacking cost as much as the transfer).
+    Made on ``device`` and kept in ``cache`` (the communicator's).
     """
-    key = (dim, device)
-    if key not in _TRIU_CACHE:
+
+    def build() -> tuple[torch.Tensor, torch.Tensor]:
         rows, cols = torch.triu_indices(dim, dim, device=device)
         upper = rows * dim + cols
         i = torch.arange(dim, device=device)
@@ -58,19 +59,25 @@ def _triu(dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         hi = torch.maximum(i[:, None], i[None, :])
         full = lo * dim - lo * (lo - 1) // 2 + (hi - lo)
         index_dtype = torch.int32 if triangle_numel(dim) < 2**31 else torch.int64
-        _TRIU_CACHE[key] = (upper, full.reshape(-1).to(index_dtype))
-    return _TRIU_CACHE[key]
+        return upper, full.reshape(-1).to(index_dtype)
+
+    return build() if cache is None else cache.get(("triu", dim, device), build)
 
 
-def pack_triangle(matrix: torch.Tensor) -> torch.Tensor:
-    """The upper triangle (diagonal included) of a symmetric matrix, row-major."""
-    upper, _ = _triu(matrix.shape[0], matrix.device)
+def pack_triangle(matrix: torch.Tensor, cache: TableCache | None = None) -> torch.Tensor:
+    """The upper triangle (diagonal included) of a symmetric matrix, row-major.
+
+    ``cache`` keeps the index tensors between calls (None: made at each call).
+    """
+    upper, _ = _triu(matrix.shape[0], matrix.device, cache)
     return matrix.reshape(-1).index_select(0, upper)
 
 
-def unpack_triangle(packed: torch.Tensor, dim: int) -> torch.Tensor:
-    """The symmetric matrix whose upper triangle is ``packed``."""
-    _, full = _triu(dim, packed.device)
+def unpack_triangle(
+    packed: torch.Tensor, dim: int, cache: TableCache | None = None
+) -> torch.Tensor:
+    """The symmetric matrix whose upper triangle is ``packed`` (``cache``: as above)."""
+    _, full = _triu(dim, packed.device, cache)
     return packed.index_select(0, full).view(dim, dim)
 
 
@@ -120,6 +127,13 @@ class Communicator:
             :class:`CollectiveTimeout`.
         stats: where bytes and calls are recorded.
         timer: where waiting time is recorded, per category's phase.
+        device: the run's device (the model's). Every buffer handed to a
+            collective must live there (:func:`dpkfac.device.check_device`,
+            raising :class:`~dpkfac.device.DeviceMismatch`): a CPU tensor
+            would crash NCCL, and a tensor of another GPU would hang it.
+            None: the current CUDA device under NCCL, else the CPU.
+        host: how agreed values are read back on the host (a dry run's
+            :class:`~dpkfac.device.DryRunReader`); default :class:`HostReader`.
 
     Attributes:
         isolate: when True, a collective launched while no other (non-overlapped)
@@ -140,20 +154,27 @@ class Communicator:
         timeout: float = 300.0,
         stats: CommStats | None = None,
         timer: PhaseTimer | None = None,
+        device: torch.device | str | None = None,
+        host: HostReader | None = None,
     ) -> None:
         self.enabled = dist.is_available() and dist.is_initialized()
         self.group = group if self.enabled else None
         self.rank = dist.get_rank(group) if self.enabled else 0
         self.size = dist.get_world_size(group) if self.enabled else 1
         self.timeout = timeout
-        # NCCL only moves CUDA tensors: small control tensors built on the CPU
-        # (placement statistics, calibration buffers) are moved to this device.
-        backend = dist.get_backend(self.group) if self.enabled else "none"
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
-            else torch.device("cpu")
-        )
+        # NCCL only moves CUDA tensors: small control tensors (placement
+        # statistics, calibration buffers) are made on this device.
+        if device is None:
+            backend = dist.get_backend(self.group) if self.enabled else "none"
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if backend == "nccl"
+                else torch.device("cpu")
+            )
+        self.device = torch.device(device)
+        self.host = host if host is not None else HostReader()
+        #: Triangle index tensors, kept per dimension on this run's devices.
+        self.tables = TableCache()
         self.stats = stats if stats is not None else CommStats()
         self.timer = timer if timer is not None else PhaseTimer()
         self._isolate = False
@@ -203,14 +224,28 @@ class Communicator:
                 use_local_synchronization=False,
             )
             if self.rank in ranks:
-                sub = Communicator(group, timeout=self.timeout, stats=self.stats, timer=self.timer)
-                sub._parent = self
+                sub = Communicator(
+                    group,
+                    timeout=self.timeout,
+                    stats=self.stats,
+                    timer=self.timer,
+                    device=self.device,
+                    host=self.host,
+                )
+                sub._parent, sub.tables = self, self.tables
                 out[index] = sub
         return out
 
     def _solo(self) -> Communicator:
         """A communicator of this rank alone: every call is a no-op that records nothing."""
-        solo = Communicator(self.group, timeout=self.timeout, stats=self.stats, timer=self.timer)
+        solo = Communicator(
+            self.group,
+            timeout=self.timeout,
+            stats=self.stats,
+            timer=self.timer,
+            device=self.device,
+            host=self.host,
+        )
         solo.enabled, solo.rank, solo.size, solo._parent = False, 0, 1, self
         return solo
 
@@ -234,6 +269,12 @@ class Communicator:
     def _launch(
         self, handle: Handle, fn: Callable[..., object], flat: torch.Tensor, **kwargs: object
     ) -> None:
+        """Account, check the device of, and launch one asynchronous collective on ``flat``.
+
+        Every tensor collective of the package goes through here, so the
+        device rule (:func:`~dpkfac.device.check_device`) holds for all of them.
+        """
+        check_device(flat, self.device, handle.category)
         kind = "allreduce" if fn is dist.all_reduce else "rooted"
         self.record(handle.category, kind, flat.numel() * flat.element_size())
         # In-flight handles are tracked only when isolating: nothing extra per
@@ -304,7 +345,8 @@ class Communicator:
         numels = [triangle_numel(t.shape[0]) if triangle else t.numel() for t in tensors]
         for bucket in bucket_plan(tensors, numels, cap_bytes):
             parts = [
-                pack_triangle(tensors[i]) if triangle else tensors[i].reshape(-1) for i in bucket
+                pack_triangle(tensors[i], self.tables) if triangle else tensors[i].reshape(-1)
+                for i in bucket
             ]
             flat = torch.cat(parts)
             self._launch(handle, dist.all_reduce, flat)
@@ -325,7 +367,7 @@ class Communicator:
             for t in tensors:
                 if triangle:
                     n = triangle_numel(t.shape[0])
-                    t.copy_(unpack_triangle(flat[offset : offset + n], t.shape[0]))
+                    t.copy_(unpack_triangle(flat[offset : offset + n], t.shape[0], self.tables))
                 else:
                     n = t.numel()
                     t.copy_(flat[offset : offset + n].view_as(t))
@@ -398,16 +440,26 @@ class Communicator:
         dist.gather_object(obj, out, dst=self.global_rank(dst), group=self.group)
         return out
 
-    def allreduce_max(self, tensor: torch.Tensor, category: str = "setup") -> torch.Tensor:
-        """Element-wise maximum across ranks (used once to agree on placement inputs)."""
-        if not self.active:
-            return tensor
+    def agree_max(self, values: Sequence[float], category: str = "setup") -> list[float]:
+        """Element-wise maximum of host values across ranks (start-up agreement only).
+
+        The values are sent from a tensor made on the run's device and read
+        back through the host reader (one read; a dry run's reader returns
+        this rank's own values). On one rank nothing is sent or read.
+        """
+        values = [float(v) for v in values]
+        if not self.active or not values:
+            return values
+        work = torch.tensor(values, dtype=torch.float64, device=self.device)
         handle = Handle(category)
-        work = tensor.to(self.device)
-        self.record(category, "allreduce", work.numel() * work.element_size())
-        handle.works.append(
-            dist.all_reduce(work, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        )
+        self._launch(handle, dist.all_reduce, work, op=dist.ReduceOp.MAX)
         self.wait(handle)
-        tensor.copy_(work)
-        return tensor
+        return [float(v) for v in self.host.read(work, values)]
+
+    def allreduce_sum(self, tensor: torch.Tensor, category: str) -> None:
+        """Sum one tensor across ranks in place, blocking (start-up link measurements)."""
+        if not self.active:
+            return
+        handle = Handle(category)
+        self._launch(handle, dist.all_reduce, tensor)
+        self.wait(handle)

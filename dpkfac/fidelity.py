@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpkfac.amp import inverse_loss_scale
 from dpkfac.comm import Communicator
 from dpkfac.curvature.decomposition import (
     Decomposition,
@@ -179,7 +180,8 @@ class FidelityProbe:
         pi_damping: the preconditioner's π-damping option.
         weight_sharing: "expand" or "reduce".
         dtype_for: the dtype a layer's factors are built in.
-        grad_scaler: the preconditioner's GradScaler, if any (G is unscaled as in ``step()``).
+        grad_scaler: the preconditioner's GradScaler, if any (G is unscaled as in the
+            preconditioner's hooks).
 
     Raises:
         ValueError: a ``patterns`` entry that matches no layer.
@@ -263,7 +265,12 @@ class FidelityProbe:
 
     def _grad_hook(self, layer: KFACLayer, shadow: KFACLayer, grad: torch.Tensor) -> None:
         with self.timer.phase(PHASE):
-            shadow.accumulate_g(grad, self.weight_sharing, self.dtype_for(layer))
+            shadow.accumulate_g(
+                grad,
+                self.weight_sharing,
+                self.dtype_for(layer),
+                inverse_scale=inverse_loss_scale(self.grad_scaler, grad.device),
+            )
 
     def collect(self) -> None:
         """Take this rank's local batch factors of the probed layers.
@@ -288,17 +295,6 @@ class FidelityProbe:
         self._shadows = {}
 
     # -------------------------------------------------------------- comparison
-    def _g_unscale(self, device: torch.device) -> torch.Tensor | None:
-        """1/s² of a mixed-precision run's loss scale s (None: no scaling), on the device."""
-        scaler = self.grad_scaler
-        if scaler is None or not scaler.is_enabled():
-            return None
-        get_async = getattr(scaler, "_get_scale_async", None)
-        scale = get_async() if get_async is not None else None
-        if scale is None:
-            scale = torch.tensor(scaler.get_scale())
-        return scale.to(device, torch.float64).reciprocal().square()
-
     def run(self, step: int, damping: float) -> None:
         """Average the local factors, compare the two updates on the owners, share the values.
 
@@ -322,10 +318,6 @@ class FidelityProbe:
                     if factor is None:  # not captured here (hook never fired): count as zero
                         dim = layer.dim(which)
                         factor = torch.zeros(dim, dim, dtype=dtype, device=device)
-                    if which == "G":
-                        inverse = self._g_unscale(factor.device)
-                        if inverse is not None:
-                            factor = factor * inverse.to(factor.dtype)
                     local[name][which] = factor
                     averaged.append(factor.clone())
         self.comm.allreduce_mean(averaged, CATEGORY)
@@ -381,6 +373,6 @@ class FidelityProbe:
         total = 0
         for name in names:
             layer = self.layers[name]
-            size = torch.empty((), dtype=self.dtype_for(layer)).element_size()
+            size = self.dtype_for(layer).itemsize
             total += size * sum(layer.dim(w) ** 2 for w in FACTORS)
         return total + 8 * len(METRICS) * len(names)

@@ -25,6 +25,7 @@ import torch
 from dpkfac.curvature import COMPUTE_METHODS as _DECOMPOSITIONS
 from dpkfac.curvature.factors import WEIGHT_SHARING
 from dpkfac.curvature.kernels import FACTOR_METHODS
+from dpkfac.stats import TIMING_MODES
 
 __all__ = [
     "COMPUTE_METHODS",
@@ -114,6 +115,9 @@ class KFACOptions:
         fidelity_layers: layer names or regexes (full match) the probe
             compares at each probe step; None: one layer per probe step, in
             rotation in module order.
+        timing: how phases are timed (:class:`~dpkfac.stats.PhaseTimer`):
+            "auto" (CUDA events on a GPU, the wall clock on CPU), "events",
+            "host" or "off".
     """
 
     compute_method: str = "eigen"
@@ -134,6 +138,7 @@ class KFACOptions:
     accumulation_steps: int = 1
     fidelity_every: int = 0
     fidelity_layers: tuple[str, ...] | None = None
+    timing: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.skip_layers, str):
@@ -178,6 +183,7 @@ class KFACOptions:
                 raise ValueError(f"invalid skip_layers regex {pattern!r}: {err}") from err
         check_positive("bucket_cap_mb", self.bucket_cap_mb)
         check_positive("collective_timeout", self.collective_timeout)
+        check_choice("timing", self.timing, TIMING_MODES)
         self._check_fidelity()
 
     def _check_fidelity(self) -> None:

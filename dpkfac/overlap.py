@@ -371,7 +371,7 @@ class OverlapEngine:
         if not st.flags:
             return
         device = st.flags[0][2].device
-        finite = torch.stack([ok.to(device) for _, _, ok, _, _ in st.flags]).tolist()
+        finite = self.pre.host.flags(torch.stack([ok.to(device) for _, _, ok, _, _ in st.flags]))
         for (layer, which, _, had, old_decomposition), ok in zip(st.flags, finite, strict=True):
             if ok:
                 continue

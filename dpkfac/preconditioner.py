@@ -31,10 +31,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dpkfac.amp import check_grad_scaler, inverse_loss_scale
 from dpkfac.comm import Communicator
 from dpkfac.curvature import COMPUTE_METHODS, KFACLayer, helper_for
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.curvature.state import layer_state, load_layer_state, merge_layer_states
+from dpkfac.device import HostReader
 from dpkfac.fidelity import FidelityProbe
 from dpkfac.options import KFACOptions, Scalar, Schedule, check_positive, value_at
 from dpkfac.stats import CommStats, PhaseTimer
@@ -132,6 +134,8 @@ class KFACPreconditioner:
         grad_scaler: torch.amp.GradScaler | None = None,
         fidelity_every: int = 0,
         fidelity_layers: str | Iterable[str] | None = None,
+        timing: str = "auto",
+        host_reader: HostReader | None = None,
         **strategy_options_kwargs: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -157,20 +161,30 @@ class KFACPreconditioner:
             accumulation_steps=accumulation_steps,
             fidelity_every=fidelity_every,
             fidelity_layers=fidelity_layers,
+            timing=timing,
         )
         self._skip = [re.compile(p) for p in self.options.skip_layers]
         self.model = model
         self.ddp = isinstance(model, DistributedDataParallel)
+        check_grad_scaler(grad_scaler)
         self.grad_scaler = grad_scaler
         self.module = model.module if self.ddp else model
         self.method = COMPUTE_METHODS[compute_method]
         self.steps = 0
 
         self._stats = CommStats()
-        device = next((p.device for p in self.module.parameters()), None)
-        self._timer = PhaseTimer(device)
+        #: The run's device: the model's. Every tensor the library makes for a layer
+        #: is made there, and every collective must be handed tensors on it.
+        self.device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        self._timer = PhaseTimer(self.device, timing)
+        self.host = host_reader if host_reader is not None else HostReader()
         self.comm = Communicator(
-            process_group, timeout=collective_timeout, stats=self._stats, timer=self._timer
+            process_group,
+            timeout=collective_timeout,
+            stats=self._stats,
+            timer=self._timer,
+            device=self.device,
+            host=self.host,
         )
         self.strategy: Strategy = strategy_class(self.strategy_name)(
             self.comm,
@@ -275,7 +289,11 @@ class KFACPreconditioner:
         with self._timer.phase("factor_compute"):
             options = self.options
             layer.accumulate_g(
-                grad, options.weight_sharing, self._dtype_for(layer), options.factor_method
+                grad,
+                options.weight_sharing,
+                self._dtype_for(layer),
+                options.factor_method,
+                inverse_scale=inverse_loss_scale(self.grad_scaler, grad.device),
             )
         self._factor_ready(layer, "G")
 
@@ -291,14 +309,12 @@ class KFACPreconditioner:
     # --------------------------------------------------------------- placement
     def _finalise_placement(self) -> None:
         """Place layers from the first batch's shapes, agreed on by all ranks."""
-        stats = torch.tensor(
-            [[x.batch_size, x.positions] for x in self._layer_list], dtype=torch.float64
-        ).reshape(-1, 2)
+        stats = [float(v) for x in self._layer_list for v in (x.batch_size, x.positions)]
         if self.strategy.placement_uses_batch(self.strategy.options):
-            self.comm.allreduce_max(stats)
+            stats = self.comm.agree_max(stats)
         shapes = [
-            layer_shape(x, int(n), int(t))
-            for x, (n, t) in zip(self._layer_list, stats.tolist(), strict=True)
+            layer_shape(x, int(stats[2 * i]), int(stats[2 * i + 1]))
+            for i, x in enumerate(self._layer_list)
         ]
         self.strategy.finalise_placement(self._layer_list, shapes)
         for layer in self._layer_list:
@@ -344,7 +360,6 @@ class KFACPreconditioner:
 
         if any(x.has_pending(w) for x in layers for w in FACTORS) or self._capture:
             strat.reduce_factors(layers)
-            self._unscale_g(layers)
             self._fold_factors(float(value_at(self.options.factor_decay, step)))
 
         damping = float(value_at(self.options.damping, step))
@@ -375,31 +390,16 @@ class KFACPreconditioner:
 
     def _decompose(self, layer: KFACLayer, which: str, damping: float) -> None:
         """Decompose one factor with the step's damping (split by π under ``pi_damping``)."""
-        factor_damping = layer.pi_damping(which, damping) if self.options.pi_damping else damping
-        layer.decompose(
-            which, self.method, damping=factor_damping, dtype=self.options.decomposition_dtype
+        factor_damping = (
+            layer.pi_damping(which, damping, self.host) if self.options.pi_damping else damping
         )
-
-    def _unscale_g(self, layers: list[KFACLayer]) -> None:
-        """Divide the pending G factors by the loss scale squared (mixed precision).
-
-        Output gradients of a scaled loss are ``s`` times too large, G ``s²``
-        times. The scale is the same for every capture of the step and on
-        every rank, so dividing the reduced batch factor is exact, and it is
-        read as a device tensor, without a host sync.
-        """
-        scaler = self.grad_scaler
-        if scaler is None or not scaler.is_enabled():
-            return
-        get_async = getattr(scaler, "_get_scale_async", None)
-        scale = get_async() if get_async is not None else None
-        if scale is None:
-            scale = torch.tensor(scaler.get_scale())
-        for layer in layers:
-            state = layer.factors["G"]
-            if state.batch is not None:
-                inverse = scale.to(state.batch.device, torch.float64).reciprocal().square()
-                state.batch = state.batch * inverse.to(state.batch.dtype)
+        layer.decompose(
+            which,
+            self.method,
+            damping=factor_damping,
+            dtype=self.options.decomposition_dtype,
+            host=self.host,
+        )
 
     def _fold_factors(self, decay: float) -> None:
         """Fold every pending batch factor into its running average.
@@ -413,7 +413,7 @@ class KFACPreconditioner:
         flags: list[bool] = []
         if checks:
             device = checks[0][2].device
-            flags = torch.stack([ok.to(device) for _, _, ok in checks]).tolist()
+            flags = self.host.flags(torch.stack([ok.to(device) for _, _, ok in checks]))
         finite: dict[str, dict[str, bool]] = {}
         for (layer, which, _), ok in zip(checks, flags, strict=True):
             finite.setdefault(layer.name, {})[which] = bool(ok)

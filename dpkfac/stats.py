@@ -85,6 +85,10 @@ class CommStats:
         }
 
 
+#: Values of the ``timing`` option: how :class:`PhaseTimer` measures.
+TIMING_MODES = ("auto", "events", "host", "off")
+
+
 class PhaseTimer:
     """Seconds per phase: the host's wall clock on CPU, CUDA events on a GPU.
 
@@ -99,13 +103,22 @@ class PhaseTimer:
 
     Args:
         device: the device the timed work runs on (None or CPU: wall clock).
+        mode: "auto" (CUDA events on a CUDA device, the wall clock elsewhere),
+            "events", "host" (the wall clock: on a GPU it measures launches,
+            not kernels) or "off" (nothing is timed; ``as_dict`` reports
+            zeros). "host" and "off" are the seams for runs that have no CUDA
+            context, such as dry runs on fake CUDA tensors.
     """
 
     #: Unresolved event pairs above which completed ones are folded in.
     PENDING_LIMIT = 512
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
-        self.cuda = device is not None and torch.device(device).type == "cuda"
+    def __init__(self, device: torch.device | str | None = None, mode: str = "auto") -> None:
+        if mode not in TIMING_MODES:
+            raise ValueError(f"unknown timing {mode!r}; expected one of {list(TIMING_MODES)}")
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        self.mode = ("events" if on_cuda else "host") if mode == "auto" else mode
+        self.cuda = self.mode == "events"
         self.reset()
 
     def reset(self) -> None:
@@ -115,6 +128,9 @@ class PhaseTimer:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the enclosed block into ``name``."""
+        if self.mode == "off":
+            yield
+            return
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record()

@@ -45,6 +45,10 @@ def _worker(
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            # Before the group exists: NCCL binds the group to the current device, and
+            # object collectives send through it.
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",

@@ -240,3 +240,60 @@ def _scaler_without_ddp(rank: int, world_size: int) -> str:
     with pytest.raises(ValueError, match="DistributedDataParallel") as err:
         dpkfac.KFACPreconditioner(make_model(), grad_scaler=scaler)
     return "DistributedDataParallel" if "DistributedDataParallel" in str(err.value) else ""
+
+
+# A scaler's scale doubles every 2000 overflow-free steps: a long float32 or bf16 run
+# reaches scales where s²·G overflows although s·g does not. G is built from the
+# output gradient unscaled first, so the factors keep updating, equal to a run
+# without a scaler (the scale is a power of two: unscaling is exact).
+HUGE_SCALE = 2.0**70
+
+
+def _huge_scale_run(
+    scale: float | None, dtype: torch.dtype, factor_dtype: torch.dtype | None, autocast: bool
+) -> dict[str, Any]:
+    model = make_model().to(dtype)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale or 1.0, enabled=scale is not None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pre = make_preconditioner(
+        model, "dp_kfac", kl_clip=0.01, grad_scaler=scaler, factor_dtype=factor_dtype
+    )
+    factors = []
+    for step in range(STEPS):
+        x, y = batch(step, 0)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = F.cross_entropy(model(x.to(dtype)), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        pre.step()
+        scaler.step(opt)
+        scaler.update()
+        factors.append(_factors(pre))
+    assert scaler.get_scale() == (scale or 1.0), "the scaler skipped a step"
+    return {"factors": factors, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "factor_dtype", "autocast"),
+    [
+        (torch.float32, None, False),
+        (torch.float64, torch.float32, False),
+        (torch.float32, None, True),
+    ],
+    ids=["float32", "float64_model_float32_factors", "bf16_autocast"],
+)
+def test_a_huge_loss_scale_keeps_the_factors_updating(
+    dtype: torch.dtype, factor_dtype: torch.dtype | None, autocast: bool
+) -> None:
+    plain = _huge_scale_run(None, dtype, factor_dtype, autocast)
+    scaled = _huge_scale_run(HUGE_SCALE, dtype, factor_dtype, autocast)
+    for step in range(STEPS):
+        assert len(scaled["factors"][step]) == len(plain["factors"][step]) > 0, step
+        assert max_rel_err(scaled["factors"][step], plain["factors"][step]) < 1e-10, step
+    assert max_rel_err(scaled["params"], plain["params"]) < 1e-10
+
+
+def test_a_grad_scaler_that_is_not_one_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="grad_scaler must be a torch.amp.GradScaler.*'yes'"):
+        dpkfac.KFACPreconditioner(make_model(), grad_scaler="yes")

@@ -69,7 +69,6 @@ def test_nccl_on_two_gpus() -> None:
 
 
 def _nccl_rank(rank: int, world_size: int) -> dict[str, torch.Tensor]:
-    torch.cuda.set_device(rank)
     return _train("dp_kfac", f"cuda:{rank}")
 
 

@@ -176,6 +176,9 @@ def measure_compute(threads: int = 1, repeats: int = 5) -> list[Sample]:
     """Time the package's factor, decomposition, unpacking and preconditioning kernels."""
     from dpkfac.comm import pack_triangle, unpack_triangle
     from dpkfac.curvature import EigenDecomposition, InverseDecomposition, precondition
+    from dpkfac.device import TableCache
+
+    tables = TableCache()  # the indices are made once per size, as in a run
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -197,8 +200,8 @@ def measure_compute(threads: int = 1, repeats: int = 5) -> list[Sample]:
             )
             out.append(Sample.compute("inverse", 2.0 * d**3, t))
         for d in (65, 145, 289, 577, 1025):
-            packed = pack_triangle(torch.randn(d, d, generator=gen))
-            t = _median_time(lambda p=packed, d=d: unpack_triangle(p, d), repeats)
+            packed = pack_triangle(torch.randn(d, d, generator=gen), tables)
+            t = _median_time(lambda p=packed, d=d: unpack_triangle(p, d, tables), repeats)
             out.append(Sample.compute("unpack", 4.0 * d * d, t))
         for g, a in ((16, 64), (64, 128), (128, 256), (256, 512), (512, 1024)):
             qa = EigenDecomposition(
@@ -304,7 +307,7 @@ def measure_in_group(comm: Communicator, base: Hardware, name: str = "measured")
         samples.append(Sample.compute("eigh", 9.0 * d**3, seconds))
     for numel in BROADCAST_PROBE_NUMELS:
         buf = torch.zeros(numel, dtype=torch.float32, device=comm.device)
-        comm.allreduce_max(torch.zeros(1, dtype=torch.float64))  # meet first
+        comm.agree_max([0.0])  # meet first
         times = []
         for _ in range(PROBE_REPEATS):
             start = time.perf_counter()
@@ -313,11 +316,9 @@ def measure_in_group(comm: Communicator, base: Hardware, name: str = "measured")
         samples.append(Sample.collective("broadcast", 4 * numel, min(times), comm.size))
     fitted = calibrate(samples, base=base, name=name)
     eigh, bcast = fitted.engine("eigh"), fitted.link("broadcast")
-    agreed = torch.tensor(
-        [1.0 / eigh.rate, eigh.latency, bcast.alpha, bcast.beta], dtype=torch.float64
+    inv_rate, latency, alpha, beta = comm.agree_max(
+        [1.0 / eigh.rate, eigh.latency, bcast.alpha, bcast.beta]
     )
-    comm.allreduce_max(agreed)
-    inv_rate, latency, alpha, beta = agreed.tolist()
     return replace(
         base,
         name=name,

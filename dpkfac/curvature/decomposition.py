@@ -21,6 +21,8 @@ from typing import ClassVar
 
 import torch
 
+from dpkfac.device import HostReader
+
 
 class DecompositionError(RuntimeError):
     """Raised when a factor cannot be decomposed even in float64."""
@@ -39,8 +41,18 @@ class Decomposition(ABC):
 
     @classmethod
     @abstractmethod
-    def compute(cls, factor: torch.Tensor, *, damping: float, dtype: torch.dtype) -> Decomposition:
-        """Decompose ``factor`` in ``dtype`` (raises :class:`DecompositionError`)."""
+    def compute(
+        cls,
+        factor: torch.Tensor,
+        *,
+        damping: float,
+        dtype: torch.dtype,
+        host: HostReader | None = None,
+    ) -> Decomposition:
+        """Decompose ``factor`` in ``dtype`` (raises :class:`DecompositionError`).
+
+        ``host`` reads the result's finiteness check (one read; None: a plain reader).
+        """
 
     @classmethod
     @abstractmethod
@@ -72,11 +84,18 @@ def _safe_diagonal(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.nan_to_num(diag, nan=0.0, posinf=0.0, neginf=0.0).clamp(min=0.0)
 
 
-def _eigh(factor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _all_finite(host: HostReader, *tensors: torch.Tensor) -> bool:
+    """Whether every value of ``tensors`` is finite: one host read for all of them."""
+    return all(host.flags(torch.stack([torch.isfinite(t).all() for t in tensors])))
+
+
+def _eigh(
+    factor: torch.Tensor, dtype: torch.dtype, host: HostReader
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``eigh`` in ``dtype``, retried in float64 before giving up."""
     try:
         d, q = torch.linalg.eigh(factor.to(dtype))
-        if torch.isfinite(d).all() and torch.isfinite(q).all():
+        if _all_finite(host, d, q):
             return d, q
     except (RuntimeError, torch.linalg.LinAlgError):
         pass
@@ -84,7 +103,7 @@ def _eigh(factor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch
         d, q = torch.linalg.eigh(factor.to(torch.float64))
     except (RuntimeError, torch.linalg.LinAlgError) as err:
         raise DecompositionError(f"eigh failed in {dtype} and float64: {err}") from err
-    if not (torch.isfinite(d).all() and torch.isfinite(q).all()):
+    if not _all_finite(host, d, q):
         raise DecompositionError("eigh returned non-finite values in float64")
     return d.to(dtype), q.to(dtype)
 
@@ -100,9 +119,14 @@ class EigenDecomposition(Decomposition):
 
     @classmethod
     def compute(
-        cls, factor: torch.Tensor, *, damping: float, dtype: torch.dtype
+        cls,
+        factor: torch.Tensor,
+        *,
+        damping: float,
+        dtype: torch.dtype,
+        host: HostReader | None = None,
     ) -> EigenDecomposition:
-        d, q = _eigh(factor, dtype)
+        d, q = _eigh(factor, dtype, host if host is not None else HostReader())
         # Factors are PSD: negative eigenvalues are round-off and would make
         # d_G d_Aᵀ + γ approach zero.
         return cls(q, d.clamp(min=0.0))
@@ -137,8 +161,14 @@ class InverseDecomposition(Decomposition):
 
     @classmethod
     def compute(
-        cls, factor: torch.Tensor, *, damping: float, dtype: torch.dtype
+        cls,
+        factor: torch.Tensor,
+        *,
+        damping: float,
+        dtype: torch.dtype,
+        host: HostReader | None = None,
     ) -> InverseDecomposition:
+        host = host if host is not None else HostReader()
         for work_dtype in dict.fromkeys([dtype, torch.float64]):
             damped = factor.to(work_dtype) + math.sqrt(damping) * torch.eye(
                 factor.shape[0], dtype=work_dtype, device=factor.device
@@ -151,7 +181,7 @@ class InverseDecomposition(Decomposition):
                     inv = torch.linalg.inv(damped)
                 except (RuntimeError, torch.linalg.LinAlgError):
                     continue
-            if torch.isfinite(inv).all():
+            if _all_finite(host, inv):
                 return cls(((inv + inv.t()) / 2).to(dtype))
         raise DecompositionError("damped inverse failed in float32 and float64")
 

@@ -59,9 +59,15 @@ GEMMs with tiny C×C outputs and the casts cost more than the AVX-512 BF16 instr
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+
+from dpkfac.device import TableCache
+
+T = TypeVar("T")
 
 #: Values of the ``factor_method`` option.
 FACTOR_METHODS = ("auto", "unfold", "shifted", "auto_bf16")
@@ -169,6 +175,11 @@ def sym_gram(x: torch.Tensor, *, block: int = TRIANGLE_BLOCK, bf16: bool = False
 
 
 # -------------------------------------------------------------- conv geometry
+# Plans are pure Python (ints, tuples), cached per geometry; the tensors made
+# from them live on the layer input's device and in its dtype, cached per
+# (geometry, device, dtype) in a table cache that one layer's helper owns
+# (:class:`~dpkfac.device.TableCache`). A plan never holds a tensor: a CPU tensor that meets
+# CUDA data would fail (or copy host to device on every call).
 @dataclass(frozen=True)
 class _Shift:
     """One shift ``s = (si·dh, sj·dw) ≥ 0`` and what its blocks must subtract."""
@@ -178,14 +189,24 @@ class _Shift:
     offset: int  # flat offset in the padded (H', W') layout
     rows: tuple[int, int]  # rows u with u and u+si·dh both real
     cols: tuple[int, int]
-    ii: torch.Tensor  # (ni, 1) kernel row offsets i with i+si in range
+    i_list: tuple[int, ...]  # kernel row offsets i with i+si in range
+    j_list: tuple[int, ...]  # kernel column offsets j with j+sj in range
+    row_runs: tuple[tuple[int, int], ...]  # border rows some pair excludes, as slices
+    col_runs: tuple[tuple[int, int], ...]
+    mask_rows: tuple[tuple[float, ...], ...]  # (ni, |band_rows|): 1 where pair row i excludes
+    mask_cols: tuple[tuple[float, ...], ...]  # (nj, |band_cols|)
+
+
+@dataclass(frozen=True)
+class _ShiftTensors:
+    """A shift's index and mask tensors on one device, in one dtype."""
+
+    ii: torch.Tensor  # (ni, 1) kernel row offsets
     jj: torch.Tensor  # (1, nj)
     ii2: torch.Tensor  # ii + si
     jj2: torch.Tensor  # jj + sj
-    row_runs: tuple[tuple[int, int], ...]  # border rows some pair excludes, as slices
-    col_runs: tuple[tuple[int, int], ...]
-    mask_rows: torch.Tensor  # (ni, |band_rows|): 1 where pair row i excludes the row
-    mask_cols: torch.Tensor  # (nj, |band_cols|)
+    mask_rows: torch.Tensor
+    mask_cols: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -196,11 +217,17 @@ class _Plan:
     wp: int  # columns per row in the flat layout
     out_hw: tuple[int, int]
     shifts: tuple[_Shift, ...]
-    win_rows: torch.Tensor  # (kh, H) 0/1: input rows seen by kernel row i
-    win_cols: torch.Tensor  # (kw, W)
+    win_rows: tuple[tuple[int, ...], ...]  # (kh, H) 0/1: input rows seen by kernel row i
+    win_cols: tuple[tuple[int, ...], ...]  # (kw, W)
 
 
-def _window(k: int, size: int, out: int, stride: int, pad: int, dil: int) -> list[list[int]]:
+def _cached(cache: TableCache | None, key: tuple[object, ...], build: Callable[[], T]) -> T:
+    return build() if cache is None else cache.get(key, build)
+
+
+def _window(
+    k: int, size: int, out: int, stride: int, pad: int, dil: int
+) -> tuple[tuple[int, ...], ...]:
     """Per kernel offset, the 0/1 indicator of the input indices its window visits."""
     rows = []
     for i in range(k):
@@ -209,8 +236,8 @@ def _window(k: int, size: int, out: int, stride: int, pad: int, dil: int) -> lis
             u = o * stride + i * dil - pad
             if 0 <= u < size:
                 hit[u] = 1
-        rows.append(hit)
-    return rows
+        rows.append(tuple(hit))
+    return tuple(rows)
 
 
 def _runs(indices: list[int]) -> tuple[tuple[int, int], ...]:
@@ -230,7 +257,7 @@ def _out_size(size: int, k: int, stride: int, pad: int, dil: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _plan(h: int, w: int, kh: int, kw: int, ph: int, pw: int, dh: int, dw: int) -> _Plan:
-    """Index and mask tables of the shifted kernel for one stride-1 geometry."""
+    """Index and mask tables of the shifted kernel for one stride-1 geometry (Python data)."""
     ho, wo = _out_size(h, kh, 1, ph, dh), _out_size(w, kw, 1, pw, dw)
     win_r = _window(kh, h, ho, 1, ph, dh)
     win_c = _window(kw, w, wo, 1, pw, dw)
@@ -242,15 +269,13 @@ def _plan(h: int, w: int, kh: int, kw: int, ph: int, pw: int, dh: int, dw: int) 
             ri, rj = si * dh, sj * dw
             rows = (0, max(0, h - ri))
             cols = (min(w, max(0, -rj)), max(0, w - max(0, rj)))
-            i_list = list(range(0, kh - si))
-            j_list = list(range(max(0, -sj), kw - max(0, sj)))
+            i_list = tuple(range(0, kh - si))
+            j_list = tuple(range(max(0, -sj), kw - max(0, sj)))
             # Excluded rows of pair row i: real rows of the shift its window misses.
             ex_r = [[u for u in range(*rows) if not win_r[i][u]] for i in i_list]
             ex_c = [[v for v in range(*cols) if not win_c[j][v]] for j in j_list]
             band_r = sorted({u for ex in ex_r for u in ex})
             band_c = sorted({v for ex in ex_c for v in ex})
-            mask_r = [[float(u in ex) for u in band_r] for ex in ex_r]
-            mask_c = [[float(v in ex) for v in band_c] for ex in ex_c]
             shifts.append(
                 _Shift(
                     si=si,
@@ -258,14 +283,12 @@ def _plan(h: int, w: int, kh: int, kw: int, ph: int, pw: int, dh: int, dw: int) 
                     offset=ri * (w + (kw - 1) * dw) + rj,
                     rows=rows,
                     cols=cols,
-                    ii=torch.tensor(i_list).reshape(-1, 1),
-                    jj=torch.tensor(j_list).reshape(1, -1),
-                    ii2=torch.tensor(i_list).reshape(-1, 1) + si,
-                    jj2=torch.tensor(j_list).reshape(1, -1) + sj,
+                    i_list=i_list,
+                    j_list=j_list,
                     row_runs=_runs(band_r),
                     col_runs=_runs(band_c),
-                    mask_rows=torch.tensor(mask_r, dtype=torch.float64).reshape(len(i_list), -1),
-                    mask_cols=torch.tensor(mask_c, dtype=torch.float64).reshape(len(j_list), -1),
+                    mask_rows=tuple(tuple(float(u in ex) for u in band_r) for ex in ex_r),
+                    mask_cols=tuple(tuple(float(v in ex) for v in band_c) for ex in ex_c),
                 )
             )
     return _Plan(
@@ -275,8 +298,28 @@ def _plan(h: int, w: int, kh: int, kw: int, ph: int, pw: int, dh: int, dw: int) 
         wp=w + (kw - 1) * dw,
         out_hw=(ho, wo),
         shifts=tuple(shifts),
-        win_rows=torch.tensor(win_r, dtype=torch.float64),
-        win_cols=torch.tensor(win_c, dtype=torch.float64),
+        win_rows=win_r,
+        win_cols=win_c,
+    )
+
+
+def _mask(rows: tuple[tuple[float, ...], ...], like: torch.Tensor) -> torch.Tensor:
+    """A (len(rows), width) 0/1 table on ``like``'s device, in its dtype (width may be 0)."""
+    width = len(rows[0]) if rows else 0
+    return torch.tensor(rows, dtype=like.dtype, device=like.device).reshape(len(rows), width)
+
+
+def _shift_tensors(sh: _Shift, like: torch.Tensor) -> _ShiftTensors:
+    """A shift's tensors on ``like``'s device (masks in its dtype)."""
+    ii = torch.tensor(sh.i_list, dtype=torch.long, device=like.device).reshape(-1, 1)
+    jj = torch.tensor(sh.j_list, dtype=torch.long, device=like.device).reshape(1, -1)
+    return _ShiftTensors(
+        ii=ii,
+        jj=jj,
+        ii2=ii + sh.si,
+        jj2=jj + sh.sj,
+        mask_rows=_mask(sh.mask_rows, like),
+        mask_cols=_mask(sh.mask_cols, like),
     )
 
 
@@ -296,7 +339,9 @@ def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def _corrections(x: torch.Tensor, sh: _Shift, dilation: tuple[int, int]) -> torch.Tensor:
+def _corrections(
+    x: torch.Tensor, sh: _Shift, tables: _ShiftTensors, dilation: tuple[int, int]
+) -> torch.Tensor:
     """What each pair of shift ``sh`` must subtract from the full shifted product.
 
     Border rows (all columns of the shift's range) plus border columns (all
@@ -306,7 +351,6 @@ def _corrections(x: torch.Tensor, sh: _Shift, dilation: tuple[int, int]) -> torc
     """
     ri, rj = sh.si * dilation[0], sh.sj * dilation[1]
     (r0, r1), (c0, c1) = sh.rows, sh.cols
-    dt = x.dtype
     corr = None
     if sh.row_runs:
         rows = _cat(
@@ -320,7 +364,7 @@ def _corrections(x: torch.Tensor, sh: _Shift, dilation: tuple[int, int]) -> torc
             ],
             0,
         )
-        corr = torch.einsum("iu,ucd->icd", sh.mask_rows.to(dt), rows)[:, None]
+        corr = torch.einsum("iu,ucd->icd", tables.mask_rows, rows)[:, None]
     if sh.col_runs:
         cols = _cat(
             [
@@ -333,7 +377,7 @@ def _corrections(x: torch.Tensor, sh: _Shift, dilation: tuple[int, int]) -> torc
             ],
             0,
         )
-        col_corr = torch.einsum("jv,vcd->jcd", sh.mask_cols.to(dt), cols)[None]
+        col_corr = torch.einsum("jv,vcd->jcd", tables.mask_cols, cols)[None]
         corr = col_corr if corr is None else corr + col_corr
     if sh.row_runs and sh.col_runs:
         corners = _cat(
@@ -353,9 +397,7 @@ def _corrections(x: torch.Tensor, sh: _Shift, dilation: tuple[int, int]) -> torc
             ],
             0,
         )
-        corr = corr - torch.einsum(
-            "iu,jv,uvcd->ijcd", sh.mask_rows.to(dt), sh.mask_cols.to(dt), corners
-        )
+        corr = corr - torch.einsum("iu,jv,uvcd->ijcd", tables.mask_rows, tables.mask_cols, corners)
     return corr
 
 
@@ -367,6 +409,7 @@ def conv_a_shifted(
     *,
     has_bias: bool,
     bf16: bool = False,
+    cache: TableCache | None = None,
 ) -> torch.Tensor:
     """The expand A factor ``aᵀa/(N·T)`` of a stride-1, zero-padded Conv2d, without im2col.
 
@@ -376,38 +419,47 @@ def conv_a_shifted(
             zero padding; apply other padding modes to ``x`` first and pass 0).
         has_bias: append the ones column (patch sums and ``N·T`` in the corner).
         bf16: opt-in bf16 products with float32 partial sums (not exact).
+        cache: where the geometry's index and mask tensors are kept (per
+            device and dtype); None makes them at every call.
 
     Returns:
         (C·kh·kw [+1])² factor with the im2col column order ``(c, i, j)``.
     """
     n, c, h, w = x.shape
     kh, kw = kernel_size
-    plan = _plan(h, w, kh, kw, padding[0], padding[1], dilation[0], dilation[1])
+    geometry = (h, w, kh, kw, padding[0], padding[1], dilation[0], dilation[1])
+    plan = _plan(*geometry)
+    key = ("shifted", *geometry, x.device, x.dtype)
+    tables = _cached(cache, key, lambda: [_shift_tensors(sh, x) for sh in plan.shifts])
     ho, wo = plan.out_hw
     count = n * ho * wo
     flat = x.new_zeros((c, n, plan.hp, plan.wp))
     flat[:, :, :h, :w] = x.transpose(0, 1)
     flat = flat.reshape(c, -1)
     length = flat.shape[1]
-    mdt = x.dtype
     out = x.new_empty((c, kh, kw, c, kh, kw))
-    for sh in plan.shifts:
+    for sh, tab in zip(plan.shifts, tables, strict=True):
         off = sh.offset
         s = _mm(flat[:, : length - off], flat[:, off:].t(), bf16)
-        blocks = s.expand(sh.ii.shape[0], sh.jj.shape[1], c, c)
+        blocks = s.expand(len(sh.i_list), len(sh.j_list), c, c)
         if sh.row_runs or sh.col_runs:
-            blocks = blocks - _corrections(x, sh, dilation)
+            blocks = blocks - _corrections(x, sh, tab, dilation)
         if sh.si == 0 and sh.sj == 0:
             blocks = (blocks + blocks.transpose(-1, -2)) / 2
-        out[:, sh.ii, sh.jj, :, sh.ii2, sh.jj2] = blocks
+        out[:, tab.ii, tab.jj, :, tab.ii2, tab.jj2] = blocks
         if sh.si or sh.sj:
-            out[:, sh.ii2, sh.jj2, :, sh.ii, sh.jj] = blocks.transpose(-1, -2)
+            out[:, tab.ii2, tab.jj2, :, tab.ii, tab.jj] = blocks.transpose(-1, -2)
     d = c * kh * kw
     # Exactly symmetric: the s = 0 blocks are symmetrised, the others mirrored.
     factor = out.reshape(d, d) / count
     if not has_bias:
         return factor
-    sums = torch.einsum("iu,cuv,jv->cij", plan.win_rows.to(mdt), x.sum(0), plan.win_cols.to(mdt))
+    win_rows, win_cols = _cached(
+        cache,
+        ("windows", *key),
+        lambda: (_mask(plan.win_rows, x), _mask(plan.win_cols, x)),
+    )
+    sums = torch.einsum("iu,cuv,jv->cij", win_rows, x.sum(0), win_cols)
     return _with_bias(factor, sums.reshape(d) / count, 1.0)
 
 
@@ -415,13 +467,10 @@ def conv_a_shifted(
 @functools.lru_cache(maxsize=256)
 def _windows(
     h: int, w: int, kh: int, kw: int, sh: int, sw: int, ph: int, pw: int, dh: int, dw: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...], int]:
+    """Row and column window indicators of a strided geometry, and its positions T."""
     ho, wo = _out_size(h, kh, sh, ph, dh), _out_size(w, kw, sw, pw, dw)
-    return (
-        torch.tensor(_window(kh, h, ho, sh, ph, dh), dtype=torch.float64),
-        torch.tensor(_window(kw, w, wo, sw, pw, dw), dtype=torch.float64),
-        ho * wo,
-    )
+    return _window(kh, h, ho, sh, ph, dh), _window(kw, w, wo, sw, pw, dw), ho * wo
 
 
 def conv_a_reduce(
@@ -433,6 +482,7 @@ def conv_a_reduce(
     *,
     has_bias: bool,
     bf16: bool = False,
+    cache: TableCache | None = None,
 ) -> torch.Tensor:
     """The reduce A factor ``āᵀā/N`` of a zero-padded Conv2d, ā = patches averaged over positions.
 
@@ -442,8 +492,14 @@ def conv_a_reduce(
     """
     n, c, h, w = x.shape
     kh, kw = kernel_size
-    win_r, win_c, t = _windows(h, w, kh, kw, *stride, *padding, *dilation)
-    mean = torch.einsum("iu,ncuv,jv->ncij", win_r.to(x.dtype), x, win_c.to(x.dtype))
+    geometry = (h, w, kh, kw, *stride, *padding, *dilation)
+    rows_ind, cols_ind, t = _windows(*geometry)
+    win_r, win_c = _cached(
+        cache,
+        ("reduce", *geometry, x.device, x.dtype),
+        lambda: (_mask(rows_ind, x), _mask(cols_ind, x)),
+    )
+    mean = torch.einsum("iu,ncuv,jv->ncij", win_r, x, win_c)
     rows = mean.reshape(n, c * kh * kw) / t
     if has_bias:
         rows = torch.cat([rows, rows.new_ones(n, 1)], dim=1)

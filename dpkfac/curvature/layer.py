@@ -27,6 +27,7 @@ from dpkfac.curvature.decomposition import (
 )
 from dpkfac.curvature.kernels import DEFAULT_METHOD
 from dpkfac.curvature.modules import ModuleHelper
+from dpkfac.device import HostReader
 
 FACTORS = ("A", "G")
 
@@ -170,8 +171,13 @@ class KFACLayer:
         weight_sharing: str,
         dtype: torch.dtype | None,
         method: str = DEFAULT_METHOD,
+        inverse_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Add the batch G factor of ``grad_output``; returns the running batch sum.
+
+        ``inverse_scale`` (a device scalar ``1/s``, mixed precision) unscales the
+        output gradient in ``dtype`` before the product, so ``s²`` never appears
+        (see :mod:`dpkfac.amp`).
 
         With ``accumulation_steps = k`` the loss of each micro-batch is the
         mean divided by k, so each per-example gradient is k times too small
@@ -181,7 +187,11 @@ class KFACLayer:
         layer) contributes one gradient per call to ∇W, which the convention
         treats like extra positions (averaged in A, summed in G).
         """
-        factor = self.helper.g_factor(grad_output.detach(), weight_sharing, dtype, method)
+        grad_output = grad_output.detach()
+        if inverse_scale is not None:
+            work = dtype if dtype is not None else grad_output.dtype
+            grad_output = grad_output.to(work) * inverse_scale.to(grad_output.device, work)
+        factor = self.helper.g_factor(grad_output, weight_sharing, dtype, method)
         k = self.accumulation_steps
         if k != 1:
             factor = factor.mul_(k * k)
@@ -277,8 +287,11 @@ class KFACLayer:
         *,
         damping: float,
         dtype: torch.dtype,
+        host: HostReader | None = None,
     ) -> bool:
         """Recompute one factor's decomposition; on failure keep the previous one.
+
+        ``host`` reads the decomposition's finiteness check (see :mod:`dpkfac.device`).
 
         Returns:
             True when a new decomposition was computed.
@@ -288,7 +301,8 @@ class KFACLayer:
             return False
         work = working_dtype(factor.dtype, dtype)
         try:
-            self.set_decomposition(which, method.compute(factor, damping=damping, dtype=work))
+            dec = method.compute(factor, damping=damping, dtype=work, host=host)
+            self.set_decomposition(which, dec)
             return True
         except DecompositionError as err:
             keep = self.decomposition(which) is not None
@@ -302,7 +316,7 @@ class KFACLayer:
                 self.set_decomposition(which, method.fallback(factor, damping=damping, dtype=work))
             return False
 
-    def pi_damping(self, which: str, damping: float) -> float:
+    def pi_damping(self, which: str, damping: float, host: HostReader | None = None) -> float:
         """The damping of one factor under Martens & Grosse's π-split (inverse method).
 
         With ``π = sqrt((tr A / d_A) / (tr G / d_G))`` the inverse method uses
@@ -313,8 +327,11 @@ class KFACLayer:
         a, g = self.factor("A"), self.factor("G")
         if a is None or g is None:
             return damping
-        a_mean = float(torch.trace(a.double())) / a.shape[0]
-        g_mean = float(torch.trace(g.double())) / g.shape[0]
+        host = host if host is not None else HostReader()
+        # One host read for both traces (a dry run assumes balanced factors).
+        traces = torch.stack([torch.trace(a.double()), torch.trace(g.to(a.device).double())])
+        a_trace, g_trace = host.read(traces, [float(a.shape[0]), float(g.shape[0])])
+        a_mean, g_mean = a_trace / a.shape[0], g_trace / g.shape[0]
         if not (a_mean > 0 and g_mean > 0 and math.isfinite(a_mean / g_mean)):
             return damping
         pi = math.sqrt(a_mean / g_mean)

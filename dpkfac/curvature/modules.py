@@ -26,6 +26,7 @@ from torch import nn
 
 from dpkfac.curvature import kernels
 from dpkfac.curvature.factors import a_factor, conv_g_factor, g_factor
+from dpkfac.device import TableCache
 
 
 class ModuleHelper(ABC):
@@ -171,7 +172,15 @@ class LinearHelper(ModuleHelper):
 
 
 class Conv2dHelper(ModuleHelper):
-    """``nn.Conv2d`` (groups=1): ``a`` is the im2col patch matrix of the layer's geometry."""
+    """``nn.Conv2d`` (groups=1): ``a`` is the im2col patch matrix of the layer's geometry.
+
+    The kernels' index and mask tensors are kept per input geometry, device
+    and dtype in this helper's own :class:`~dpkfac.device.TableCache`.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__(module)
+        self.tables = TableCache()
 
     @property
     def in_features(self) -> int:
@@ -242,11 +251,18 @@ class Conv2dHelper(ModuleHelper):
         t = kernels.out_positions((h, w), (kh, kw), stride, padding, dilation)
         if weight_sharing == "reduce":
             factor = kernels.conv_a_reduce(
-                x, (kh, kw), stride, padding, dilation, has_bias=self.has_bias, bf16=bf16
+                x,
+                (kh, kw),
+                stride,
+                padding,
+                dilation,
+                has_bias=self.has_bias,
+                bf16=bf16,
+                cache=self.tables,
             )
         elif kernels.use_shifted(method, stride, (kh, kw), (n, h, w)):
             factor = kernels.conv_a_shifted(
-                x, (kh, kw), padding, dilation, has_bias=self.has_bias, bf16=bf16
+                x, (kh, kw), padding, dilation, has_bias=self.has_bias, bf16=bf16, cache=self.tables
             )
         else:
             a = F.unfold(x, (kh, kw), dilation=dilation, padding=padding, stride=stride)

@@ -34,7 +34,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from dpkfac.assignment import EIGH_COEFF, LayerShape, Placement, assign_factors
 from dpkfac.comm import Handle, triangle_numel
@@ -315,10 +314,7 @@ class SPDKFAC(DKFAC):
             buf = torch.zeros(numel, dtype=torch.float32, device=self.comm.device)
             for _ in range(PROBE_REPEATS):
                 start = time.perf_counter()
-                handle = Handle("setup")
-                self.comm.record("setup", "allreduce", buf.numel() * buf.element_size())
-                handle.works.append(dist.all_reduce(buf, group=self.comm.group, async_op=True))
-                self.comm.wait(handle)
+                self.comm.allreduce_sum(buf, "setup")
                 samples.append((buf.numel() * buf.element_size(), time.perf_counter() - start))
         return fit_comm_model(samples)
 
@@ -326,15 +322,11 @@ class SPDKFAC(DKFAC):
         """Fix the fusion plan from the profiled ready times, identically on every rank."""
         keys = [(layer.name, w) for layer in layers for w in FACTORS]
         seen = [k for k in keys if any(k in p for p in self._profiles)]
-        times = torch.tensor(
-            [sum(p.get(k, 0.0) for p in self._profiles) / len(self._profiles) for k in seen],
-            dtype=torch.float64,
-        )
+        times = [sum(p.get(k, 0.0) for p in self._profiles) / len(self._profiles) for k in seen]
         model = self._measure_comm_model()
-        agreed = torch.cat([times, torch.tensor([model.alpha, model.beta], dtype=torch.float64)])
-        self.comm.allreduce_max(agreed)
-        times_l = agreed[:-2].tolist()
-        self.comm_model = CommModel(float(agreed[-2]), float(agreed[-1]))
+        agreed = self.comm.agree_max([*times, model.alpha, model.beta])
+        times_l = agreed[:-2]
+        self.comm_model = CommModel(agreed[-2], agreed[-1])
         order = sorted(range(len(seen)), key=lambda i: (times_l[i], i))
         by_name = {layer.name: layer for layer in layers}
         sizes = []
@@ -342,7 +334,7 @@ class SPDKFAC(DKFAC):
             name, which = seen[i]
             dim = by_name[name].dim(which)
             dtype = by_name[name].module.weight.dtype
-            sizes.append(triangle_numel(dim) * torch.empty((), dtype=dtype).element_size())
+            sizes.append(triangle_numel(dim) * dtype.itemsize)
         ready = [times_l[i] for i in order]
         if self.options.fusion == "dynamic":
             buckets = plan_buckets(ready, sizes, self.comm_model)

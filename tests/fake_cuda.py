@@ -1,0 +1,206 @@
+"""The fake-CUDA harness: the GPU path of a step, run on this CPU.
+
+``FakeTensorMode`` tensors carry a shape, a dtype and a device but no values,
+and an operation that mixes a CPU tensor with a CUDA one raises
+``FakeTensorDeviceMismatchError``, as CUDA itself would. A model built under
+the mode with ``torch.device("cuda")`` is a CUDA model as far as every library
+code path can tell, so a tensor that the library makes on the CPU and feeds to
+layer data fails here, on a machine without a GPU.
+
+What the mode cannot run, and how the harness gets past it:
+
+* the autograd engine asks for a CUDA context on backward, so
+  :func:`drive_backward` calls the output-gradient hooks the preconditioner
+  registered with a fake gradient, and gives every parameter a fake ``.grad``;
+* host reads have no value to read: the library's own seam,
+  :class:`dpkfac.device.DryRunReader`, answers them as a healthy run would;
+* CUDA-event timing needs a context: the library's ``timing="off"`` seam;
+* collectives go to torch's fake process group (:func:`fake_process_group`),
+  which accepts them on fake CUDA tensors at any world size in one process
+  and returns no real values; the communicator's device check still sees
+  every tensor handed to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import dpkfac
+from dpkfac.device import DryRunReader
+
+DEVICE = torch.device("cuda", 0)
+
+
+def fake_mode() -> FakeTensorMode:
+    """A strict fake mode: real tensors may not enter it (a CPU constant would raise)."""
+    return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+def on_fake_cuda(
+    mode: FakeTensorMode, build: Callable[[], nn.Module], dtype: torch.dtype | None = None
+) -> nn.Module:
+    """``build()`` with every parameter a fake CUDA tensor (of ``dtype``, default float32).
+
+    Built in place: ``module.to()`` cannot swap fake parameters.
+    """
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or default)
+    try:
+        with mode, torch.device("cuda"):
+            return build()
+    finally:
+        torch.set_default_dtype(default)
+
+
+class ResNetLike(nn.Module):
+    """Stem, a residual block, a strided block with a 1×1 shortcut, pooling and a head.
+
+    Convolutions of every geometry the factor kernels dispatch on: 3×3 stride 1
+    (shifted correlations), 3×3 stride 2 and 1×1 stride 2 (im2col with the
+    triangle product), with and without bias, plus BatchNorm (not K-FAC) and a
+    Linear head.
+    """
+
+    def __init__(self, width: int = 4, classes: int = 5) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.bn0 = nn.BatchNorm2d(width)
+        self.conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.down = nn.Conv2d(width, 2 * width, 3, stride=2, padding=1)
+        self.shortcut = nn.Conv2d(width, 2 * width, 1, stride=2, bias=False)
+        self.head = nn.Linear(2 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn0(self.stem(x)))
+        x = torch.relu(x + self.bn1(self.conv1(x)))
+        x = torch.relu(self.down(x) + self.shortcut(x))
+        return self.head(x.mean((2, 3)))
+
+
+class Outputs:
+    """Records the output of every module in forward order (to drive their G hooks)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self._handles = [m.register_forward_hook(self._keep) for m in model.modules()]
+
+    def _keep(self, module: nn.Module, args: Any, output: Any) -> None:
+        # A container returns its last child's output: keep each tensor once.
+        if isinstance(output, torch.Tensor) and all(output is not t for t in self.tensors):
+            self.tensors.append(output)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def drive_backward(model: nn.Module, outputs: Outputs) -> int:
+    """Stand in for ``loss.backward()`` on fake CUDA tensors.
+
+    Calls, in backward order, the gradient hooks registered on the recorded
+    outputs (the preconditioner's G hooks) with a fake output gradient, then
+    gives every trainable parameter a fake ``.grad``. Hooks are read from the
+    tensor's ``_backward_hooks``, where ``Tensor.register_hook`` keeps them.
+
+    Returns:
+        How many hooks were called.
+    """
+    called = 0
+    for out in reversed(outputs.tensors):
+        for hook in list((getattr(out, "_backward_hooks", None) or {}).values()):
+            hook(torch.randn_like(out))
+            called += 1
+    outputs.tensors.clear()
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn_like(p)
+    return called
+
+
+def fake_step(
+    model: nn.Module, pre: dpkfac.KFACPreconditioner, batch: int = 3, side: int = 8
+) -> int:
+    """One training step on fake CUDA: forward, hooks driven as in backward, ``pre.step()``.
+
+    Returns:
+        How many output-gradient hooks fired.
+    """
+    outputs = Outputs(model)
+    try:
+        model(torch.randn(batch, 3, side, side, device="cuda"))
+    finally:
+        outputs.remove()
+    called = drive_backward(model, outputs)
+    pre.step()
+    return called
+
+
+def dry_run_preconditioner(model: nn.Module, **kwargs: Any) -> dpkfac.KFACPreconditioner:
+    """A preconditioner with the dry-run seams: no timing, host reads answered."""
+    kwargs.setdefault("timing", "off")
+    kwargs.setdefault("host_reader", DryRunReader())
+    return dpkfac.KFACPreconditioner(model, **kwargs)
+
+
+class FakeLossScaler:
+    """A started, enabled ``GradScaler`` stand-in whose scale is a fake CUDA tensor.
+
+    ``torch.amp.GradScaler("cuda")`` disables itself where CUDA is absent; the
+    preconditioner only asks a scaler whether it is enabled and for its scale.
+    """
+
+    def __init__(self, scale: float = 2.0**16) -> None:
+        self._scale = torch.full((), scale, dtype=torch.float32, device="cuda")
+        self.value = scale
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def get_scale(self) -> float:
+        return self.value
+
+    def _get_scale_async(self) -> torch.Tensor:
+        return self._scale
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """Rank ``rank`` of a ``world_size`` job in this process, on torch's fake backend.
+
+    Collectives complete at once and move nothing. torch's broadcast asks the
+    device for its compute capability, which needs a driver: the answer of an
+    H100 is given instead, for the duration of the block.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized(), "a process group is already initialised"
+    capability = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch.cuda.get_device_capability = capability
+
+
+def tensors_of(pre: dpkfac.KFACPreconditioner) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor the preconditioner holds per layer, named, for device checks."""
+    for name, layer in pre.layers.items():
+        for which, state in layer.factors.items():
+            if state.running is not None:
+                yield f"{name}.{which}", state.running
+            if state.decomposition is not None:
+                for i, t in enumerate(state.decomposition.tensors()):
+                    yield f"{name}.{which}_decomp[{i}]", t
+        for p in layer.helper.parameters():
+            if p.grad is not None:
+                yield f"{name}.grad", p.grad

@@ -1,0 +1,266 @@
+"""The GPU path on fake CUDA tensors: every strategy's hooks and step, on this CPU.
+
+See ``tests/fake_cuda.py`` for the harness. Under the strict fake mode, any
+tensor the library makes on the CPU and mixes with layer data raises, and the
+communicator's device check rejects any tensor for a collective that is not on
+the run's (fake) CUDA device; collectives of P>1 plans go to torch's fake
+process group, so one process plays one rank of a large job. Values are not
+real: these tests assert devices, dtypes, shapes and the path taken, and the
+CPU tests assert the numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from fake_cuda import (
+    DEVICE,
+    FakeLossScaler,
+    Outputs,
+    ResNetLike,
+    drive_backward,
+    dry_run_preconditioner,
+    fake_mode,
+    fake_process_group,
+    fake_step,
+    on_fake_cuda,
+    tensors_of,
+)
+from strategy_cases import STRATEGY_VARIANTS
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+from dpkfac.comm import Communicator
+from dpkfac.device import DeviceMismatch, DryRunReader, HostReader, same_device
+
+#: Start-up measurements time real kernels; under fake tensors a preset stands in.
+PRESET = {"hardware": "cpu_gloo_local"}
+
+
+def _variant(name: str) -> tuple[str, dict[str, Any]]:
+    strategy, options = STRATEGY_VARIANTS[name]
+    options = dict(options)
+    if strategy in ("spd_kfac", "grouped"):
+        options.setdefault("hardware", PRESET["hardware"])
+    return strategy, options
+
+
+def _held(pre: Any, *, grads: bool = True) -> int:
+    """Tensors a P=1 preconditioner holds once every layer is decomposed."""
+    per_decomposition = 2 if pre.options.compute_method == "eigen" else 1
+    params = sum(len(x.helper.parameters()) for x in pre.layers.values()) if grads else 0
+    return len(pre.layers) * 2 * (1 + per_decomposition) + params
+
+
+def _assert_on_device(pre: Any) -> int:
+    count = 0
+    for name, tensor in tensors_of(pre):
+        assert same_device(tensor.device, DEVICE), f"{name} is on {tensor.device}"
+        count += 1
+    return count
+
+
+# --------------------------------------------------------------- the harness itself
+def test_the_harness_refuses_a_cpu_tensor_meeting_cuda_data() -> None:
+    """A CPU constant meeting fake CUDA data raises, as on a GPU (the harness's premise)."""
+    mode = fake_mode()
+    with mode:
+        x = torch.randn(3, 3, device="cuda")
+        mask = torch.ones(3, 3, device="cpu")
+        with pytest.raises(FakeTensorDeviceMismatchError):
+            torch.einsum("ij,jk->ik", mask, x)
+
+
+# ------------------------------------------------------------------ forward hooks
+CONV_GEOMETRIES: dict[str, dict[str, Any]] = {
+    "3x3_s1_p1": {"kernel_size": 3, "padding": 1},
+    "3x3_s1_p0_nobias": {"kernel_size": 3, "bias": False},
+    "3x3_s2_p1": {"kernel_size": 3, "stride": 2, "padding": 1},
+    "1x1_s2_nobias": {"kernel_size": 1, "stride": 2, "bias": False},
+    "3x3_dilation2": {"kernel_size": 3, "padding": 2, "dilation": 2},
+    "5x3_s1_p21": {"kernel_size": (5, 3), "padding": (2, 1)},
+    "3x1_s12": {"kernel_size": (3, 1), "stride": (1, 2), "padding": (1, 0)},
+    "same": {"kernel_size": 3, "padding": "same"},
+    "reflect": {"kernel_size": 3, "padding": 1, "padding_mode": "reflect"},
+    "circular_s2": {"kernel_size": 3, "stride": 2, "padding": 1, "padding_mode": "circular"},
+}
+
+
+@pytest.mark.parametrize("method", ["auto", "unfold", "auto_bf16"])
+@pytest.mark.parametrize("sharing", ["expand", "reduce"])
+@pytest.mark.parametrize("geometry", sorted(CONV_GEOMETRIES))
+def test_conv_factors_are_built_on_the_device(geometry: str, sharing: str, method: str) -> None:
+    mode = fake_mode()
+    model = on_fake_cuda(mode, lambda: nn.Sequential(nn.Conv2d(3, 4, **CONV_GEOMETRIES[geometry])))
+    with mode:
+        pre = dry_run_preconditioner(model, weight_sharing=sharing, factor_method=method)
+        layer = pre.layers["0"]
+        outputs = Outputs(model)
+        model(torch.randn(2, 3, 7, 9, device="cuda"))
+        outputs.remove()
+        assert drive_backward(model, outputs) == 1
+        for which, dim in (("A", layer.helper.a_dim), ("G", layer.helper.g_dim)):
+            batch = layer.factors[which].batch
+            assert batch is not None and same_device(batch.device, DEVICE), which
+            assert batch.shape == (dim, dim) and batch.dtype == torch.float32, which
+        pre.step()
+        assert _assert_on_device(pre) > 0
+
+
+@pytest.mark.parametrize("sharing", ["expand", "reduce"])
+@pytest.mark.parametrize("shape", [(5, 6), (5, 4, 6), (6,)])
+def test_linear_factors_are_built_on_the_device(shape: tuple[int, ...], sharing: str) -> None:
+    mode = fake_mode()
+    model = on_fake_cuda(mode, lambda: nn.Sequential(nn.Linear(6, 3)))
+    with mode:
+        pre = dry_run_preconditioner(model, weight_sharing=sharing)
+        outputs = Outputs(model)
+        model(torch.randn(*shape, device="cuda"))
+        outputs.remove()
+        assert drive_backward(model, outputs) == 1
+        pre.step()
+        layer = pre.layers["0"]
+        assert layer.a_factor.shape == (7, 7) and layer.g_factor.shape == (3, 3)
+        assert _assert_on_device(pre) == 2 + 2 + 2 + 2  # factors, 2×2 eigen tensors, grads
+
+
+# ------------------------------------------------------------------- whole steps
+METHODS: dict[str, dict[str, Any]] = {
+    "eigen": {},
+    "inverse": {"compute_method": "inverse"},
+    "inverse_pi": {"compute_method": "inverse", "pi_damping": True},
+}
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("variant", sorted(STRATEGY_VARIANTS))
+def test_every_strategy_steps_on_one_fake_gpu(variant: str, method: str) -> None:
+    """Defaults plus the KL clip and a decomposition interval: steps 0-3 on fake CUDA."""
+    strategy, options = _variant(variant)
+    mode = fake_mode()
+    model = on_fake_cuda(mode, ResNetLike)
+    with mode:
+        pre = dry_run_preconditioner(
+            model, strategy=strategy, kl_clip=0.01, inv_update_steps=2, **METHODS[method], **options
+        )
+        for _ in range(4):
+            assert fake_step(model, pre) == len(pre.layers)
+        # Every layer's factors, decompositions and gradient, all on the GPU.
+        assert _assert_on_device(pre) == _held(pre)
+        assert pre.timings()["factor_compute"] == 0.0  # timing="off"
+
+
+def test_one_host_read_per_factor_step_on_fake_cuda() -> None:
+    """Outside decomposition steps the step reads the host once: the joint finiteness check."""
+    mode = fake_mode()
+    model = on_fake_cuda(mode, ResNetLike)
+    with mode:
+        pre = dry_run_preconditioner(model, kl_clip=0.01, inv_update_steps=100)
+        fake_step(model, pre)  # placement and decompositions
+        reads = []
+        for _ in range(3):
+            before = pre.host.reads
+            fake_step(model, pre)
+            reads.append(pre.host.reads - before)
+        assert reads == [1, 1, 1]
+
+
+@pytest.mark.parametrize("variant", sorted(STRATEGY_VARIANTS))
+@pytest.mark.parametrize(("world_size", "rank"), [(4, 3), (64, 5)])
+def test_every_strategy_plays_one_rank_of_a_large_job(
+    variant: str, world_size: int, rank: int
+) -> None:
+    """Rank r of P on the fake process group: every collective gets fake CUDA tensors."""
+    strategy, options = _variant(variant)
+    mode = fake_mode()
+    model = on_fake_cuda(mode, ResNetLike)
+    with fake_process_group(rank, world_size), mode:
+        pre = dry_run_preconditioner(
+            model, strategy=strategy, kl_clip=0.01, inv_update_steps=2, **options
+        )
+        assert pre.comm.size == world_size and pre.comm.rank == rank
+        for _ in range(3):
+            fake_step(model, pre)
+        stats = pre.comm_stats()
+        assert stats["grad_allreduce"]["calls"] + stats["precond_broadcast"]["calls"] > 0
+        _assert_on_device(pre)
+
+
+def test_a_collective_refuses_a_cpu_tensor() -> None:
+    mode = fake_mode()
+    with fake_process_group(1, 4), mode:
+        comm = Communicator(device=DEVICE)
+        comm.allreduce_mean([torch.zeros(3, device="cuda")], "grad_allreduce")
+        with pytest.raises(DeviceMismatch, match=r"cpu tensor \(3,\).*'factor_allreduce'.*cuda"):
+            comm.allreduce_mean([torch.zeros(3, device="cpu")], "factor_allreduce")
+        with pytest.raises(DeviceMismatch, match="decomposition_broadcast"):
+            comm.broadcast([torch.zeros(2, 2)], 0, "decomposition_broadcast")
+
+
+def test_agreed_values_are_sent_from_the_device_and_read_once() -> None:
+    mode = fake_mode()
+    with fake_process_group(2, 8), mode:
+        reader = DryRunReader()
+        comm = Communicator(device=DEVICE, host=reader)
+        assert comm.agree_max([1.0, 4.0]) == [1.0, 4.0]
+        assert reader.reads == 1
+        assert comm.stats.as_dict()["setup"] == {"bytes": 16, "calls": 1, "wire_bytes": 28}
+
+
+# -------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("variant", ["dp_kfac", "d_kfac", "kaisa_mem_opt", "grouped_auto"])
+def test_state_dict_is_on_the_cpu_and_loads_onto_a_cuda_model(variant: str) -> None:
+    """``state_dict`` holds CPU tensors (what the trainer saves and loads with
+    ``map_location="cpu"``); loading puts every tensor on the layer's GPU."""
+    strategy, options = _variant(variant)
+    mode = fake_mode()
+    model = on_fake_cuda(mode, ResNetLike)
+    with mode:
+        pre = dry_run_preconditioner(model, strategy=strategy, **options)
+        for _ in range(2):
+            fake_step(model, pre)
+        state = pre.state_dict()
+        saved = [
+            t
+            for entry in state["layers"].values()
+            for key in ("A", "G", "A_decomp", "G_decomp")
+            for t in ([entry[key]] if isinstance(entry[key], torch.Tensor) else entry[key] or [])
+        ]
+        assert saved and all(t.device.type == "cpu" for t in saved)
+        other = on_fake_cuda(mode, ResNetLike)
+        resumed = dry_run_preconditioner(other, strategy=strategy, **options)
+        resumed.load_state_dict(state)
+        assert _assert_on_device(resumed) == _held(resumed, grads=False)
+        fake_step(other, resumed)
+        _assert_on_device(resumed)
+
+
+# ------------------------------------------------------------------ mixed precision
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_model_with_a_loss_scaler(dtype: torch.dtype) -> None:
+    """A half-precision model, factors in float32, G unscaled by a device-side 1/s."""
+    mode = fake_mode()
+    model = on_fake_cuda(mode, ResNetLike, dtype)
+    with mode:
+        pre = dry_run_preconditioner(
+            model, factor_dtype=torch.float32, grad_scaler=FakeLossScaler(), kl_clip=0.01
+        )
+        for _ in range(2):
+            outputs = Outputs(model)
+            model(torch.randn(3, 3, 8, 8, device="cuda", dtype=dtype))
+            outputs.remove()
+            drive_backward(model, outputs)
+            pre.step()
+        for layer in pre.layers.values():
+            assert layer.a_factor.dtype == torch.float32 and layer.g_factor.dtype == torch.float32
+            assert layer.module.weight.grad.dtype == dtype
+        _assert_on_device(pre)
+
+
+def test_the_default_reader_reads_and_counts() -> None:
+    reader = HostReader()
+    assert reader.flags(torch.tensor([True, False])) == [True, False]
+    assert reader.read(torch.tensor([2.0]), [0.0]) == [2.0]
+    assert reader.reads == 2
