@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: train test test-gpu lint venv clean
+.PHONY: train test test-gpu gpu-report lint venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test: $(STAMP)
 # The CUDA paths (skipped without a GPU): every strategy on a GPU, ranks sharing one, NCCL, AMP.
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
+
+# On a machine with a GPU: the gpu tests, every strategy at P=1 against the CPU, host reads,
+# and ResNet-32 side by side with CUDA events and peak memory -> results/gpu.{md,csv}.
+gpu-report: $(STAMP)
+	-$(PY) -m pytest -q -m gpu --junitxml=$(VENV)/gpu-tests.xml
+	$(PY) -m experiments.bench.gpu_report --junit $(VENV)/gpu-tests.xml
 
 lint: $(STAMP)
 	$(PY) -m ruff check dpkfac experiments tests

@@ -75,12 +75,16 @@ class DistEnv:
         return out
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
-        """Average a tensor over ranks (returns a new tensor)."""
-        value = value.detach().clone()
-        if self.distributed:
-            dist.all_reduce(value)
-            value /= self.world_size
-        return value
+        """Average a tensor over ranks (returns a new tensor, on ``value``'s device).
+
+        Reduced on this rank's device: NCCL accepts only CUDA tensors of the rank's GPU.
+        """
+        if not self.distributed:
+            return value.detach().clone()
+        work = value.detach().to(self.device, copy=True)
+        dist.all_reduce(work)
+        work /= self.world_size
+        return work.to(value.device)
 
 
 def _pick_device(setting: str, local_rank: int) -> torch.device:

@@ -34,6 +34,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dpkfac
 from dpkfac.device import DryRunReader
+from experiments.models.harness import ResNetLike
+
+__all__ = ["ResNetLike"]
 
 DEVICE = torch.device("cuda", 0)
 
@@ -57,32 +60,6 @@ def on_fake_cuda(
             return build()
     finally:
         torch.set_default_dtype(default)
-
-
-class ResNetLike(nn.Module):
-    """Stem, a residual block, a strided block with a 1×1 shortcut, pooling and a head.
-
-    Convolutions of every geometry the factor kernels dispatch on: 3×3 stride 1
-    (shifted correlations), 3×3 stride 2 and 1×1 stride 2 (im2col with the
-    triangle product), with and without bias, plus BatchNorm (not K-FAC) and a
-    Linear head.
-    """
-
-    def __init__(self, width: int = 4, classes: int = 5) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, width, 3, padding=1, bias=False)
-        self.bn0 = nn.BatchNorm2d(width)
-        self.conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        self.down = nn.Conv2d(width, 2 * width, 3, stride=2, padding=1)
-        self.shortcut = nn.Conv2d(width, 2 * width, 1, stride=2, bias=False)
-        self.head = nn.Linear(2 * width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.bn0(self.stem(x)))
-        x = torch.relu(x + self.bn1(self.conv1(x)))
-        x = torch.relu(self.down(x) + self.shortcut(x))
-        return self.head(x.mean((2, 3)))
 
 
 class Outputs:

@@ -295,5 +295,5 @@ def test_a_huge_loss_scale_keeps_the_factors_updating(
 
 
 def test_a_grad_scaler_that_is_not_one_is_refused_at_construction() -> None:
-    with pytest.raises(ValueError, match="grad_scaler must be a torch.amp.GradScaler.*'yes'"):
+    with pytest.raises(ValueError, match=r"grad_scaler must be a torch\.amp\.GradScaler.*'yes'"):
         dpkfac.KFACPreconditioner(make_model(), grad_scaler="yes")
