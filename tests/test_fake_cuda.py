@@ -264,3 +264,46 @@ def test_the_default_reader_reads_and_counts() -> None:
     assert reader.flags(torch.tensor([True, False])) == [True, False]
     assert reader.read(torch.tensor([2.0]), [0.0]) == [2.0]
     assert reader.reads == 2
+
+
+# ----------------------------------------------------- exact bytes and memory at scale
+EXACT_VARIANTS = (
+    "dp_kfac",
+    "dp_kfac_owner",
+    "d_kfac",
+    "kaisa_comm_opt",
+    "kaisa_mem_opt",
+    "grouped_local_decomp",
+)
+
+
+@pytest.mark.parametrize("variant", EXACT_VARIANTS)
+@pytest.mark.parametrize(("world_size", "rank"), [(8, 7), (64, 5), (256, 200)])
+def test_one_rank_of_a_large_job_hands_over_the_predicted_bytes(
+    variant: str, world_size: int, rank: int
+) -> None:
+    """On the fake group, rank r of P hands collectives exactly the bytes the cost model
+    predicts for that rank, and holds exactly the predicted K-FAC memory."""
+    from dpkfac.costmodel import PRESETS, predict, shapes_from_model
+
+    strategy, options = _variant(variant)
+    shapes = shapes_from_model(ResNetLike(), torch.randn(3, 3, 8, 8))
+    mode = fake_mode()
+    model = on_fake_cuda(mode, ResNetLike)
+    with fake_process_group(rank, world_size), mode:
+        pre = dry_run_preconditioner(model, strategy=strategy, kl_clip=0.01, **options)
+        fake_step(model, pre)  # placement, setup collectives
+        pre.reset_stats()
+        fake_step(model, pre)  # a factor and decomposition step
+        measured, memory = pre.comm_stats(), pre.memory_usage()
+    pred = predict(
+        shapes,
+        strategy=strategy,
+        world_size=world_size,
+        hardware=PRESETS["v100_ib100"],
+        kfac=pre.options,
+        options=pre.strategy.options,
+        param_itemsize=4,
+    )
+    assert measured == pred.update.comm_of(rank)
+    assert memory == pred.memory[rank]
