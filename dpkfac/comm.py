@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dpkfac.device import HostReader, TableCache, check_device
+from dpkfac.device import DeviceMismatch, HostReader, TableCache, check_device
 from dpkfac.fusion import size_cap_buckets
 from dpkfac.stats import PHASE_OF_CATEGORY, CommStats, PhaseTimer
 
@@ -236,6 +236,33 @@ class Communicator:
                 out[index] = sub
         return out
 
+    def duplicate(self) -> Communicator:
+        """A communicator over a new process group of the same ranks, sharing everything else.
+
+        Its collectives run beside this one's without ordering against them
+        (dp_kfac's overlap broadcasts on it while gradients are reduced here).
+        A collective at construction (every rank calls it). With one rank, or
+        no process group, this communicator itself (it never communicates).
+        """
+        if not self.active:
+            return self
+        ranks = [self.global_rank(r) for r in range(self.size)]
+        group = dist.new_group(
+            ranks,
+            timeout=datetime.timedelta(seconds=self.timeout),
+            use_local_synchronization=True,
+        )
+        twin = Communicator(
+            group,
+            timeout=self.timeout,
+            stats=self.stats,
+            timer=self.timer,
+            device=self.device,
+            host=self.host,
+        )
+        twin.tables = self.tables
+        return twin
+
     def _solo(self) -> Communicator:
         """A communicator of this rank alone: every call is a no-op that records nothing."""
         solo = Communicator(
@@ -436,9 +463,22 @@ class Communicator:
         """
         if not self.active:
             return [obj]
+        self._check_object_device()
         out: list[object] | None = [None] * self.size if self.rank == dst else None
         dist.gather_object(obj, out, dst=self.global_rank(dst), group=self.group)
         return out
+
+    def _check_object_device(self) -> None:
+        """Object collectives over NCCL send through the current CUDA device: it must be ours."""
+        if self.device.type != "cuda" or dist.get_backend(self.group) != "nccl":
+            return
+        current = torch.cuda.current_device()
+        if self.device.index is not None and current != self.device.index:
+            raise DeviceMismatch(
+                f"dpkfac: the current CUDA device is cuda:{current} but this rank runs on "
+                f"{self.device}: call torch.cuda.set_device({self.device.index}) before "
+                "init_process_group (NCCL's object collectives send through the current device)"
+            )
 
     def agree_max(self, values: Sequence[float], category: str = "setup") -> list[float]:
         """Element-wise maximum of host values across ranks (start-up agreement only).

@@ -50,10 +50,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from dpkfac.comm import Communicator, Handle
+from dpkfac.comm import Handle
 from dpkfac.curvature.layer import FACTORS, KFACLayer
 from dpkfac.fusion import size_cap_buckets
 from dpkfac.options import check_positive, value_at
@@ -83,19 +82,6 @@ def backward_buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[lis
         sizes = [params[i].numel() * params[i].element_size() for i in run]
         buckets += [[run[j] for j in b] for b in size_cap_buckets(sizes, cap_bytes)]
     return buckets
-
-
-def duplicate_communicator(comm: Communicator) -> Communicator:
-    """A communicator over a new process group of the same ranks, sharing the accounting.
-
-    A collective at construction (every rank of ``comm`` calls it). With one
-    rank, or no process group, ``comm`` itself (it never communicates).
-    """
-    if not comm.active:
-        return comm
-    ranks = [comm.global_rank(r) for r in range(comm.size)]
-    group = dist.new_group(ranks, use_local_synchronization=True)
-    return Communicator(group, timeout=comm.timeout, stats=comm.stats, timer=comm.timer)
 
 
 class _StepState:
@@ -128,7 +114,7 @@ class OverlapEngine:
         self.strategy = strategy
         self.pre = pre
         self.comm = strategy.comm
-        self.bcast_comm = duplicate_communicator(self.comm)
+        self.bcast_comm = self.comm.duplicate()
         self.layers = list(pre.layers.values())
         kfac = {id(p) for x in self.layers for p in x.helper.parameters()}
         other = {id(p) for p in pre._other_params}

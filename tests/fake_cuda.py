@@ -63,42 +63,61 @@ def on_fake_cuda(
 
 
 class Outputs:
-    """Records the output of every module in forward order (to drive their G hooks)."""
+    """Records each module's output in forward order (to drive their hooks in backward order)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.tensors: list[torch.Tensor] = []
+        self.tensors: list[tuple[nn.Module, torch.Tensor]] = []
         self._handles = [m.register_forward_hook(self._keep) for m in model.modules()]
 
     def _keep(self, module: nn.Module, args: Any, output: Any) -> None:
-        # A container returns its last child's output: keep each tensor once.
-        if isinstance(output, torch.Tensor) and all(output is not t for t in self.tensors):
-            self.tensors.append(output)
+        # A container returns its last child's output: keep each tensor once, with the
+        # innermost module that produced it (hooks of children fire first).
+        if isinstance(output, torch.Tensor) and all(output is not t for _, t in self.tensors):
+            self.tensors.append((module, output))
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
 
 
+def _accumulate(param: nn.Parameter) -> None:
+    """Give ``param`` a fake gradient and run its post-accumulate-grad hooks, as autograd would.
+
+    ``Tensor.register_post_accumulate_grad_hook`` keeps hooks in
+    ``_post_accumulate_grad_hooks`` (dp_kfac's overlap registers them).
+    """
+    param.grad = torch.randn_like(param)
+    for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
+        hook(param)
+
+
 def drive_backward(model: nn.Module, outputs: Outputs) -> int:
     """Stand in for ``loss.backward()`` on fake CUDA tensors.
 
-    Calls, in backward order, the gradient hooks registered on the recorded
-    outputs (the preconditioner's G hooks) with a fake output gradient, then
-    gives every trainable parameter a fake ``.grad``. Hooks are read from the
-    tensor's ``_backward_hooks``, where ``Tensor.register_hook`` keeps them.
+    In backward order, module by module: calls the gradient hooks registered
+    on the module's output (the preconditioner's G hooks) with a fake output
+    gradient, then gives the module's own trainable parameters a fake
+    ``.grad`` and runs their post-accumulate-grad hooks; parameters of no
+    recorded module come last. Hooks are read from the tensor's
+    ``_backward_hooks``, where ``Tensor.register_hook`` keeps them.
 
     Returns:
-        How many hooks were called.
+        How many output-gradient hooks were called.
     """
     called = 0
-    for out in reversed(outputs.tensors):
+    done: set[int] = set()
+    for module, out in reversed(outputs.tensors):
         for hook in list((getattr(out, "_backward_hooks", None) or {}).values()):
             hook(torch.randn_like(out))
             called += 1
+        for p in module.parameters(recurse=False):
+            if p.requires_grad and id(p) not in done:
+                _accumulate(p)
+                done.add(id(p))
     outputs.tensors.clear()
     for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.randn_like(p)
+        if p.requires_grad and id(p) not in done:
+            _accumulate(p)
     return called
 
 

@@ -39,8 +39,15 @@ from dpkfac.device import DeviceMismatch, DryRunReader, HostReader, same_device
 PRESET = {"hardware": "cpu_gloo_local"}
 
 
+#: The cross-strategy variants, plus dp_kfac's overlap (its hooks run inside backward).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    **STRATEGY_VARIANTS,
+    "dp_kfac_overlap": ("dp_kfac", {"overlap": True}),
+}
+
+
 def _variant(name: str) -> tuple[str, dict[str, Any]]:
-    strategy, options = STRATEGY_VARIANTS[name]
+    strategy, options = VARIANTS[name]
     options = dict(options)
     if strategy in ("spd_kfac", "grouped"):
         options.setdefault("hardware", PRESET["hardware"])
@@ -135,7 +142,7 @@ METHODS: dict[str, dict[str, Any]] = {
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
-@pytest.mark.parametrize("variant", sorted(STRATEGY_VARIANTS))
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_strategy_steps_on_one_fake_gpu(variant: str, method: str) -> None:
     """Defaults plus the KL clip and a decomposition interval: steps 0-3 on fake CUDA."""
     strategy, options = _variant(variant)
@@ -167,7 +174,7 @@ def test_one_host_read_per_factor_step_on_fake_cuda() -> None:
         assert reads == [1, 1, 1]
 
 
-@pytest.mark.parametrize("variant", sorted(STRATEGY_VARIANTS))
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize(("world_size", "rank"), [(4, 3), (64, 5)])
 def test_every_strategy_plays_one_rank_of_a_large_job(
     variant: str, world_size: int, rank: int
@@ -269,6 +276,7 @@ def test_the_default_reader_reads_and_counts() -> None:
 # ----------------------------------------------------- exact bytes and memory at scale
 EXACT_VARIANTS = (
     "dp_kfac",
+    "dp_kfac_overlap",
     "dp_kfac_owner",
     "d_kfac",
     "kaisa_comm_opt",
@@ -307,3 +315,33 @@ def test_one_rank_of_a_large_job_hands_over_the_predicted_bytes(
     )
     assert measured == pred.update.comm_of(rank)
     assert memory == pred.memory[rank]
+
+
+def test_the_overlap_reduces_and_broadcasts_inside_the_driven_backward() -> None:
+    """dp_kfac's overlap reduces gradient buckets from the gradient hooks, on fake CUDA.
+
+    The fake group's works never report completion, so the owners' preconditioning
+    and broadcasts, which wait for a bucket to be reduced, run in ``step()`` here
+    (the same code as in the hooks on a real group).
+    """
+    strategy, options = _variant("dp_kfac_overlap")
+    mode = fake_mode()
+    model = on_fake_cuda(mode, ResNetLike)
+    with fake_process_group(1, 4), mode:
+        # Small buckets: each is reduced, and its layers sent, as soon as it is complete.
+        pre = dry_run_preconditioner(
+            model, strategy=strategy, kl_clip=0.01, bucket_cap_mb=1e-4, **options
+        )
+        fake_step(model, pre)  # placement: an ordinary step
+        pre.reset_stats()
+        outputs = Outputs(model)
+        model(torch.randn(3, 3, 8, 8, device="cuda"))
+        outputs.remove()
+        drive_backward(model, outputs)
+        in_backward = pre.comm_stats()
+        assert in_backward["grad_allreduce"]["calls"] > 1, in_backward
+        pre.step()
+        after = pre.comm_stats()
+        assert after["grad_allreduce"] == in_backward["grad_allreduce"]
+        assert after["precond_broadcast"]["calls"] > 0
+        _assert_on_device(pre)
