@@ -15,6 +15,7 @@ dict of keyword arguments with a clear error for unknown keys.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields
@@ -48,8 +49,54 @@ COMPUTE_METHODS = tuple(_DECOMPOSITIONS)
 
 
 def value_at(value: Any, step: int) -> Any:
-    """The value of a scalar or schedule option at ``step``."""
+    """The value of a scalar or schedule option at ``step`` (unchecked: see :func:`checked_at`)."""
     return value(step) if callable(value) else value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _positive(value: Any) -> bool:
+    return _is_number(value) and math.isfinite(value) and value > 0
+
+
+def _decay(value: Any) -> bool:
+    return _is_number(value) and 0 <= value < 1
+
+
+def _interval(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+#: What a callable option must return at every step: (test, what it must be).
+STEP_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "damping": (_positive, "a finite number > 0"),
+    "lr": (_positive, "a finite number > 0"),
+    "kl_clip": (_positive, "a finite number > 0"),
+    "factor_decay": (_decay, "a number in [0, 1)"),
+    "factor_update_steps": (_interval, "an int >= 1"),
+    "inv_update_steps": (_interval, "an int >= 1"),
+}
+
+
+def checked_at(name: str, value: Any, step: int) -> Any:
+    """The value of option ``name`` at ``step``; a callable's result is checked at every read.
+
+    A callable's value may change at any step, so it is checked whenever it
+    is read (a few comparisons); constants were checked at construction.
+
+    Raises:
+        ValueError: the callable returned a value the option does not accept,
+            named with the step.
+    """
+    if not callable(value):
+        return value
+    result = value(step)
+    test, must_be = STEP_RULES[name]
+    if not test(result):
+        raise ValueError(f"{name} returned {result!r} at step {step}; it must return {must_be}")
+    return result
 
 
 def check_positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
@@ -141,10 +188,16 @@ class KFACOptions:
     timing: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.skip_layers is None:
+            object.__setattr__(self, "skip_layers", ())
         if isinstance(self.skip_layers, str):
             object.__setattr__(self, "skip_layers", (self.skip_layers,))
-        else:
+        elif isinstance(self.skip_layers, Iterable):
             object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+        else:
+            raise ValueError(
+                f"skip_layers must be a regex string or a list of them, got {self.skip_layers!r}"
+            )
         check_choice("compute_method", self.compute_method, COMPUTE_METHODS)
         check_choice("weight_sharing", self.weight_sharing, WEIGHT_SHARING)
         check_positive("damping", self.damping)
@@ -169,6 +222,8 @@ class KFACOptions:
                 f"decomposition_dtype {self.decomposition_dtype} is half precision; "
                 "decompositions need at least float32"
             )
+        if not isinstance(self.pi_damping, bool):
+            raise ValueError(f"pi_damping must be True or False, got {self.pi_damping!r}")
         if self.pi_damping and self.compute_method != "inverse":
             raise ValueError(
                 f"pi_damping=True needs compute_method='inverse', got {self.compute_method!r} "
@@ -213,6 +268,10 @@ class KFACOptions:
             except re.error as err:
                 raise ValueError(f"invalid fidelity_layers regex {pattern!r}: {err}") from err
         object.__setattr__(self, "fidelity_layers", layers)
+
+    def at(self, name: str, step: int) -> Any:
+        """Option ``name`` (one of :data:`STEP_RULES`) at ``step``, checked (:func:`checked_at`)."""
+        return checked_at(name, getattr(self, name), step)
 
     @property
     def bucket_cap_bytes(self) -> int:

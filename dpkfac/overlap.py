@@ -55,7 +55,6 @@ from torch import nn
 from dpkfac.comm import Handle
 from dpkfac.curvature.layer import FACTORS, KFACLayer
 from dpkfac.fusion import size_cap_buckets
-from dpkfac.options import check_positive, value_at
 from dpkfac.strategies.base import (
     Preconditioned,
     precondition_layer,
@@ -213,8 +212,7 @@ class OverlapEngine:
         st = self.state
         assert st is not None
         if st.damping is None:
-            damping = float(value_at(self.pre.options.damping, self.pre.steps))
-            check_positive("damping", damping)
+            damping = float(self.pre.options.at("damping", self.pre.steps))
             st.damping = damping
         return st.damping
 
@@ -230,7 +228,7 @@ class OverlapEngine:
         if pre._capture:  # batch factors are pending on capture steps only
             pending = sum(x.pending_nbytes() for x in self.layers)
             pre._buffer_peak = max(pre._buffer_peak, pending)
-        decay = float(value_at(pre.options.factor_decay, step))
+        decay = float(pre.options.at("factor_decay", step))
         for which in FACTORS:
             state = layer.factors[which]
             batch = state.pending()

@@ -37,8 +37,8 @@ from dpkfac.curvature import COMPUTE_METHODS, KFACLayer, helper_for
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.curvature.state import layer_state, load_layer_state, merge_layer_states
 from dpkfac.device import HostReader
-from dpkfac.fidelity import FidelityProbe
-from dpkfac.options import KFACOptions, Scalar, Schedule, check_positive, value_at
+from dpkfac.fidelity import FidelityProbe, select_layers
+from dpkfac.options import KFACOptions, Scalar, Schedule
 from dpkfac.stats import CommStats, PhaseTimer
 from dpkfac.strategies import (
     Preconditioned,
@@ -201,11 +201,15 @@ class KFACPreconditioner:
                 "must already be averaged across ranks or the ranks would disagree"
             )
         self.layers: dict[str, KFACLayer] = self._register()
-        kfac_params = {id(p) for layer in self.layers.values() for p in layer.helper.parameters()}
-        self._other_params = [
-            p for p in self.module.parameters() if p.requires_grad and id(p) not in kfac_params
-        ]
+        self._kfac_params = {
+            id(p) for layer in self.layers.values() for p in layer.helper.parameters()
+        }
+        self._other_params = self._trainable_others()
+        # Trainable parameters the strategy was set up with (those unfrozen later are new).
+        self._planned_params = {id(p) for p in self._other_params} | self._kfac_params
         self._layer_list = list(self.layers.values())
+        # Checked even while the probe is off: a typo should not wait for fidelity_every > 0.
+        select_layers(list(self.layers), self.options.fidelity_layers)
         self.strategy.place(self._layer_list, [layer_shape(x, 1, 1) for x in self._layer_list])
         self._buffer_peak = 0
         self._capture = self._is_factor_step(0)
@@ -245,11 +249,57 @@ class KFACPreconditioner:
             layers[name] = layer
         return layers
 
+    def _trainable_others(self) -> list[nn.Parameter]:
+        """Trainable parameters of no K-FAC layer, in module order (averaged only)."""
+        return [
+            p
+            for p in self.module.parameters()
+            if p.requires_grad and id(p) not in self._kfac_params
+        ]
+
+    def _check_unfrozen(self) -> None:
+        """Follow parameters unfrozen since construction (the same on every rank).
+
+        Their gradients are averaged from now on, like any parameter of no
+        K-FAC layer, and a warning says they are not preconditioned (the
+        layers were planned without them). The overlap cannot add gradient
+        hooks mid-run, so it refuses.
+        """
+        others = self._trainable_others()
+        if len(others) == len(self._other_params) and all(
+            a is b for a, b in zip(others, self._other_params, strict=True)
+        ):
+            return
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        new = [names.get(id(p), "?") for p in others if id(p) not in self._planned_params]
+        self._other_params = others
+        if not new:
+            return
+        self._planned_params |= {id(p) for p in others}
+        if self.strategy.traits(self.strategy.options).overlapped_precondition:
+            raise ValueError(
+                f"dpkfac: parameters {new} were frozen when the preconditioner was built and are "
+                "trainable now; overlap=True reduces gradients from hooks registered at "
+                "construction and cannot add them: build the preconditioner after unfreezing"
+            )
+        averaged = (
+            "DDP averages their gradients only if they were trainable when it wrapped the model"
+            if self.ddp
+            else "their gradients are averaged across ranks"
+        )
+        warnings.warn(
+            f"dpkfac: parameters {new} were frozen when the preconditioner was built and are "
+            f"trainable now: {averaged}, but they are not preconditioned (build a new "
+            "preconditioner after unfreezing to precondition their layers)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
     def _is_factor_step(self, step: int) -> bool:
-        return step % int(value_at(self.options.factor_update_steps, step)) == 0
+        return step % self.options.at("factor_update_steps", step) == 0
 
     def _is_inv_step(self, step: int) -> bool:
-        return step % int(value_at(self.options.inv_update_steps, step)) == 0
+        return step % self.options.at("inv_update_steps", step) == 0
 
     def _dtype_for(self, layer: KFACLayer) -> torch.dtype:
         return self.options.factor_dtype or layer.module.weight.dtype
@@ -272,6 +322,9 @@ class KFACPreconditioner:
             if self._capture and torch.is_grad_enabled():
                 layer.seen_in_eval_mode = True  # explains a missing capture in the warning
             return
+        # On every rank, captured here or not: the ranks run the same forward, so each
+        # knows which layers their owners have captured (grouped's receivers need it).
+        layer.ever_seen = True
         if not self.strategy.captures(layer):
             return
         x = args[0] if args else kwargs.get("input")
@@ -339,6 +392,7 @@ class KFACPreconditioner:
         if probe is not None:
             # The local batch factors, before placement drops or reduction averages them.
             probe.collect()
+        self._check_unfrozen()
         if not strat.placed:
             self._finalise_placement()
         self._buffer_peak = max(self._buffer_peak, sum(x.pending_nbytes() for x in layers))
@@ -360,10 +414,9 @@ class KFACPreconditioner:
 
         if any(x.has_pending(w) for x in layers for w in FACTORS) or self._capture:
             strat.reduce_factors(layers)
-            self._fold_factors(float(value_at(self.options.factor_decay, step)))
+            self._fold_factors(float(self.options.at("factor_decay", step)))
 
-        damping = float(value_at(self.options.damping, step))
-        check_positive("damping", damping)
+        damping = float(self.options.at("damping", step))
         if probe is not None:
             probe.run(step, damping)  # gradients averaged, not yet overwritten
         if self._is_inv_step(step) or self._decompose_next:
@@ -456,9 +509,8 @@ class KFACPreconditioner:
             terms.append(res.vg if flag is True else torch.where(flag, res.vg, 0.0))
         if not terms:
             return None
-        lr = float(value_at(self.options.lr, step))
-        kl_clip = float(value_at(self.options.kl_clip, step))
-        check_positive("kl_clip", kl_clip)
+        lr = float(self.options.at("lr", step))
+        kl_clip = float(self.options.at("kl_clip", step))
         device = terms[0].device
         vg_sum = torch.stack([t.to(device) for t in terms]).sum() * lr**2
         usable = torch.isfinite(vg_sum) & (vg_sum != 0)

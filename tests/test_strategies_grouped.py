@@ -261,3 +261,56 @@ def test_resume_continues_the_run(options: dict[str, Any]) -> None:
         if out["chosen"] == 1:
             for name, t in out["straight"].items():
                 assert torch.equal(t, out["resumed"][name]), name
+
+
+class LateLayerNet(torch.nn.Module):
+    """TinyNet's shape plus a Linear the forward calls only from step 1 on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 6)
+        self.late = torch.nn.Linear(6, 6)
+        self.fc2 = torch.nn.Linear(6, 4)
+        self.use_late = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        if self.use_late:
+            h = torch.tanh(self.late(h))
+        return self.fc2(h)
+
+
+def _late_layer(rank: int, world_size: int, options: dict[str, Any]) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    model = LateLayerNet().double()
+    pre = dpkfac.KFACPreconditioner(model, strategy="grouped", **KW, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = []
+    for step in range(4):
+        model.use_late = step >= 1
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(5, 8, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 4, (5,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        pre.step()
+        opt.step()
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    late = pre.layers["late"]
+    assert late.has_decompositions() == pre.strategy.preconditions(late), rank
+    return params
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("world_size", "k", "f"), [(2, 1, 1.0), (4, 1, 0.5), (4, 2, 1.0), (4, 1, 1.0)]
+)
+def test_a_layer_first_used_after_the_first_step(world_size: int, k: int, f: float) -> None:
+    """Receivers outside the owner's factor group expect the late layer's decompositions
+    (regression: the sizes of the broadcast disagreed and gloo aborted)."""
+    options = {"factor_group_size": k, "grad_worker_fraction": f}
+    results = run_ranks(_late_layer, world_size, options, timeout=120)
+    for rank in range(1, world_size):
+        for step, params in enumerate(results[rank]):
+            for name, t in params.items():
+                assert torch.equal(t, results[0][step][name]), (rank, step, name)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime
 import time
+import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -231,3 +233,48 @@ def _resume(rank: int, world_size: int, variant: str):
 @pytest.mark.parametrize("variant", ["dp_kfac", "d_kfac", "spd_kfac"])
 def test_resume_from_rank_zero_state_is_bitwise(variant: str) -> None:
     assert run_ranks(_resume, 2, variant) == [True, True]
+
+
+# ------------------------------------------------------------ unfreezing mid-run
+def _unfreeze(
+    rank: int, world_size: int, variant: str, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    model = make_model()
+    model.conv.requires_grad_(False)  # frozen when the preconditioner is built
+    pre = make_preconditioner(model, variant, kl_clip=0.01, **(extra or {}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    caught: list[str] = []
+    for step in range(4):
+        if step == 2:
+            model.conv.requires_grad_(True)
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                pre.step()
+            except ValueError as err:
+                return {"error": str(err)}
+        caught += [str(w.message) for w in seen if "frozen" in str(w.message)]
+        opt.step()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "warn": caught}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("variant", ["dp_kfac", "d_kfac", "grouped_local_decomp"])
+def test_a_layer_unfrozen_mid_run_is_averaged_and_named(variant: str) -> None:
+    """Regression: an unfrozen layer's gradient was never averaged and the replicas drifted."""
+    results = run_ranks(_unfreeze, 2, variant)
+    for name, t in results[0]["params"].items():
+        assert torch.equal(t, results[1]["params"][name]), name
+    for r in results:
+        assert len(r["warn"]) == 1 and "['conv.weight', 'conv.bias']" in r["warn"][0], r["warn"]
+        assert "not preconditioned" in r["warn"][0]
+
+
+@pytest.mark.distributed
+def test_the_overlap_refuses_a_layer_unfrozen_mid_run() -> None:
+    results = run_ranks(_unfreeze, 2, "dp_kfac", {"overlap": True})
+    for r in results:
+        assert "overlap=True" in r["error"] and "conv.weight" in r["error"], r

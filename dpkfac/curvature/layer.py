@@ -114,6 +114,8 @@ class KFACLayer:
         self.positions = 0
         self.batch_size = 0
         self.ever_captured = False
+        # Called in training at a factor step, on any rank (set by the preconditioner).
+        self.ever_seen = False
         self.warned_no_capture = False
         self.seen_in_eval_mode = False
 

@@ -37,7 +37,11 @@ def layer_state(
             ``held``); a gradient worker holds them without the factors.
     """
     keep_decomp = held if decompositions is None else decompositions
-    entry: dict[str, Any] = {"owner": layer.owner, "ever_captured": layer.ever_captured}
+    entry: dict[str, Any] = {
+        "owner": layer.owner,
+        "ever_captured": layer.ever_captured,
+        "ever_seen": layer.ever_seen,
+    }
     for which, state in layer.factors.items():
         dec = state.decomposition if keep_decomp else None
         entry[which] = _clone(state.running, _CPU) if held else None
@@ -53,7 +57,8 @@ def merge_layer_states(mine: dict[str, Any], other: dict[str, Any]) -> dict[str,
     for key in (*FACTORS, *(f"{w}_decomp" for w in FACTORS)):
         if merged.get(key) is None:
             merged[key] = other.get(key)
-    merged["ever_captured"] = bool(mine.get("ever_captured") or other.get("ever_captured"))
+    for key in ("ever_captured", "ever_seen"):
+        merged[key] = bool(mine.get(key) or other.get(key))
     return merged
 
 
@@ -78,6 +83,8 @@ def load_layer_state(
     """
     layer.set_placement(entry["owner"], entry["a_owner"], entry["g_owner"])
     layer.ever_captured = bool(entry.get("ever_captured", False))
+    # Checkpoints from before ever_seen: a captured layer was seen.
+    layer.ever_seen = bool(entry.get("ever_seen", layer.ever_captured))
     layer.clear_pending()
     if held is None:
         return

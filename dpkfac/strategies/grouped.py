@@ -67,7 +67,7 @@ from dpkfac.assignment import (
 from dpkfac.comm import Communicator
 from dpkfac.curvature import KFACLayer
 from dpkfac.curvature.layer import FACTORS
-from dpkfac.options import KFACOptions, StrategyOptions, check_choice, value_at
+from dpkfac.options import KFACOptions, StrategyOptions, check_choice, checked_at
 from dpkfac.strategies.base import Traits
 from dpkfac.strategies.d_kfac import DKFAC
 from dpkfac.strategies.kaisa import KAISA, grad_workers_of
@@ -89,7 +89,7 @@ def divisors(n: int) -> list[int]:
 SCHEDULE_HORIZON = 1000
 
 
-def average_interval(schedule: int | Callable[[int], int]) -> int:
+def average_interval(schedule: int | Callable[[int], int], name: str = "inv_update_steps") -> int:
     """An update interval as an int: a callable schedule's mean over the first steps.
 
     The preconditioner updates at step ``s`` when ``s % schedule(s) == 0``;
@@ -98,7 +98,7 @@ def average_interval(schedule: int | Callable[[int], int]) -> int:
     """
     if not callable(schedule):
         return int(schedule)
-    fires = sum(1 for s in range(SCHEDULE_HORIZON) if s % int(value_at(schedule, s)) == 0)
+    fires = sum(1 for s in range(SCHEDULE_HORIZON) if s % checked_at(name, schedule, s) == 0)
     return max(1, round(SCHEDULE_HORIZON / max(fires, 1)))
 
 
@@ -355,7 +355,7 @@ class GroupedKFAC(KAISA):
             else [options.grad_workers(world_size)]
         )
         f_every, i_every = options.auto_intervals or (
-            average_interval(kfac.factor_update_steps),
+            average_interval(kfac.factor_update_steps, "factor_update_steps"),
             average_interval(kfac.inv_update_steps),
         )
         fixed = replace(kfac, factor_update_steps=f_every, inv_update_steps=i_every)
@@ -458,16 +458,17 @@ class GroupedKFAC(KAISA):
 
         ``updated`` names the factors held here; a gradient worker outside the
         owner's factor group holds none of that layer's, yet must receive. A
-        layer counts as decomposed wherever it was ever captured (every rank
-        captures every layer at the first step), or where its factors or
-        decompositions are held (a restored checkpoint), which every member
-        of a column agrees on.
+        layer counts as decomposed wherever it was ever called in training at
+        a factor step (``ever_seen``, set on every rank: the ranks run the
+        same forward, so a layer first used after the first step is known to
+        the receivers too), or where its factors or decompositions are held (a
+        restored checkpoint), which every member of a column agrees on.
         """
         due = set(updated) | {
             (x.name, w)
             for x in layers
             for w in FACTORS
-            if x.ever_captured or x.factor(w) is not None or x.decomposition(w) is not None
+            if x.ever_seen or x.factor(w) is not None or x.decomposition(w) is not None
         }
         super().share_decompositions(layers, due)
 

@@ -263,11 +263,13 @@ def side_by_side(
                 continue
             with timers[name]():
                 step()
-    base = None
+    medians = {name: statistics.median(timers[name].resolve()) for name in names}
+    # The first-order baseline: the config without a preconditioner.
+    first_order = [name for name in names if steppers[name][1] is None]
+    base = medians[first_order[0]] if first_order else None
     for name in names:
-        ms = statistics.median(timers[name].resolve())
-        base = ms if name == "none" else base
-        ratio = f"{ms / base:.2f}× none" if base else ""
+        ms = medians[name]
+        ratio = f"{ms / base:.2f}× {first_order[0]}" if base else ""
         rows.append(
             Row(
                 "resnet32",

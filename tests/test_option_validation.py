@@ -1,0 +1,79 @@
+"""Bad option values fail with a ValueError naming the option and the value (issue: faults).
+
+Constants are checked at construction; a callable's value is checked whenever it
+is read, so a schedule that goes wrong at step 30 fails at step 30 with the step
+named, instead of corrupting the factors or dividing by zero.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from strategy_cases import batch, make_model
+
+import dpkfac
+
+
+def _steps(pre: dpkfac.KFACPreconditioner, model: torch.nn.Module, n: int = 3) -> None:
+    for step in range(n):
+        x, y = batch(step, 0)
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+
+
+@pytest.mark.parametrize(
+    ("option", "bad", "pattern"),
+    [
+        ("factor_decay", 1.5, r"factor_decay returned 1\.5 at step 0; it must return a number in"),
+        ("factor_decay", math.nan, r"factor_decay returned nan at step 0"),
+        ("inv_update_steps", 0, r"inv_update_steps returned 0 at step 0; it must return an int"),
+        ("inv_update_steps", 2.7, r"inv_update_steps returned 2\.7"),
+        ("factor_update_steps", -3, r"factor_update_steps returned -3"),
+        ("lr", -1.0, r"lr returned -1\.0 at step 0; it must return a finite number > 0"),
+        ("lr", math.nan, r"lr returned nan"),
+        ("damping", 0.0, r"damping returned 0\.0"),
+        ("kl_clip", math.inf, r"kl_clip returned inf"),
+    ],
+)
+def test_a_callable_returning_a_bad_value_is_named_with_its_step(
+    option: str, bad: Any, pattern: str
+) -> None:
+    model = make_model()
+    kwargs: dict[str, Any] = {"kl_clip": 0.01, option: lambda step: bad}
+    with pytest.raises(ValueError, match=pattern):  # the first read: construction or a step
+        pre = dpkfac.KFACPreconditioner(model, **kwargs)
+        _steps(pre, model)
+
+
+def test_a_schedule_is_checked_when_its_value_changes() -> None:
+    model = make_model()
+    pre = dpkfac.KFACPreconditioner(model, factor_decay=lambda step: 0.9 if step < 2 else 1.5)
+    _steps(pre, model, 2)
+    with pytest.raises(ValueError, match=r"factor_decay returned 1\.5 at step 2"):
+        _steps(pre, model, 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"pi_damping": "no", "compute_method": "inverse"}, "pi_damping must be True or False"),
+        ({"skip_layers": 5}, "skip_layers must be a regex string or a list of them, got 5"),
+        ({"grad_scaler": "yes"}, "grad_scaler must be a torch.amp.GradScaler"),
+        ({"fidelity_layers": ["nope"]}, "fidelity_layers entry 'nope' matches no K-FAC layer"),
+        ({"factor_decay": math.nan}, r"factor_decay must be in \[0, 1\), got nan"),
+        ({"timing": "sometimes"}, "unknown timing 'sometimes'"),
+    ],
+)
+def test_bad_constants_are_refused_at_construction(kwargs: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        dpkfac.KFACPreconditioner(make_model(), **kwargs)
+
+
+def test_skip_layers_none_means_no_layer_is_skipped() -> None:
+    pre = dpkfac.KFACPreconditioner(make_model(), skip_layers=None)
+    assert pre.options.skip_layers == () and len(pre.layers) == 3
