@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: train test test-gpu gpu-report lint venv clean
+.PHONY: train test test-gpu gpu-report fuzz lint venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,22 @@ test-gpu: $(STAMP)
 gpu-report: $(STAMP)
 	-$(PY) -m pytest -q -m gpu --junitxml=$(VENV)/gpu-tests.xml
 	$(PY) -m experiments.bench.gpu_report --junit $(VENV)/gpu-tests.xml
+
+# The long profile of the property-based differential test (tests/test_differential.py):
+# random examples, FUZZ_EXAMPLES per strategy kind and world size per round, rounds with a new
+# seed until FUZZ_SECONDS have passed; stops at the first failure, which hypothesis prints as a
+# minimal example with the @reproduce_failure line that replays it (README, "Fuzzing").
+FUZZ_SECONDS ?= 600
+FUZZ_EXAMPLES ?= 40
+fuzz: $(STAMP)
+	@end=$$(( $$(date +%s) + $(FUZZ_SECONDS) )); round=0; \
+	while [ $$(date +%s) -lt $$end ]; do \
+	  round=$$((round + 1)); seed=$$(od -An -N4 -tu4 /dev/urandom | tr -d ' '); \
+	  echo "fuzz round $$round, --hypothesis-seed=$$seed"; \
+	  DPKFAC_HYPOTHESIS_PROFILE=long DPKFAC_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) \
+	    $(PY) -m pytest -q -x -p no:cacheprovider tests/test_differential.py \
+	    --hypothesis-seed=$$seed --hypothesis-show-statistics || exit 1; \
+	done
 
 lint: $(STAMP)
 	$(PY) -m ruff check dpkfac experiments tests

@@ -365,8 +365,11 @@ class KFACPreconditioner:
         stats = [float(v) for x in self._layer_list for v in (x.batch_size, x.positions)]
         if self.strategy.placement_uses_batch(self.strategy.options):
             stats = self.comm.agree_max(stats)
+        # A step's batch is its k micro-batches: placing by one micro-batch would
+        # place (and so precondition) an accumulated run unlike the same batch in one.
+        k = self.options.accumulation_steps
         shapes = [
-            layer_shape(x, int(stats[2 * i]), int(stats[2 * i + 1]))
+            layer_shape(x, k * int(stats[2 * i]), int(stats[2 * i + 1]))
             for i, x in enumerate(self._layer_list)
         ]
         self.strategy.finalise_placement(self._layer_list, shapes)

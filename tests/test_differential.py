@@ -39,7 +39,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from rank_pool import RankPool
 from torch import nn
@@ -48,7 +48,7 @@ import dpkfac
 
 settings.register_profile(
     "fast",
-    max_examples=int(os.environ.get("DPKFAC_FUZZ_EXAMPLES", "30")),
+    max_examples=int(os.environ.get("DPKFAC_FUZZ_EXAMPLES", "6")),
     derandomize=True,
     deadline=None,
     database=None,
@@ -57,7 +57,7 @@ settings.register_profile(
 )
 settings.register_profile(
     "long",
-    max_examples=int(os.environ.get("DPKFAC_FUZZ_EXAMPLES", "100000")),
+    max_examples=int(os.environ.get("DPKFAC_FUZZ_EXAMPLES", "40")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
@@ -164,7 +164,7 @@ def _out(side: int, c: ConvSpec) -> int:
 
 
 @st.composite
-def net_specs(draw: st.DrawFn) -> NetSpec:
+def net_specs(draw: st.DrawFn, quirks: bool = True) -> NetSpec:
     side = draw(st.integers(3, 6))
     convs = []
     cur = side
@@ -182,25 +182,26 @@ def net_specs(draw: st.DrawFn) -> NetSpec:
         convs.append(conv)
         cur = _out(cur, conv)
     n_fc = draw(st.integers(0 if convs else 1, 2))
-    late = draw(st.one_of(st.none(), st.integers(1, STEPS - 1)))
+    late = draw(st.one_of(st.none(), st.integers(1, STEPS - 1))) if quirks else None
     return NetSpec(
         in_channels=draw(st.integers(1, 2)),
         side=side,
         convs=tuple(convs),
         widths=tuple(draw(st.integers(2, 5)) for _ in range(n_fc)),
         bias=tuple(draw(st.booleans()) for _ in range(n_fc)),
-        shared=draw(st.booleans()),
+        shared=quirks and draw(st.booleans()),
         late=late,
         micro_only=late is not None and draw(st.booleans()),
-        frozen_until=draw(st.one_of(st.none(), st.integers(1, STEPS - 1))),
-        scale=draw(st.booleans()),
+        frozen_until=draw(st.one_of(st.none(), st.integers(1, STEPS - 1))) if quirks else None,
+        scale=quirks and draw(st.booleans()),
     )
 
 
 # ----------------------------------------------------------------- strategies
 #: Variants by family: "replicated" equals one process on the concatenated batch,
 #: "local" equals dp_kfac at the same P; "other" only needs identical replicas.
-def _variants(p: int) -> st.SearchStrategy[tuple[str, str, dict[str, Any]]]:
+def _variants(p: int) -> dict[str, st.SearchStrategy[tuple[str, str, dict[str, Any]]]]:
+    """Per kind of strategy config, its drawn options (with the family it belongs to)."""
     fractions = st.sampled_from([1.0, 0.5, 0.25, 1 / 3, "comm_opt", "mem_opt"])
     ks = st.sampled_from([1, 2, 3, 4, "auto"])
     fs = st.sampled_from([1.0, 0.5, 0.25, 1 / 3, "auto"])
@@ -213,22 +214,27 @@ def _variants(p: int) -> st.SearchStrategy[tuple[str, str, dict[str, Any]]]:
         opts = {"factor_group_size": k, "grad_worker_fraction": f, "hardware": "cpu_gloo_local"}
         return (family, "grouped", opts)
 
-    return st.one_of(
-        st.just(("local", "dp_kfac", {})),
-        st.just(("local", "dp_kfac", {"grad_reduction": "owner"})),
-        st.just(("local", "dp_kfac", {"overlap": True})),
-        st.builds(
+    return {
+        "dp_kfac": st.just(("local", "dp_kfac", {})),
+        "dp_kfac_owner": st.just(("local", "dp_kfac", {"grad_reduction": "owner"})),
+        "dp_kfac_overlap": st.just(("local", "dp_kfac", {"overlap": True})),
+        "d_kfac": st.builds(
             lambda lazy, tri: ("replicated", "d_kfac", {"lazy_factor_sync": lazy, "triangle": tri}),
             st.booleans(),
             st.booleans(),
         ),
-        st.builds(
+        "spd_kfac": st.builds(
             lambda t: ("replicated", "spd_kfac", {"local_threshold": t, "profile_steps": 1}),
             st.sampled_from([0, 4, 1024]),
         ),
-        st.builds(lambda f: ("replicated", "kaisa", {"grad_worker_fraction": f}), fractions),
-        st.tuples(ks, fs).map(grouped),
-    )
+        "kaisa": st.builds(
+            lambda f: ("replicated", "kaisa", {"grad_worker_fraction": f}), fractions
+        ),
+        "grouped": st.tuples(ks, fs).map(grouped),
+    }
+
+
+KINDS = ("dp_kfac", "dp_kfac_owner", "dp_kfac_overlap", "d_kfac", "spd_kfac", "kaisa", "grouped")
 
 
 @dataclass(frozen=True)
@@ -246,9 +252,9 @@ class RunSpec:
 
 
 @st.composite
-def run_specs(draw: st.DrawFn, p: int) -> RunSpec:
+def run_specs(draw: st.DrawFn, p: int, kind: str) -> RunSpec:
     net = draw(net_specs())
-    family, strategy, options = draw(_variants(p))
+    family, strategy, options = draw(_variants(p)[kind])
     kfac = {
         "damping": draw(st.sampled_from([1e-3, 1e-2, 0.1])),
         "factor_decay": draw(st.sampled_from([0.0, 0.5, 0.95])),
@@ -451,6 +457,18 @@ def _check_prediction(run: RunSpec, world_size: int, results: list[dict[str, Any
         assert result["memory"] == pred.memory[rank], (rank, run)
 
 
+def _bitwise_resume(run: RunSpec) -> bool:
+    """Whether a resumed run must equal the uninterrupted one bit for bit.
+
+    Not under lazy factor sync (``state_dict()`` averages the ranks' running
+    factors first), and not under spd_kfac, whose fusion plan comes from factor
+    ready times measured in each run: another plan fuses other tensors into
+    one all-reduce, and with three or more ranks the reduction's rounding
+    depends on where a value sits in the buffer.
+    """
+    return not (run.strategy == "spd_kfac" or _lazy(run))
+
+
 def _lazy(run: RunSpec) -> bool:
     """Whether the ranks' running factors differ until a decomposition (lazy sync)."""
     if run.strategy in ("d_kfac", "kaisa"):
@@ -469,10 +487,12 @@ def check_example(run: RunSpec, world_size: int) -> None:
         def pool_run(kind: str) -> list[Any]:
             return pool.run(_rank_run, run, kind, timeout=timeout)
 
+    event(f"{run.strategy} ({run.family})")
     verdicts = pool_run("construct")
     if any(v[0] == "refused" for v in verdicts):
         assert all(v == verdicts[0] for v in verdicts), verdicts  # every rank alike
         message = verdicts[0][1]
+        event("refused at construction")
         named = ("factor_group_size", "grad_worker_fraction", "overlap", "accumulation")
         assert any(n in message for n in named), message
         return
@@ -480,6 +500,7 @@ def check_example(run: RunSpec, world_size: int) -> None:
     if any("refused" in r for r in main):
         assert all(r == main[0] for r in main), main  # every rank alike, at the same step
         assert "overlap=True" in main[0]["refused"], main[0]
+        event("refused at run time")
         return
     label = f"{run.strategy} {run.options} P={world_size}"
     _assert_same_replicas(main, label)
@@ -491,8 +512,7 @@ def check_example(run: RunSpec, world_size: int) -> None:
         _assert_close(main[0], pool_run("one_batch")[0], label + " vs one batch")
     if run.resume_at is not None:
         resumed = pool_run("resumed")
-        if _lazy(run):
-            # state_dict() averages lazily synchronised factors first: equal up to rounding.
+        if not _bitwise_resume(run):
             _assert_close(resumed[0], main[0], label + " resumed")
             return
         for rank in range(world_size):
@@ -504,13 +524,13 @@ def check_example(run: RunSpec, world_size: int) -> None:
         _check_prediction(run, world_size, main)
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_every_drawn_example_keeps_the_invariants(world_size: int) -> None:
-    @given(run_specs(world_size))
-    def check(run: RunSpec) -> None:
-        check_example(run, world_size)
-
-    check()
+@given(data=st.data())
+def test_every_drawn_example_keeps_the_invariants(
+    world_size: int, kind: str, data: st.DataObject
+) -> None:
+    check_example(data.draw(run_specs(world_size, kind), label="run"), world_size)
 
 
 # --------------------------------------------------------- world-size change
@@ -544,8 +564,8 @@ def _load(rank: int, world_size: int, run: RunSpec, state: dict[str, Any]) -> An
 
 
 @given(
-    spec=net_specs().filter(lambda n: not n.quirky),
-    sizes=st.tuples(st.integers(1, 3), st.integers(1, 3)).filter(lambda s: s[0] != s[1]),
+    spec=net_specs(quirks=False),
+    sizes=st.permutations([1, 2, 3]).map(lambda s: (s[0], s[1])),
     variant=st.sampled_from(["dp_kfac", "d_kfac", "kaisa", "grouped"]),
 )
 @settings(max_examples=min(settings().max_examples, 8))

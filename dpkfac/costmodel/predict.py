@@ -340,7 +340,13 @@ def predict(
     decomp_colls: list[list[tr.Collective]] = [[] for _ in range(p)]
     if name is not None and opts is not None and traits is not None:
         cls = strategy_class(name)
-        placement = cls.placement(list(model), p, opts)
+        # Placed by the step's batch, k micro-batches of the shapes' batch, as at run time.
+        k = kfac.accumulation_steps
+        placement = cls.placement(
+            [replace(s, batch_size=s.batch_size * k) for s in model] if k > 1 else list(model),
+            p,
+            opts,
+        )
         roles = tr.Roles(
             tuple(cls.preconditioners(o, p, opts) for o in placement.owner),
             tuple(tuple(g) for g in cls.decomposition_groups(p, opts)),

@@ -358,7 +358,10 @@ class GroupedKFAC(KAISA):
             average_interval(kfac.factor_update_steps, "factor_update_steps"),
             average_interval(kfac.inv_update_steps),
         )
-        fixed = replace(kfac, factor_update_steps=f_every, inv_update_steps=i_every)
+        # The shapes hold the step's batch (all its micro-batches) already.
+        fixed = replace(
+            kfac, factor_update_steps=f_every, inv_update_steps=i_every, accumulation_steps=1
+        )
         candidates = []
         for k in ks:
             for w in ws:
@@ -401,6 +404,11 @@ class GroupedKFAC(KAISA):
         self.choice: list[Candidate] = []
         self.factor_group_size: int | None = None
         self.grad_worker_fraction: float | None = None
+        # A fixed k or f that does not fit this world size is refused now, not at step 0.
+        if self.options.factor_group_size != AUTO:
+            self.options.group_size(self.world_size)
+        if self.options.grad_worker_fraction != AUTO:
+            self.options.grad_workers(self.world_size)
         if self.options.resolved:
             self._make_groups()
 
