@@ -213,6 +213,8 @@ class KFACPreconditioner:
         self.strategy.place(self._layer_list, [layer_shape(x, 1, 1) for x in self._layer_list])
         self._buffer_peak = 0
         self._capture = self._is_factor_step(0)
+        # Whether a backward pass wrote a K-FAC gradient since the last step().
+        self._fresh_gradients = False
         # Set by a checkpoint of another world size that lacks some decompositions.
         self._decompose_next = False
         # Gradient hooks of a strategy that works inside the backward pass (dp_kfac's overlap).
@@ -246,6 +248,7 @@ class KFACPreconditioner:
                 continue
             layer = KFACLayer(name, module, helper, self.options.accumulation_steps)
             module.register_forward_hook(partial(self._forward_hook, layer), with_kwargs=True)
+            module.weight.register_post_accumulate_grad_hook(self._gradient_arrived)
             layers[name] = layer
         return layers
 
@@ -294,6 +297,10 @@ class KFACPreconditioner:
             RuntimeWarning,
             stacklevel=3,
         )
+
+    def _gradient_arrived(self, param: nn.Parameter) -> None:
+        """A backward pass wrote a K-FAC layer's gradient: the next ``step()`` has work."""
+        self._fresh_gradients = True
 
     def _is_factor_step(self, step: int) -> bool:
         return step % self.options.at("factor_update_steps", step) == 0
@@ -388,6 +395,17 @@ class KFACPreconditioner:
     @torch.no_grad()
     def step(self) -> None:
         """Average gradients, update curvature as scheduled and precondition in place."""
+        if self._layer_list and not self._fresh_gradients:
+            warnings.warn(
+                "dpkfac: step() was called without a backward pass since the last step() "
+                f"(step {self.steps}): nothing was done, and the gradients were left as they are "
+                "(call loss.backward() before pre.step(); the same gradients are never "
+                "preconditioned twice)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        self._fresh_gradients = False
         step = self.steps
         strat = self.strategy
         layers = self._layer_list

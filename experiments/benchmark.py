@@ -45,7 +45,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.bench.aggregate import aggregate, kind_weights
 from experiments.bench.measure import step_kinds
-from experiments.config import ExperimentError, validate, validate_benchmark, validate_strategy
+from experiments.config import (
+    CONF_DIR,
+    ExperimentError,
+    validate,
+    validate_benchmark,
+    validate_strategy,
+)
 from experiments.preconditioning import (
     node_options,
     preconditioner_kwargs,
@@ -55,7 +61,6 @@ from experiments.preconditioning import (
 
 log = logging.getLogger(__name__)
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 #: Preconditioner arguments the benchmark decides itself (the setting's update
 #: intervals, its own learning rate), whatever the strategy config says.
 BENCHMARK_DECIDES = ("factor_update_steps", "inv_update_steps", "lr")

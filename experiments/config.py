@@ -16,8 +16,9 @@ in the library's words. Both entry points use these checks.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -189,6 +190,54 @@ def validate_strategy(node: DictConfig, prefix: str = "strategy") -> None:
     _build_each(lambda values: strategy_options(algorithm, values), own, prefix)
 
 
+#: The Hydra tree of both entry points.
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+#: Config groups whose keys are fixed by their files in conf/ (``+key`` additions refused).
+STRICT_GROUPS = ("trainer", "data", "logger", "paths")
+
+
+def known_keys(group: str) -> set[str]:
+    """Every key the files of ``conf/<group>/`` define (the group's schema).
+
+    A group's options may define different keys (the datasets do): a key is
+    known if any option of the group defines it.
+    """
+    from omegaconf import OmegaConf
+
+    keys: set[str] = set()
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        node = OmegaConf.load(path)
+        if isinstance(node, DictConfig):
+            keys |= {str(k) for k in node if k != "defaults"}
+    return keys
+
+
+def check_keys(cfg: DictConfig, groups: Sequence[str] = STRICT_GROUPS) -> None:
+    """Refuse keys no file of their group defines (``+trainer.max_epoch=2``, a typo).
+
+    Hydra refuses an unknown key without ``+``, but accepts it with one, and the
+    run would then ignore it silently.
+
+    Raises:
+        ExperimentError: Naming the key, with the closest known ones.
+    """
+    import difflib
+
+    for group in groups:
+        node = cfg.get(group)
+        if not isinstance(node, DictConfig):
+            continue
+        known = known_keys(group)
+        for key in node:
+            if str(key) in known:
+                continue
+            close = difflib.get_close_matches(str(key), sorted(known), n=3)
+            hint = f"; did you mean {', '.join(f'{group}.{c}' for c in close)}?" if close else ""
+            raise ExperimentError(
+                f"unknown key {group}.{key} (no config of conf/{group}/ defines it){hint}"
+            )
+
+
 def validate(cfg: DictConfig) -> None:
     """Reject training values that would fail, or silently misbehave, later.
 
@@ -198,6 +247,7 @@ def validate(cfg: DictConfig) -> None:
     Raises:
         ExperimentError: Naming the first offending key, its value and what is allowed.
     """
+    check_keys(cfg)
     _check_values(cfg, _TRAINING)
     validate_strategy(cfg.strategy)
     resume = cfg.trainer.get("resume")

@@ -292,3 +292,33 @@ def test_cli_rejects_bad_overrides_without_traceback(override, message, tmp_path
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("+trainer.max_epoch=2", "unknown key trainer.max_epoch (no config of conf/trainer/"),
+        ("+data.batchsize=4", "did you mean data.batch_size"),
+        ("+logger.projekt=x", "unknown key logger.projekt"),
+        ("+paths.extra=1", "unknown key paths.extra"),
+    ],
+)
+def test_added_keys_no_config_defines_are_refused(compose, override, named):
+    from experiments.config import ExperimentError, validate
+
+    with pytest.raises(ExperimentError, match=re.escape(named)):
+        validate(compose(override))
+
+
+def test_an_added_unknown_key_exits_2_naming_it(tmp_path):
+    proc = _cli("+trainer.max_epoch=2", "logger=none", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2, proc.stderr
+    assert "trainer.max_epoch" in proc.stderr and "trainer.max_epochs" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_every_preset_uses_only_known_keys(compose):
+    from experiments.config import check_keys
+
+    for preset in sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml")):
+        check_keys(compose(f"experiment={preset}"))

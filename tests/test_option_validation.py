@@ -8,6 +8,7 @@ named, instead of corrupting the factors or dividing by zero.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -77,3 +78,55 @@ def test_bad_constants_are_refused_at_construction(kwargs: dict[str, Any], patte
 def test_skip_layers_none_means_no_layer_is_skipped() -> None:
     pre = dpkfac.KFACPreconditioner(make_model(), skip_layers=None)
     assert pre.options.skip_layers == () and len(pre.layers) == 3
+
+
+# ------------------------------------------------------------------ step() guards
+def test_step_before_backward_warns_and_leaves_the_gradients_alone() -> None:
+    model = make_model()
+    pre = dpkfac.KFACPreconditioner(model, kl_clip=0.01)
+    _steps(pre, model, 1)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    x, _ = batch(1, 0)
+    model(x)  # a forward, no backward
+    with pytest.warns(RuntimeWarning, match=r"without a backward pass since the last step\(\)"):
+        pre.step()
+    assert pre.steps == 1
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, grads[n]), n  # not preconditioned a second time
+
+
+def test_a_second_step_on_the_same_gradients_does_nothing() -> None:
+    model = make_model()
+    pre = dpkfac.KFACPreconditioner(model, kl_clip=0.01)
+    _steps(pre, model, 2)
+    once = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with pytest.warns(RuntimeWarning, match="step 2"):
+        pre.step()
+    assert pre.steps == 2
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, once[n]), n
+
+
+def test_the_guard_sees_backward_under_ddp() -> None:
+    """DDP writes gradients through its reducer; the hooks still fire (no warning)."""
+    import datetime
+
+    import torch.distributed as dist
+    from dist_utils import free_port
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(make_model())
+        pre = dpkfac.KFACPreconditioner(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _steps(pre, model, 2)
+        assert pre.steps == 2
+    finally:
+        dist.destroy_process_group()
