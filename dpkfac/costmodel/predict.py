@@ -444,6 +444,7 @@ def predict(
             compute_method=method,
             factor_itemsize=fi,
             decomposition_itemsize=di,
+            accumulation_steps=kfac.accumulation_steps,
         )
         if traits is not None and placement is not None and roles is not None
         else [{"factors": 0, "decompositions": 0, "buffers": 0} for _ in range(p)]

@@ -305,26 +305,38 @@ def memory_per_rank(
     compute_method: str,
     factor_itemsize: int,
     decomposition_itemsize: int,
+    accumulation_steps: int = 1,
 ) -> list[dict[str, int]]:
     """``memory_usage()`` of each rank after a factor and decomposition step.
 
     A rank holds the factors and batch factors of the layers its factor
     group captures (every layer where the group is the world, its own
     layers' where it is the rank alone); a rank holds the decompositions
-    of the layers it preconditions.
+    of the layers it preconditions. ``buffers`` is the peak of batch factors
+    awaiting their fold: all of them at ``step()``, or under an overlapped
+    strategy, which folds each layer as its backward completes, the largest
+    pending set along the backward pass (with one micro-batch per step: with
+    more, every G of the earlier micro-batches waits too, so all of them).
     """
     out = []
     for r in range(world_size):
         factors = decomps = 0
+        held = []  # (A bytes, G bytes) of the layers this rank captures, in module order
         for i, s in enumerate(model):
             if not model.captured[i]:
                 continue
             if roles.captures(r, placement.owner[i]):
-                factors += (s.a_dim**2 + s.g_dim**2) * factor_itemsize
+                held.append((s.a_dim**2 * factor_itemsize, s.g_dim**2 * factor_itemsize))
+                factors += sum(held[-1])
             if r in roles.preconditioners[i]:
                 decomps += (
                     sum(sum(decomposition_numel(d, compute_method)) for d in (s.a_dim, s.g_dim))
                     * decomposition_itemsize
                 )
-        out.append({"factors": factors, "decompositions": decomps, "buffers": factors})
+        buffers = factors
+        if traits.overlapped_precondition and held and accumulation_steps == 1:
+            # Folded layer by layer in the backward pass (reverse module order): when
+            # layer j folds, the A factors of layers up to j still wait, and G of j alone.
+            buffers = max(sum(a for a, _ in held[: j + 1]) + g for j, (_, g) in enumerate(held))
+        out.append({"factors": factors, "decompositions": decomps, "buffers": buffers})
     return out
