@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import itertools
 import os
 import sys
 import threading
@@ -25,6 +26,9 @@ from torch import nn
 from experiments.config import ExperimentError
 
 T = TypeVar("T")
+
+#: Process groups this process has created (each gets its own keys in torchrun's store).
+_GROUPS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -164,19 +168,27 @@ def _attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
     them) under the same names on every attempt, so a restarted rank can read the
     previous attempt's addresses and fail connecting to peers that no longer exist.
     Under torchrun the store is therefore opened here and every key put under
-    ``attempt_<TORCHELASTIC_RESTART_COUNT>/``; elsewhere nothing changes.
+    ``attempt_<TORCHELASTIC_RESTART_COUNT>/group_<n>/``, n counting the groups
+    this process has created: the jobs of a Hydra sweep run one after another in
+    the same processes, and a job that read the previous job's gloo addresses
+    (same keys, same store) would wait on sockets that are gone, a hang seen in
+    half of the sweeps before. Every rank runs the same jobs in the same order,
+    so their counts agree. Elsewhere nothing changes.
     """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
         return {}
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     store.set_timeout(timeout)
-    prefixed = dist.PrefixStore(f"dpkfac/attempt_{attempt}/default_pg", store)
+    job = next(_GROUPS)
+    prefixed = dist.PrefixStore(f"dpkfac/attempt_{attempt}/group_{job}/default_pg", store)
     return {"store": prefixed, "rank": rank, "world_size": world_size}
 
 
 @contextlib.contextmanager
-def distributed_context(device: str = "auto", timeout_s: float = 600.0) -> Iterator[DistEnv]:
+def distributed_context(
+    device: str = "auto", timeout_s: float = 600.0, job: str | None = None
+) -> Iterator[DistEnv]:
     """Join the process group torchrun describes, and leave it on exit.
 
     Without torchrun's variables (``WORLD_SIZE``) the run is a single process and no
@@ -190,9 +202,14 @@ def distributed_context(device: str = "auto", timeout_s: float = 600.0) -> Itera
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
         timeout_s: Seconds before a collective gives up, and the bound on joining
             and leaving the group.
+        job: What this process runs (a sweep's job number and overrides): every
+            rank must run the same, which is checked once the group exists.
 
     Yields:
         This process's place in the run.
+
+    Raises:
+        ExperimentError: The ranks disagree on the job (their sweeps differ).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -215,10 +232,24 @@ def distributed_context(device: str = "auto", timeout_s: float = 600.0) -> Itera
             **_attempt_store(timeout),
         )
     try:
-        yield DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, torch_device)
+        env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, torch_device)
+        if job is not None:
+            _check_same_job(env, job)
+        yield env
     finally:
         with deadline("destroy_process_group", timeout_s, rank):
             dist.destroy_process_group()
+
+
+def _check_same_job(env: DistEnv, job: str) -> None:
+    """Fail fast, on every rank, when the ranks run different jobs (different sweeps)."""
+    jobs = env.all_gather_objects(job)
+    if len(set(jobs)) > 1:
+        listed = "; ".join(f"rank {r}: {j!r}" for r, j in enumerate(jobs))
+        raise ExperimentError(
+            f"the ranks run different jobs ({listed}): start every rank with the same "
+            "command line (the same sweep)"
+        )
 
 
 def unwrap(model: nn.Module) -> nn.Module:

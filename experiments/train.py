@@ -194,6 +194,16 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _job_identity() -> str | None:
+    """This Hydra job's number and overrides (None outside a Hydra app, as in tests)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    return f"job {hydra_cfg.job.get('num', 0)}: {' '.join(hydra_cfg.overrides.task)}"
+
+
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Run one experiment from a composed config; returns the final metrics.
 
@@ -205,7 +215,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """
     validate(cfg)
     with (
-        distributed_context(cfg.trainer.device, cfg.trainer.dist_timeout_s) as env,
+        distributed_context(
+            cfg.trainer.device, cfg.trainer.dist_timeout_s, job=_job_identity()
+        ) as env,
         tempfile.TemporaryDirectory(prefix="dpkfac-") as scratch,
     ):
         if not env.is_main:
