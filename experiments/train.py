@@ -194,6 +194,32 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def summary_line(result: dict[str, Any], output_dir: Path) -> str:
+    """The run's last line: strategy, world size, final metric, wall time and folder."""
+    metric = result.get("primary_metric", "")
+    value = result.get(metric)
+    shown = f"{metric} {value:.4f}" if isinstance(value, float) else f"{metric} {value}"
+    return (
+        f"done: strategy {result.get('strategy')}, world size {result.get('world_size')}, "
+        f"{shown}, {result.get('steps')} steps in {result.get('wall_time_s', 0.0):.1f} s, "
+        f"output {output_dir}"
+    )
+
+
+def _sweep_group() -> str | None:
+    """The W&B group of a sweep's runs: the sweep's folder name (None outside a sweep)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return None
+    sweep = Path(hydra_cfg.sweep.dir)
+    return f"{sweep.parent.name}/{sweep.name}"
+
+
 def _job_identity() -> str | None:
     """This Hydra job's number and overrides (None outside a Hydra app, as in tests)."""
     from hydra.core.hydra_config import HydraConfig
@@ -267,10 +293,14 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         logger = NullLogger()
         if env.is_main:
             # A partial, so the resolved config is not itself searched for `_target_`s.
+            extra = {}
+            if not cfg.logger.get("group") and (group := _sweep_group()):
+                extra["group"] = group  # the runs of a sweep, together in W&B
             logger = _instantiate(cfg.logger, "logger", _partial_=True)(
                 name=cfg.name,
                 dir=str(output_dir),
                 run_config=OmegaConf.to_container(cfg, resolve=True),
+                **extra,
             )
         try:
             trainer = Trainer(
@@ -286,9 +316,12 @@ def run(cfg: DictConfig) -> dict[str, Any]:
                 scaler=scaler,
                 autocast_dtype=autocast_dtype,
             )
-            return trainer.fit()
+            result = trainer.fit()
         finally:
             logger.finish()
+        if env.is_main:
+            log.info("%s", summary_line(result, output_dir))
+        return result
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

@@ -121,6 +121,8 @@ class Trainer:
         self.checkpoints = CheckpointDir(output_dir / "checkpoints", self.settings.keep_checkpoints)
         self.step = 0
         self.history: list[dict[str, float]] = []
+        # Bytes handed to K-FAC's collectives in the logging intervals already closed.
+        self._kfac_bytes = 0
         self._kill_at = self._fault_step()
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -294,6 +296,7 @@ class Trainer:
         }
         if self.pre is not None:
             # Statistics of rank 0, per logging interval.
+            self._kfac_bytes += _total_bytes(self.pre.comm_stats())
             metrics.update(flatten_stats("kfac/comm", self.pre.comm_stats()))
             metrics.update(flatten_stats("kfac/time", self.pre.timings()))
             metrics.update(flatten_stats("kfac/memory", self.pre.memory_usage()))
@@ -421,8 +424,18 @@ class Trainer:
             final = self._evaluate(seconds=time.perf_counter() - started_at)
         if self.settings.check_replicas:
             check_replicas(self.model, self.env)
+        kfac: dict[str, float] = {}
+        if self.pre is not None:
+            done = max(1, self.step - start)
+            total = self._kfac_bytes + _total_bytes(self.pre.comm_stats())
+            memory = self.pre.memory_usage()
+            kfac = {
+                "kfac_bytes_per_step": total / done,
+                "kfac_memory_mib": sum(memory.values()) / 2**20,
+            }
         result = {
             **final,
+            **kfac,
             "train_loss": last_loss,
             "steps": self.step,
             "steps_this_run": self.step - start,
@@ -435,3 +448,8 @@ class Trainer:
         if self.env.is_main:
             write_json(self.output_dir / "metrics.json", {"final": result, "history": self.history})
         return result
+
+
+def _total_bytes(stats: dict[str, dict[str, int]]) -> int:
+    """Bytes handed to collectives over every category of ``comm_stats()``."""
+    return sum(entry["bytes"] for entry in stats.values())

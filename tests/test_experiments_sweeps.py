@@ -61,3 +61,38 @@ def test_a_torchrun_sweep_finishes_every_job(attempt: int, tmp_path: Path) -> No
         (folder,) = tmp_path.glob(f"{job}_*")  # the job's folder: <num>_<strategy>
         final = json.loads((folder / "metrics.json").read_text())["final"]
         assert final["world_size"] == 2 and final["steps"] == 2, (job, strategy)
+
+
+def test_a_sweep_folder_gets_its_summary_and_each_run_its_last_line(tmp_path: Path) -> None:
+    """One process, two jobs: summary.csv/md with a row per job; the last log line of a run."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "-m",
+            "strategy=dp_kfac,none",
+            "data.fake=true",
+            "logger=none",
+            "trainer.progress_bar=false",
+            "trainer.max_steps=2",
+            "data.batch_size=16",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    csv_text = (tmp_path / "summary.csv").read_text().splitlines()
+    assert csv_text[0].startswith("job,overrides,strategy,world_size,primary_metric,metric")
+    assert len(csv_text) == 3
+    assert "kfac_bytes_per_step" in csv_text[0]
+    md = (tmp_path / "summary.md").read_text()
+    assert "2 job(s). Best accuracy" in md and "strategy=dp_kfac" in md
+    for job in ("0_dp_kfac", "1_none"):
+        last = (tmp_path / job / "train.log").read_text().strip().splitlines()[-1]
+        assert "done: strategy" in last and "world size 1" in last and "accuracy" in last
+        assert f"output {tmp_path / job}" in last
