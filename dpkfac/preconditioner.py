@@ -20,6 +20,7 @@ layer produced, whereas the module backward hook errors out.
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from collections.abc import Iterable
@@ -39,6 +40,7 @@ from dpkfac.curvature.state import layer_state, load_layer_state, merge_layer_st
 from dpkfac.device import HostReader
 from dpkfac.fidelity import FidelityProbe, select_layers
 from dpkfac.options import KFACOptions, Scalar, Schedule
+from dpkfac.report import format_table, layer_rows, skipped_modules, slow_factors
 from dpkfac.stats import CommStats, PhaseTimer
 from dpkfac.strategies import (
     Preconditioned,
@@ -48,6 +50,8 @@ from dpkfac.strategies import (
     strategy_options,
 )
 from dpkfac.strategies.base import layer_shape, precondition_layer
+
+log = logging.getLogger("dpkfac")
 
 
 class KFACPreconditioner:
@@ -208,6 +212,8 @@ class KFACPreconditioner:
         # Trainable parameters the strategy was set up with (those unfrozen later are new).
         self._planned_params = {id(p) for p in self._other_params} | self._kfac_params
         self._layer_list = list(self.layers.values())
+        self._skipped = skipped_modules(self.module, self.layers, self._skip)
+        self._report_construction()
         # Checked even while the probe is off: a typo should not wait for fidelity_every > 0.
         select_layers(list(self.layers), self.options.fidelity_layers)
         self.strategy.place(self._layer_list, [layer_shape(x, 1, 1) for x in self._layer_list])
@@ -251,6 +257,44 @@ class KFACPreconditioner:
             module.weight.register_post_accumulate_grad_hook(self._gradient_arrived)
             layers[name] = layer
         return layers
+
+    def _report_construction(self) -> None:
+        """Log what is preconditioned and what is not (rank 0); warn of slow factors."""
+        if self.comm.rank == 0:
+            for x in self._layer_list:
+                log.info(
+                    "K-FAC layer %s (%s): A %d x %d, G %d x %d",
+                    x.name,
+                    type(x.module).__name__,
+                    x.helper.a_dim,
+                    x.helper.a_dim,
+                    x.helper.g_dim,
+                    x.helper.g_dim,
+                )
+            for skipped in self._skipped:
+                log.info("not preconditioned: %s (%s): %s", *vars(skipped).values())
+        slow = slow_factors(self._layer_list, self.device.type)
+        if slow:
+            listed = ", ".join(f"{n} {w} {d}-wide (~{t:.0f} s)" for n, w, d, t in slow[:3])
+            interval = self.options.inv_update_steps
+            warnings.warn(
+                f"dpkfac: decomposing the widest factors will dominate a step on "
+                f"{self.device.type}: {listed}{' and more' if len(slow) > 3 else ''} per "
+                f"decomposition step; raise inv_update_steps (now {interval!r}) so they are "
+                "decomposed rarely, leave those layers out (skip_layers), or use "
+                "compute_method='inverse'",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def summary(self) -> str:
+        """A table of the K-FAC layers (sizes, placement, MiB held here) and of the modules
+        left alone with the reason, then the time per phase (ms). Reads timings: on a GPU
+        this waits for the timed work."""
+        uncaptured = [x.name for x in self._layer_list if x.warned_no_capture]
+        rows = layer_rows(self._layer_list, placed=self.strategy.placed, uncaptured=uncaptured)
+        timings = {k: v * 1e3 for k, v in self.timings().items()}
+        return format_table(rows, self._skipped, timings)
 
     def _trainable_others(self) -> list[nn.Parameter]:
         """Trainable parameters of no K-FAC layer, in module order (averaged only)."""
@@ -380,6 +424,15 @@ class KFACPreconditioner:
             for i, x in enumerate(self._layer_list)
         ]
         self.strategy.finalise_placement(self._layer_list, shapes)
+        if self.comm.rank == 0 and self.comm.size > 1:
+            for x in self._layer_list:
+                log.info(
+                    "placed %s: owner rank %d, A decomposed by %s, G by %s",
+                    x.name,
+                    x.owner,
+                    x.a_owner,
+                    x.g_owner,
+                )
         for layer in self._layer_list:
             if not self.strategy.captures(layer):
                 # Another rank holds this layer: drop what was built here, and what a
@@ -761,5 +814,6 @@ class KFACPreconditioner:
         return (
             f"KFACPreconditioner(strategy={self.strategy_name!r}, "
             f"method={self.options.compute_method!r}, "
-            f"layers={len(self.layers)}, world_size={self.comm.size}, rank={self.comm.rank})"
+            f"layers={len(self.layers)}, not_preconditioned={len(self._skipped)}, "
+            f"world_size={self.comm.size}, rank={self.comm.rank})"
         )

@@ -1,0 +1,147 @@
+"""What gets preconditioned, what does not and why, and which factors will be slow.
+
+A researcher's first question about a new model is what K-FAC does with it.
+:func:`skipped_modules` names every parameter-bearing module that is not
+preconditioned, with the reason; :func:`layer_rows` describes every K-FAC
+layer; :func:`format_table` renders both for ``KFACPreconditioner.summary()``;
+:func:`slow_factors` finds the factors whose decomposition alone takes long
+enough to dominate a step on the run's device.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from dpkfac.assignment import EIGH_COEFF
+from dpkfac.curvature import KFACLayer, helper_for
+from dpkfac.curvature.layer import FACTORS
+
+#: Predicted seconds of one factor's decomposition above which the run is warned.
+SLOW_DECOMPOSITION_S = 1.0
+#: Sustained eigh rates (flop/s) per device type, for the warning only (order of magnitude):
+#: ``cpu``, this project's 2-core machine (a 4609-wide float32 eigh took 123 s);
+#: ``cuda``, a datacenter GPU's (a 4096-wide eigh in about a second).
+EIGH_RATE = {"cpu": 7e9, "cuda": 6e11}
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A module with parameters of its own that K-FAC leaves alone, and why."""
+
+    name: str
+    kind: str
+    reason: str
+
+
+def skipped_modules(
+    model: nn.Module, layers: Mapping[str, KFACLayer], skip: Sequence[re.Pattern[str]]
+) -> list[Skipped]:
+    """Every parameter-bearing module (direct parameters) that is not a K-FAC layer."""
+    out = []
+    for name, module in model.named_modules():
+        if name in layers or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        kind = type(module).__name__
+        matched = [p.pattern for p in skip if p.search(name)]
+        if helper_for(module) is None:
+            if isinstance(module, nn.Conv2d) and module.groups != 1:
+                reason = f"grouped convolution (groups={module.groups}): not one Kronecker block"
+            else:
+                reason = f"unsupported type {kind} (K-FAC covers nn.Linear and nn.Conv2d)"
+        elif matched:
+            reason = f"skipped by skip_layers {matched[0]!r}"
+        else:
+            frozen = [n for n, p in module.named_parameters(recurse=False) if not p.requires_grad]
+            reason = f"frozen at construction ({', '.join(frozen)} requires_grad=False)"
+        out.append(Skipped(name or "<root>", kind, reason))
+    return out
+
+
+def layer_rows(
+    layers: Iterable[KFACLayer], *, placed: bool, uncaptured: Iterable[str] = ()
+) -> list[dict[str, Any]]:
+    """One row per K-FAC layer: sizes, placement and what this rank holds (MiB)."""
+    never = set(uncaptured)
+    rows = []
+    for layer in layers:
+        owners = {w: layer.factors[w].owner for w in FACTORS}
+        rows.append(
+            {
+                "layer": layer.name,
+                "type": type(layer.module).__name__,
+                "A": layer.helper.a_dim,
+                "G": layer.helper.g_dim,
+                "owner": layer.owner if placed else None,
+                "decomposers": f"{owners['A']}/{owners['G']}" if placed else None,
+                "factors_mib": layer.factor_nbytes() / 2**20,
+                "decompositions_mib": layer.decomposition_nbytes() / 2**20,
+                "note": "never captured: called functionally" if layer.name in never else "",
+            }
+        )
+    return rows
+
+
+def decomposition_seconds(dim: int, device_type: str) -> float:
+    """A rough prediction of one ``eigh`` of a ``dim``-wide factor on ``device_type``."""
+    rate = EIGH_RATE.get(device_type, EIGH_RATE["cpu"])
+    return 2 * EIGH_COEFF * float(dim) ** 3 / rate
+
+
+def slow_factors(
+    layers: Iterable[KFACLayer], device_type: str, limit_s: float = SLOW_DECOMPOSITION_S
+) -> list[tuple[str, str, int, float]]:
+    """(layer, factor, width, predicted seconds) of factors whose eigh exceeds ``limit_s``."""
+    out = []
+    for layer in layers:
+        for which in FACTORS:
+            dim = layer.dim(which)
+            seconds = decomposition_seconds(dim, device_type)
+            if seconds > limit_s:
+                out.append((layer.name, which, dim, seconds))
+    return sorted(out, key=lambda item: -item[3])
+
+
+def format_table(
+    rows: Sequence[Mapping[str, Any]],
+    skipped: Sequence[Skipped],
+    timings_ms: Mapping[str, float] | None = None,
+) -> str:
+    """The preconditioned layers, the modules left alone with reasons, and the phase times."""
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.3f}"
+        return str(value)
+
+    lines = []
+    if rows:
+        columns = list(rows[0])
+        table = [[c for c in columns]] + [[cell(r[c]) for c in columns] for r in rows]
+        widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+        for i, line in enumerate(table):
+            lines.append("  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)))
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+    total = {
+        key: sum(r[key] for r in rows) for key in ("factors_mib", "decompositions_mib") if rows
+    }
+    lines.append(
+        f"{len(rows)} K-FAC layer(s); held here: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in total.items())
+    )
+    if skipped:
+        lines.append("not preconditioned:")
+        lines += [f"  {s.name} ({s.kind}): {s.reason}" for s in skipped]
+    if timings_ms:
+        lines.append(
+            "time per phase since reset_stats(), ms: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in timings_ms.items() if v)
+        )
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""What is preconditioned, what is not and why: the layer report, summary() and warnings."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpkfac
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.encoder = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)).mean(1))
+
+
+def test_a_transformer_layer_report(caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    with caplog.at_level(logging.INFO, logger="dpkfac"):
+        pre = dpkfac.KFACPreconditioner(model)
+    text = caplog.text
+    for name in ("encoder.linear1", "encoder.linear2", "encoder.self_attn.out_proj", "head"):
+        assert f"K-FAC layer {name} " in text, name
+    assert "K-FAC layer head (Linear): A 9 x 9, G 3 x 3" in text
+    assert "not preconditioned: embed (Embedding): unsupported type Embedding" in text
+    assert "not preconditioned: encoder.self_attn (MultiheadAttention): unsupported type" in text
+    assert "not preconditioned: encoder.norm1 (LayerNorm)" in text
+    tokens = torch.randint(0, 11, (4, 5))
+    model.zero_grad()
+    F.cross_entropy(model(tokens), torch.randint(0, 3, (4,))).backward()
+    with pytest.warns(RuntimeWarning, match="out_proj.*never captured"):
+        pre.step()
+    summary = pre.summary()
+    out_proj = next(line for line in summary.splitlines() if "out_proj" in line)
+    assert "never captured: called functionally" in out_proj
+    assert "not preconditioned:" in summary and "embed (Embedding)" in summary
+    assert "time per phase since reset_stats(), ms:" in summary
+    assert "not_preconditioned=4" in repr(pre)  # embed, self_attn, norm1, norm2
+
+
+def test_resnet18_warns_of_its_wide_factors(caplog: pytest.LogCaptureFixture) -> None:
+    from torchvision.models import resnet18
+
+    with (
+        caplog.at_level(logging.INFO, logger="dpkfac"),
+        pytest.warns(RuntimeWarning, match=r"layer4\.\d\.conv\d A 4608-wide \(~\d+ s\)") as seen,
+    ):
+        dpkfac.KFACPreconditioner(resnet18(num_classes=10), inv_update_steps=1)
+    assert "raise inv_update_steps (now 1)" in str(seen[0].message)
+    assert "not preconditioned: bn1 (BatchNorm2d): unsupported type BatchNorm2d" in caplog.text
+    assert "K-FAC layer layer4.1.conv2 (Conv2d): A 4608 x 4608, G 512 x 512" in caplog.text
+
+
+def test_skipped_and_frozen_layers_are_named_with_the_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = nn.Sequential(
+        nn.Linear(4, 4), nn.Linear(4, 4), nn.Conv2d(4, 4, 1, groups=2), nn.Linear(4, 2)
+    )
+    model[1].requires_grad_(False)
+    with caplog.at_level(logging.INFO, logger="dpkfac"):
+        pre = dpkfac.KFACPreconditioner(model, skip_layers=["^3$"])
+    assert "not preconditioned: 1 (Linear): frozen at construction (weight, bias" in caplog.text
+    assert "not preconditioned: 2 (Conv2d): grouped convolution (groups=2)" in caplog.text
+    assert "not preconditioned: 3 (Linear): skipped by skip_layers '^3$'" in caplog.text
+    assert list(pre.layers) == ["0"]
