@@ -16,7 +16,7 @@ For every example it asserts:
   D-KFAC family (d_kfac, spd_kfac, kaisa, grouped with k = P) equals one
   process on the concatenated batch; the local-curvature family (dp_kfac, its
   owner reduction and overlap, grouped with k = 1) equals dp_kfac at the same
-  P; accumulation over micro-batches equals one batch (1e-9, float64);
+  P; accumulation over micro-batches equals one batch (1e-7, float64);
 * a run resumed from ``state_dict()`` mid-run is bitwise the uninterrupted one;
 * without quirks, the bytes handed to collectives on every rank equal the cost
   model's prediction for that rank;
@@ -68,7 +68,9 @@ pytestmark = pytest.mark.distributed
 
 BATCH = 4  # per rank
 STEPS = 4
-TOL = 1e-9
+# float64 rounding, amplified by (G ⊗ A + γI)⁻¹ with γ down to 1e-3 over four steps, reaches
+# 2e-9 (a fuzz finding, P=2 grouped k=1 with accumulation); real mismatches are O(1e-2) and up.
+TOL = 1e-7
 
 
 # --------------------------------------------------------------------- models
