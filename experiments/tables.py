@@ -40,7 +40,7 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from experiments.bench import plots, smoke
+from experiments.bench import plots, smoke, takeaways
 from experiments.bench.aggregate import ITERATION_PARTS
 from experiments.bench.plots import COMPARED, REFERENCE
 
@@ -230,7 +230,9 @@ def write_second_order_update(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         to_markdown(long.drop(columns=["label"]), {"P": 0}),
     ]
     md += _footer(df)
-    paths["md"] = _write(out / "second_order_update.md", md)
+    paths["md"] = _write(
+        out / "second_order_update.md", _with_takeaway(md, takeaways.second_order_update(head))
+    )
     if not head.empty:
         paths["png"] = plots.save(plots.ratio_bars(head), out / "second_order_update.png")
     return paths
@@ -295,7 +297,9 @@ def write_time_breakdown(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         md += ["", f"## {frame['label'].iloc[0]}, {setting} setting, P={p}", ""]
         md.append(to_markdown(show, 1))
     md += _footer(df)
-    paths["md"] = _write(out / "time_breakdown.md", md)
+    paths["md"] = _write(
+        out / "time_breakdown.md", _with_takeaway(md, takeaways.time_breakdown(wide))
+    )
     if not wide.empty:
         fig = plots.stacked_breakdown(wide, parts)
         paths["png"] = plots.save(fig, out / "time_breakdown.png")
@@ -326,7 +330,7 @@ def write_scaling(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         md += ["", "<details><summary>Every measured row</summary>", ""]
         md += [to_markdown(errors, {"world_size": 0}), "", "</details>"]
     md += _footer(df)
-    paths["md"] = _write(out / "scaling.md", md)
+    paths["md"] = _write(out / "scaling.md", _with_takeaway(md, takeaways.scaling(errors)))
     if not frame.empty:
         paths["png"] = plots.save(plots.scaling_lines(frame), out / "scaling.png")
     return paths
@@ -401,7 +405,8 @@ def ablation_frame(df: pd.DataFrame, predict_at: int | None = ABLATION_P) -> pd.
             "setting": r["setting"],
             "P": int(r["world_size"]),
             "strategy": r["strategy"],
-            "chosen": str(r.get("configuration") or ""),
+            # Rows read back from a CSV hold NaN where rows.json held nothing.
+            "chosen": "" if pd.isna(r.get("configuration")) else str(r["configuration"] or ""),
             "algorithm": algorithm or "",
             "options": _options_text(options),
             "first_order": first_order(r),
@@ -500,7 +505,7 @@ def write_ablation(df: pd.DataFrame, out: Path) -> dict[str, Path]:
             what = ", ".join(parts) or "no preconditioner (SGD)"
             md.append(f"- `{r.strategy}`: {what}")
     md += _footer(df)
-    paths["md"] = _write(out / "ablation.md", md)
+    paths["md"] = _write(out / "ablation.md", _with_takeaway(md, takeaways.ablation(frame)))
     if not frame.empty:
         paths["png"] = plots.save(plots.ablation_bars(frame), out / "ablation.png")
     return paths
@@ -563,7 +568,7 @@ def write_convergence(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         counts = cases["status"].value_counts().to_dict()
         md += ["", "Cases: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))]
     md += _footer(df)
-    paths["md"] = _write(out / "convergence.md", md)
+    paths["md"] = _write(out / "convergence.md", _with_takeaway(md, takeaways.convergence(final)))
     if not curves.empty:
         paths["png"] = plots.save(plots.accuracy_curves(curves), out / "convergence.png")
     return paths
@@ -573,6 +578,11 @@ def write_convergence(df: pd.DataFrame, out: Path) -> dict[str, Path]:
 def _footer(df: pd.DataFrame) -> list[str]:
     lines = failures(df)
     return ["", "## Failed jobs", "", *[f"- {x}" for x in lines]] if lines else []
+
+
+def _with_takeaway(md: list[str], takeaway: list[str]) -> list[str]:
+    """The table's lines with its takeaway right under the title."""
+    return [md[0], "", *takeaway, *md[1:]] if takeaway else md
 
 
 def _write(path: Path, lines: Sequence[str]) -> Path:

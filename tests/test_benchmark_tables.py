@@ -538,3 +538,30 @@ def test_results_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     ]
     assert len(images) == 6
     assert os.environ["RESULTS_DIR"] == str(results)
+
+
+# ------------------------------------------------------------ results up front
+def test_the_readme_headline_is_generated_from_the_results() -> None:
+    """The README's first-screen results are the tables' own (rerun the generator if not)."""
+    from pathlib import Path
+
+    from experiments.bench import takeaways
+
+    repo = Path(__file__).resolve().parents[1]
+    expected = takeaways.headline(repo / "results")
+    assert 3 <= len(expected) <= 6
+    assert takeaways.readme_block(repo / "README.md") == expected, (
+        "README headline is stale: run python -m experiments.bench.takeaways"
+    )
+
+
+@pytest.mark.parametrize(
+    "table", ["second_order_update", "time_breakdown", "scaling", "ablation", "convergence"]
+)
+def test_every_results_table_opens_with_its_takeaway(table: str) -> None:
+    from pathlib import Path
+
+    lines = (
+        (Path(__file__).resolve().parents[1] / "results" / f"{table}.md").read_text().split("\n")
+    )
+    assert lines[0].startswith("# ") and lines[2].startswith("**Takeaway")
