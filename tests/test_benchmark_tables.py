@@ -565,3 +565,14 @@ def test_every_results_table_opens_with_its_takeaway(table: str) -> None:
         (Path(__file__).resolve().parents[1] / "results" / f"{table}.md").read_text().split("\n")
     )
     assert lines[0].startswith("# ") and lines[2].startswith("**Takeaway")
+
+
+def test_the_notebook_is_committed_with_its_outputs() -> None:
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.read(ROOT / "notebooks" / "results.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.get("outputs") for c in code)
+    first = "".join(o.get("text", "") for o in code[0]["outputs"])
+    assert "results from" in first  # it says which folder it read
+    assert "not generated yet" not in "".join(o.get("text", "") for c in code for o in c["outputs"])
+    assert "the cheapest of the baselines" in nb.cells[2].source
