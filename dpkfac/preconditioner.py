@@ -660,13 +660,14 @@ class KFACPreconditioner:
     def memory_usage(self) -> dict[str, int]:
         """Bytes of K-FAC state on this rank.
 
-        ``factors`` and ``decompositions`` are what is held now; ``buffers``
-        is the peak of batch factors awaiting ``step()`` since the last reset.
+        ``factors_bytes`` and ``decompositions_bytes`` are what is held now;
+        ``buffers_bytes`` is the peak of batch factors awaiting their fold since
+        the last reset.
         """
         return {
-            "factors": sum(x.factor_nbytes() for x in self._layer_list),
-            "decompositions": sum(x.decomposition_nbytes() for x in self._layer_list),
-            "buffers": self._buffer_peak,
+            "factors_bytes": sum(x.factor_nbytes() for x in self._layer_list),
+            "decompositions_bytes": sum(x.decomposition_nbytes() for x in self._layer_list),
+            "buffers_bytes": self._buffer_peak,
         }
 
     # ------------------------------------------------------------------- state

@@ -407,8 +407,9 @@ def _summary(row: dict[str, Any]) -> str:
     return (
         f"{row['model']} {row['strategy']}{chosen} P={row['world_size']} {row['setting']}: "
         f"iteration {row['iteration_s'] * 1e3:.1f} ms, K-FAC compute {row['compute_s'] * 1e3:.1f}"
-        f" ms, comm {row['comm_s'] * 1e3:.1f} ms, second-order bytes "
-        f"{row['bytes_second_order']}, K-FAC memory {row['mem_kfac'] / 2**20:.2f} MiB"
+        f" ms, comm {row['comm_s'] * 1e3:.1f} ms, second-order traffic "
+        f"{row['bytes_second_order'] / 2**20:.2f} MiB, K-FAC memory "
+        f"{row['mem_kfac'] / 2**20:.2f} MiB"
     )
 
 

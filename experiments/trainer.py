@@ -298,7 +298,7 @@ class Trainer:
             # Statistics of rank 0, per logging interval.
             self._kfac_bytes += _total_bytes(self.pre.comm_stats())
             metrics.update(flatten_stats("kfac/comm", self.pre.comm_stats()))
-            metrics.update(flatten_stats("kfac/time", self.pre.timings()))
+            metrics.update(flatten_stats("kfac/time_s", self.pre.timings()))
             metrics.update(flatten_stats("kfac/memory", self.pre.memory_usage()))
             self.pre.reset_stats()
         self.logger.log(metrics, step=self.step)

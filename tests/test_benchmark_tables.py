@@ -225,7 +225,7 @@ def _record(kind: str, seconds: float, nbytes: int) -> dict:
         "iteration": 1.0 + seconds,
         "phases": phases,
         "comm": {c: {"bytes": nbytes, "calls": 1, "wire_bytes": nbytes} for c in CATS},
-        "memory": {"factors": 100, "decompositions": 50, "buffers": 10},
+        "memory": {"factors_bytes": 100, "decompositions_bytes": 50, "buffers_bytes": 10},
     }
 
 
@@ -233,7 +233,7 @@ def test_aggregate_takes_busiest_rank_median_and_amortises() -> None:
     kinds = ["decomp", "factor", "plain"] * 2
     fast = [_record(k, {"decomp": 2.0, "factor": 0.5, "plain": 0.0}[k], 300) for k in kinds]
     slow = [_record(k, {"decomp": 4.0, "factor": 0.5, "plain": 0.0}[k], 300) for k in kinds]
-    slow[0]["memory"]["factors"] = 1000
+    slow[0]["memory"]["factors_bytes"] = 1000
     results = [{"rank": 0, "records": fast}, {"rank": 1, "records": slow}]
     row = aggregate(results, 10, 100)
     # Decomposition only on decomp steps (busiest rank: 4 s) -> amortised 4/100.

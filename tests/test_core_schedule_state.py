@@ -256,7 +256,7 @@ def test_load_state_dict_rejects_mismatch(key: str, value, kwargs) -> None:
 def test_inspection_api_at_world_size_one(method: str, dtype: torch.dtype) -> None:
     model = make_net(dtype=dtype)
     pre = dpkfac.KFACPreconditioner(model, compute_method=method)
-    assert pre.memory_usage() == {"factors": 0, "decompositions": 0, "buffers": 0}
+    assert pre.memory_usage() == {"factors_bytes": 0, "decompositions_bytes": 0, "buffers_bytes": 0}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
         train_step(model, pre, opt, step)
@@ -277,15 +277,15 @@ def test_inspection_api_at_world_size_one(method: str, dtype: torch.dtype) -> No
     sq = sum(a * a + g * g for a, g in dims.values())
     decomp = sq + sum(a + g for a, g in dims.values()) if method == "eigen" else sq
     assert pre.memory_usage() == {
-        "factors": sq * item,
-        "decompositions": decomp * item,
-        "buffers": sq * item,
+        "factors_bytes": sq * item,
+        "decompositions_bytes": decomp * item,
+        "buffers_bytes": sq * item,
     }
 
     pre.reset_stats()
     assert all(v == 0.0 for v in pre.timings().values())
-    assert pre.memory_usage()["buffers"] == 0
-    assert pre.memory_usage()["factors"] == sq * item
+    assert pre.memory_usage()["buffers_bytes"] == 0
+    assert pre.memory_usage()["factors_bytes"] == sq * item
 
 
 def test_repr_and_layers_expose_owner() -> None:

@@ -251,7 +251,7 @@ def test_kaisa_hybrid_bytes_and_memory_per_rank_equal_measured() -> None:
     _check_cases(HYBRID_CASES, results, 4)
     stats = [r["kaisa-hybrid-kl"][0][2]["decomposition_broadcast"] for r in results]
     assert all(s["calls"] > 0 for s in stats)
-    memory = [r["kaisa-hybrid-attn"][1]["decompositions"] for r in results]
+    memory = [r["kaisa-hybrid-attn"][1]["decompositions_bytes"] for r in results]
     assert len(set(memory)) > 1  # columns hold different layers' decompositions
     # Factor groups of 2: factors travel within pairs, and only the pair's layers.
     factor = [r["grouped-k2-f1-eager-triangle"][0][2]["factor_allreduce"] for r in results]
@@ -327,8 +327,8 @@ def test_factor_and_decomposition_dtypes_set_memory() -> None:
     ):
         kfac = KFACOptions(factor_dtype=factor_dtype, compute_method="inverse")
         mem = predict(shapes, strategy="d_kfac", world_size=2, hardware=HW, kfac=kfac).memory[0]
-        assert mem["factors"] == dims * factor_item
-        assert mem["decompositions"] == dims * decomp_item
+        assert mem["factors_bytes"] == dims * factor_item
+        assert mem["decompositions_bytes"] == dims * decomp_item
 
 
 def test_predict_rejects_what_the_preconditioner_rejects() -> None:

@@ -135,15 +135,15 @@ def test_memory_per_rank_shrinks_with_world_size_for_dp_kfac_only() -> None:
             mems = [_memory(0, 1, strategy)] if p == 1 else run_ranks(_memory, p, strategy)
             for mem in mems:
                 if strategy == "d_kfac":  # every rank holds everything
-                    assert mem["factors"] == 4 * per_layer_factors
-                    assert mem["decompositions"] == 4 * per_layer_decomp
+                    assert mem["factors_bytes"] == 4 * per_layer_factors
+                    assert mem["decompositions_bytes"] == 4 * per_layer_decomp
             if strategy == "dp_kfac":  # the layers are split exactly
-                assert sum(m["factors"] for m in mems) == 4 * per_layer_factors
-                assert sum(m["decompositions"] for m in mems) == 4 * per_layer_decomp
-                assert sum(m["buffers"] for m in mems) == 4 * per_layer_factors
+                assert sum(m["factors_bytes"] for m in mems) == 4 * per_layer_factors
+                assert sum(m["decompositions_bytes"] for m in mems) == 4 * per_layer_decomp
+                assert sum(m["buffers_bytes"] for m in mems) == 4 * per_layer_factors
                 for m in mems:
-                    assert m["factors"] == (4 // p) * per_layer_factors
-            busiest[p] = max(m["factors"] + m["decompositions"] for m in mems)
+                    assert m["factors_bytes"] == (4 // p) * per_layer_factors
+            busiest[p] = max(m["factors_bytes"] + m["decompositions_bytes"] for m in mems)
         if strategy == "dp_kfac":
             assert busiest[1] == 2 * busiest[2] == 4 * busiest[4]
         else:

@@ -447,7 +447,7 @@ def predict(
             accumulation_steps=kfac.accumulation_steps,
         )
         if traits is not None and placement is not None and roles is not None
-        else [{"factors": 0, "decompositions": 0, "buffers": 0} for _ in range(p)]
+        else [{"factors_bytes": 0, "decompositions_bytes": 0, "buffers_bytes": 0} for _ in range(p)]
     )
     return Prediction(
         strategy=name,

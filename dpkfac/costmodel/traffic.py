@@ -338,5 +338,7 @@ def memory_per_rank(
             # Folded layer by layer in the backward pass (reverse module order): when
             # layer j folds, the A factors of layers up to j still wait, and G of j alone.
             buffers = max(sum(a for a, _ in held[: j + 1]) + g for j, (_, g) in enumerate(held))
-        out.append({"factors": factors, "decompositions": decomps, "buffers": buffers})
+        out.append(
+            {"factors_bytes": factors, "decompositions_bytes": decomps, "buffers_bytes": buffers}
+        )
     return out

@@ -190,7 +190,7 @@ class _Stepper:
             memory = self.pre.memory_usage()
         else:
             phases, comm = self.timer.as_dict(), self.stats.as_dict()
-            memory = {"factors": 0, "decompositions": 0, "buffers": 0}
+            memory = {"factors_bytes": 0, "decompositions_bytes": 0, "buffers_bytes": 0}
         return {
             "step": index,
             "kind": self.kinds[index % len(self.kinds)] if self.pre is not None else "decomp",
