@@ -248,6 +248,7 @@ class RunSpec:
     kfac: dict[str, Any] = field(hash=False)
     accumulation: int = 1
     resume_at: int | None = None
+    loss_scale: float | None = None  # a GradScaler's scale (one rank: it needs DDP beyond)
 
     def kwargs(self) -> dict[str, Any]:
         return {"strategy": self.strategy, **self.options, **self.kfac}
@@ -279,6 +280,11 @@ def run_specs(draw: st.DrawFn, p: int, kind: str) -> RunSpec:
         kfac=kfac,
         accumulation=accumulation,
         resume_at=draw(st.one_of(st.none(), st.integers(1, STEPS - 1))),
+        loss_scale=(
+            draw(st.sampled_from([None, 2.0**16, 2.0**70]))
+            if p == 1 and not options.get("overlap")
+            else None
+        ),
     )
 
 
@@ -298,15 +304,18 @@ def _train(
     accumulation: int,
     resume_at: int | None = None,
     strategy_kwargs: dict[str, Any] | None = None,
+    loss_scale: float | None = None,
 ) -> dict[str, Any]:
     """Train for len(batches) steps; each step's micro-batches are ``batches[step]``."""
     kwargs = strategy_kwargs if strategy_kwargs is not None else run.kwargs()
+    scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale or 1.0, enabled=bool(loss_scale))
 
     def build() -> tuple[DrawnNet, dpkfac.KFACPreconditioner, torch.optim.Optimizer]:
         model = DrawnNet(run.net)
         if run.net.frozen_until is not None:
             model.first_layer().requires_grad_(False)
-        pre = dpkfac.KFACPreconditioner(model, accumulation_steps=accumulation, **kwargs)
+        extra = {"grad_scaler": scaler} if loss_scale else {}
+        pre = dpkfac.KFACPreconditioner(model, accumulation_steps=accumulation, **kwargs, **extra)
         return model, pre, torch.optim.SGD(model.parameters(), lr=0.05)
 
     model, pre, opt = build()
@@ -330,12 +339,14 @@ def _train(
         pre.reset_stats()
         for i, (x, y) in enumerate(micro):
             model.micro = i
-            (F.cross_entropy(model(x), y) / len(micro)).backward()
+            scaler.scale(F.cross_entropy(model(x), y) / len(micro)).backward()
+        scaler.unscale_(opt)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             pre.step()
         stats.append(pre.comm_stats())
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         params.append({n: p.detach().clone() for n, p in model.named_parameters()})
     return {"params": params, "stats": stats, "memory": pre.memory_usage()}
 
@@ -364,6 +375,10 @@ def _rank_run(rank: int, world_size: int, run: RunSpec, kind: str) -> Any:
     if kind == "resumed":
         return _train(
             run, rank, world_size, batches, accumulation=run.accumulation, resume_at=run.resume_at
+        )
+    if kind == "scaled":  # the main run with a loss scaler
+        return _train(
+            run, rank, world_size, batches, accumulation=run.accumulation, loss_scale=run.loss_scale
         )
     if kind == "one_batch":  # the same data as one micro-batch per step
         whole = [[_batch(run.net, s, rank)] for s in range(STEPS)]
@@ -512,6 +527,11 @@ def check_example(run: RunSpec, world_size: int) -> None:
         _assert_close(main[0], pool_run("dp_kfac")[0], label + " vs dp_kfac")
     if run.accumulation > 1 and not run.net.micro_only:
         _assert_close(main[0], pool_run("one_batch")[0], label + " vs one batch")
+    if run.loss_scale is not None:
+        event("loss scaler")
+        _assert_close(
+            pool_run("scaled")[0], main[0], label + f" with a loss scale {run.loss_scale}"
+        )
     if run.resume_at is not None:
         resumed = pool_run("resumed")
         if not _bitwise_resume(run):

@@ -96,3 +96,42 @@ def test_a_sweep_folder_gets_its_summary_and_each_run_its_last_line(tmp_path: Pa
         last = (tmp_path / job / "train.log").read_text().strip().splitlines()[-1]
         assert "done: strategy" in last and "world size 1" in last and "accuracy" in last
         assert f"output {tmp_path / job}" in last
+
+
+def _different_jobs(rank: int, world_size: int) -> str:
+    from experiments.config import ExperimentError
+    from experiments.distributed import DistEnv, _check_same_job
+
+    env = DistEnv(rank, world_size)
+    try:
+        _check_same_job(env, f"job 0: strategy={'dp_kfac' if rank == 0 else 'd_kfac'}")
+    except ExperimentError as err:
+        return str(err)
+    return ""
+
+
+@pytest.mark.distributed
+def test_ranks_running_different_jobs_fail_fast_on_every_rank() -> None:
+    from dist_utils import run_ranks
+
+    for message in run_ranks(_different_jobs, 2):
+        assert "the ranks run different jobs" in message
+        assert "rank 0: 'job 0: strategy=dp_kfac'; rank 1: 'job 0: strategy=d_kfac'" in message
+
+
+def test_the_runs_of_a_sweep_share_a_wandb_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from experiments import train
+
+    fake = SimpleNamespace(
+        mode=RunMode.MULTIRUN, sweep=SimpleNamespace(dir="multirun/digits_cnn/2026-12-01_06-00")
+    )
+    monkeypatch.setattr(HydraConfig, "initialized", staticmethod(lambda: True))
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: fake))
+    assert train._sweep_group() == "digits_cnn/2026-12-01_06-00"
+    fake.mode = RunMode.RUN
+    assert train._sweep_group() is None
