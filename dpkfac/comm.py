@@ -224,17 +224,24 @@ class Communicator:
                 use_local_synchronization=False,
             )
             if self.rank in ranks:
-                sub = Communicator(
-                    group,
-                    timeout=self.timeout,
-                    stats=self.stats,
-                    timer=self.timer,
-                    device=self.device,
-                    host=self.host,
-                )
-                sub._parent, sub.tables = self, self.tables
+                sub = self._sibling(group)
+                sub._parent = self
                 out[index] = sub
         return out
+
+    def _sibling(self, group: dist.ProcessGroup | None) -> Communicator:
+        """A communicator over ``group`` sharing this one's accounting, device, host reader
+        and tables."""
+        sibling = Communicator(
+            group,
+            timeout=self.timeout,
+            stats=self.stats,
+            timer=self.timer,
+            device=self.device,
+            host=self.host,
+        )
+        sibling.tables = self.tables
+        return sibling
 
     def duplicate(self) -> Communicator:
         """A communicator over a new process group of the same ranks, sharing everything else.
@@ -252,27 +259,11 @@ class Communicator:
             timeout=datetime.timedelta(seconds=self.timeout),
             use_local_synchronization=True,
         )
-        twin = Communicator(
-            group,
-            timeout=self.timeout,
-            stats=self.stats,
-            timer=self.timer,
-            device=self.device,
-            host=self.host,
-        )
-        twin.tables = self.tables
-        return twin
+        return self._sibling(group)
 
     def _solo(self) -> Communicator:
         """A communicator of this rank alone: every call is a no-op that records nothing."""
-        solo = Communicator(
-            self.group,
-            timeout=self.timeout,
-            stats=self.stats,
-            timer=self.timer,
-            device=self.device,
-            host=self.host,
-        )
+        solo = self._sibling(self.group)
         solo.enabled, solo.rank, solo.size, solo._parent = False, 0, 1, self
         return solo
 
