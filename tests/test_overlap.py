@@ -312,7 +312,11 @@ def test_cost_model_overlap_is_no_slower_and_moves_the_same_bytes(
         for phase in ("forward_backward", "factor_compute", "decomposition", "precondition"):
             assert step.breakdown[phase] == pytest.approx(plain.steps[key].breakdown[phase])
     assert over.update.iteration < plain.update.iteration
-    assert over.memory == plain.memory
+    # The same state; the batch factors wait less (each layer folds as its backward ends).
+    for o, q in zip(over.memory, plain.memory, strict=True):
+        assert o["factors_bytes"] == q["factors_bytes"]
+        assert o["decompositions_bytes"] == q["decompositions_bytes"]
+        assert o["buffers_bytes"] <= q["buffers_bytes"]
     # No overlap in the hardware: the serial prediction.
     serial = predict(
         shapes,
