@@ -16,7 +16,8 @@ For every example it asserts:
   D-KFAC family (d_kfac, spd_kfac, kaisa, grouped with k = P) equals one
   process on the concatenated batch; the local-curvature family (dp_kfac, its
   owner reduction and overlap, grouped with k = 1) equals dp_kfac at the same
-  P; accumulation over micro-batches equals one batch (1e-7, float64);
+  P; accumulation over micro-batches equals one batch (float64: 1e-9 after the first
+  update, 1e-5 after four, see TOL);
 * a run resumed from ``state_dict()`` mid-run is bitwise the uninterrupted one;
 * without quirks, the bytes handed to collectives on every rank equal the cost
   model's prediction for that rank;
@@ -68,9 +69,14 @@ pytestmark = pytest.mark.distributed
 
 BATCH = 4  # per rank
 STEPS = 4
-# float64 rounding, amplified by (G ⊗ A + γI)⁻¹ with γ down to 1e-3 over four steps, reaches
-# 2e-9 (a fuzz finding, P=2 grouped k=1 with accumulation); real mismatches are O(1e-2) and up.
-TOL = 1e-7
+# Two runs that sum the same numbers in another order (an all-reduce against rooted reduces,
+# fused buckets against single tensors, P >= 3) differ by rounding; the drawn networks are tiny
+# and often rank-deficient, so (G ⊗ A + γI)⁻¹ with γ down to 1e-3 amplifies it, and training
+# compounds it step by step: fuzz findings reached 2e-9 after one step and 1.2e-6 after four
+# (dp_kfac's owner reduction at P=3). The first update must agree to TOL; later steps to
+# TOL_LATER. Real mismatches found so far were 1e-2 and more.
+TOL = 1e-9
+TOL_LATER = 1e-5
 
 
 # --------------------------------------------------------------------- models
@@ -423,8 +429,8 @@ def _assert_same_replicas(results: list[dict[str, Any]], label: str) -> None:
 
 def _assert_close(got: dict[str, Any], ref: dict[str, Any], label: str) -> None:
     for step, (a, b) in enumerate(zip(got["params"], ref["params"], strict=True)):
-        err = _rel(a, b)
-        assert err < TOL, f"{label}: step {step} differs from its reference by {err:.3g}"
+        err, bound = _rel(a, b), TOL if step == 0 else TOL_LATER
+        assert err < bound, f"{label}: step {step} differs from its reference by {err:.3g}"
 
 
 _POOLS: dict[int, RankPool] = {}
