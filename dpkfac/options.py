@@ -35,8 +35,8 @@ __all__ = [
     "Scalar",
     "Schedule",
     "StrategyOptions",
+    "checked_at",
     "make_options",
-    "value_at",
 ]
 
 #: A value that may change with the step: a number, or a callable ``step -> number``.
@@ -46,11 +46,6 @@ Schedule = int | Callable[[int], int]
 
 #: The compute methods, as the decompositions registry names them.
 COMPUTE_METHODS = tuple(_DECOMPOSITIONS)
-
-
-def value_at(value: Any, step: int) -> Any:
-    """The value of a scalar or schedule option at ``step`` (unchecked: see :func:`checked_at`)."""
-    return value(step) if callable(value) else value
 
 
 def _is_number(value: Any) -> bool:

@@ -205,6 +205,8 @@ class KFACPreconditioner:
                 "must already be averaged across ranks or the ranks would disagree"
             )
         self.layers: dict[str, KFACLayer] = self._register()
+        # The model's parameters, listed once: the step loop checks their trainability.
+        self._params = list(self.module.parameters())
         self._kfac_params = {
             id(p) for layer in self.layers.values() for p in layer.helper.parameters()
         }
@@ -221,6 +223,8 @@ class KFACPreconditioner:
         self._capture = self._is_factor_step(0)
         # Whether a backward pass wrote a K-FAC gradient since the last step().
         self._fresh_gradients = False
+        # 1/s of the loss scaler per device, for the G hooks of the current step.
+        self._inverse_scales: dict[torch.device, torch.Tensor] = {}
         # Set by a checkpoint of another world size that lacks some decompositions.
         self._decompose_next = False
         # Gradient hooks of a strategy that works inside the backward pass (dp_kfac's overlap).
@@ -298,11 +302,7 @@ class KFACPreconditioner:
 
     def _trainable_others(self) -> list[nn.Parameter]:
         """Trainable parameters of no K-FAC layer, in module order (averaged only)."""
-        return [
-            p
-            for p in self.module.parameters()
-            if p.requires_grad and id(p) not in self._kfac_params
-        ]
+        return [p for p in self._params if p.requires_grad and id(p) not in self._kfac_params]
 
     def _check_unfrozen(self) -> None:
         """Follow parameters unfrozen since construction (the same on every rank).
@@ -397,9 +397,21 @@ class KFACPreconditioner:
                 options.weight_sharing,
                 self._dtype_for(layer),
                 options.factor_method,
-                inverse_scale=inverse_loss_scale(self.grad_scaler, grad.device),
+                inverse_scale=self._inverse_scale(grad.device),
             )
         self._factor_ready(layer, "G")
+
+    def _inverse_scale(self, device: torch.device) -> torch.Tensor | None:
+        """The loss scale's ``1/s`` on ``device``: computed once per step, not once per layer
+        (the scale changes only at ``scaler.update()``, after ``step()``)."""
+        if self.grad_scaler is None:
+            return None
+        if device not in self._inverse_scales:
+            inverse = inverse_loss_scale(self.grad_scaler, device)
+            if inverse is None:
+                return None
+            self._inverse_scales[device] = inverse
+        return self._inverse_scales[device]
 
     def _factor_ready(self, layer: KFACLayer, which: str) -> None:
         """Tell the strategy a batch factor is complete, from the last micro-batch on.
@@ -459,6 +471,7 @@ class KFACPreconditioner:
             )
             return
         self._fresh_gradients = False
+        self._inverse_scales = {}  # the next backward may run under another loss scale
         step = self.steps
         strat = self.strategy
         layers = self._layer_list

@@ -170,9 +170,8 @@ class InverseDecomposition(Decomposition):
     ) -> InverseDecomposition:
         host = host if host is not None else HostReader()
         for work_dtype in dict.fromkeys([dtype, torch.float64]):
-            damped = factor.to(work_dtype) + math.sqrt(damping) * torch.eye(
-                factor.shape[0], dtype=work_dtype, device=factor.device
-            )
+            eye = torch.eye(factor.shape[0], dtype=work_dtype, device=factor.device)
+            damped = factor.to(work_dtype) + math.sqrt(damping) * eye
             try:
                 chol = torch.linalg.cholesky(damped)
                 inv = torch.cholesky_inverse(chol)
