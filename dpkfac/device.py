@@ -28,7 +28,7 @@ Phase timing has its own seam, the ``timing`` option of
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -90,7 +90,8 @@ class TableCache:
         """The cached value of ``key``, built by ``build()`` the first time."""
         if key not in self._store:
             self._store[key] = build()
-        return self._store[key]  # type: ignore[return-value]  # stored by this key's build
+        # One store holds values of many types; the key's build made this one.
+        return cast(T, self._store[key])
 
     def __len__(self) -> int:
         return len(self._store)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+from typing import Any
 
 from dpkfac.assignment import COSTS
 from dpkfac.costmodel import PAPER_MODELS, PRESETS, Hardware, format_table, predicted_table
@@ -60,7 +61,9 @@ def csv_rows(
     models: list[str], strategies: list[str], world_size: int, hardware: Hardware
 ) -> list[dict[str, object]]:
     """One row per model and strategy (``CSV_COLUMNS``), predicted at the papers' sizes."""
-    variants = {canonical_name(s): (canonical_name(s), {}) for s in strategies}
+    variants: dict[str, tuple[str, dict[str, Any]]] = {
+        canonical_name(s): (canonical_name(s), {}) for s in strategies
+    }
     out: list[dict[str, object]] = []
     for row in predicted_table(
         {name: ZOO[name] for name in models}, world_size, hardware, variants=variants

@@ -404,7 +404,10 @@ def fit_overlap(
             base = hw if own is None else replace(hw, overlap=own)
             return replace(hardware_for(m, base, {p: regime}), overlap=o)
 
-        best = _best_overlap(models, lambda m, p=p: m.world_size == p, at)
+        def at_size(m: Measurement, p: int = p) -> bool:
+            return m.world_size == p
+
+        best = _best_overlap(models, at_size, at)
         out[p] = regime if best is None else replace(regime, overlap=best)
     return own, out
 

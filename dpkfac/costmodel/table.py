@@ -79,11 +79,12 @@ def predicted_table(
         common = {"world_size": world_size, "hardware": hw, "kfac": model_kfac, **options}
         sgd = predict_sgd(shapes, **common)
         sgd_wire = sum(c.wire_bytes for c in sgd.update.collectives)
-        by_label = {}
+        by_label: dict[str, dict[str, Any]] = {}
         for label, (strategy, extra) in variants.items():
             pred = predict(shapes, strategy=strategy, options=extra, **common)
+            assert pred.options is not None  # a prediction with a strategy has its options
             wire = sum(c.wire_bytes for c in pred.update.collectives)
-            row = {
+            row: dict[str, Any] = {
                 "model": model_name,
                 "strategy": label,
                 "computation_s": pred.computation,

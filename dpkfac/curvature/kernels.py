@@ -379,25 +379,28 @@ def _corrections(
         )
         col_corr = torch.einsum("jv,vcd->jcd", tables.mask_cols, cols)[None]
         corr = col_corr if corr is None else corr + col_corr
-    if sh.row_runs and sh.col_runs:
-        corners = _cat(
-            [
-                _cat(
-                    [
-                        torch.einsum(
-                            "ncuv,nduv->uvcd",
-                            x[:, :, a:b, e:f],
-                            x[:, :, a + ri : b + ri, e + rj : f + rj],
-                        )
-                        for e, f in sh.col_runs
-                    ],
-                    1,
-                )
-                for a, b in sh.row_runs
-            ],
-            0,
-        )
-        corr = corr - torch.einsum("iu,jv,uvcd->ijcd", tables.mask_rows, tables.mask_cols, corners)
+        if sh.row_runs:
+            corners = _cat(
+                [
+                    _cat(
+                        [
+                            torch.einsum(
+                                "ncuv,nduv->uvcd",
+                                x[:, :, a:b, e:f],
+                                x[:, :, a + ri : b + ri, e + rj : f + rj],
+                            )
+                            for e, f in sh.col_runs
+                        ],
+                        1,
+                    )
+                    for a, b in sh.row_runs
+                ],
+                0,
+            )
+            corr = corr - torch.einsum(
+                "iu,jv,uvcd->ijcd", tables.mask_rows, tables.mask_cols, corners
+            )
+    assert corr is not None, "_corrections needs a shift with border rows or columns"
     return corr
 
 

@@ -26,7 +26,7 @@ from dpkfac.curvature.decomposition import (
     working_dtype,
 )
 from dpkfac.curvature.kernels import DEFAULT_METHOD
-from dpkfac.curvature.modules import ModuleHelper
+from dpkfac.curvature.modules import ModuleHelper, SupportedModule
 from dpkfac.device import HostReader
 
 FACTORS = ("A", "G")
@@ -103,7 +103,11 @@ class KFACLayer:
     """
 
     def __init__(
-        self, name: str, module: nn.Module, helper: ModuleHelper, accumulation_steps: int = 1
+        self,
+        name: str,
+        module: nn.Module,
+        helper: ModuleHelper[SupportedModule],
+        accumulation_steps: int = 1,
     ) -> None:
         self.name = name
         self.module = module
@@ -353,9 +357,10 @@ class KFACLayer:
             grad: the (d_out, a_dim) gradient matrix when the caller already built it.
         """
         grad = self.helper.grad_matrix() if grad is None else grad
-        if grad is None or not self.has_decompositions():
+        a_dec, g_dec = self.decomposition("A"), self.decomposition("G")
+        if grad is None or a_dec is None or g_dec is None:
             return None
-        return precondition(grad, self.decomposition("A"), self.decomposition("G"), damping=damping)
+        return precondition(grad, a_dec, g_dec, damping=damping)
 
     # ----------------------------------------------------------------- accounting
     def factor_nbytes(self) -> int:

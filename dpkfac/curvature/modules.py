@@ -19,6 +19,7 @@ window sums, neither with im2col; "unfold" is the original im2col path.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any, Generic, TypeAlias, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -28,15 +29,20 @@ from dpkfac.curvature import kernels
 from dpkfac.curvature.factors import a_factor, conv_g_factor, g_factor
 from dpkfac.device import TableCache
 
+#: Module types a helper may wrap: what :class:`ModuleHelper` reads ``weight`` and
+#: ``bias`` of (typing only; a helper for a new layer type adds its type here).
+SupportedModule: TypeAlias = nn.Linear | nn.Conv2d
+ModuleT = TypeVar("ModuleT", bound=SupportedModule, covariant=True)
 
-class ModuleHelper(ABC):
+
+class ModuleHelper(ABC, Generic[ModuleT]):
     """Shape and gradient plumbing for one supported module.
 
     Args:
         module: the layer whose weight (and bias) K-FAC preconditions.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: ModuleT) -> None:
         self.module = module
 
     @property
@@ -117,11 +123,12 @@ class ModuleHelper(ABC):
             bf16=method == "auto_bf16",
         )
 
-    def parameters(self) -> list[nn.Parameter]:
+    def parameters(self) -> list[torch.Tensor]:
         """Weight, then bias when present: the order of the gradient matrix columns."""
         params = [self.module.weight]
-        if self.has_bias:
-            params.append(self.module.bias)
+        bias = self.module.bias
+        if bias is not None:
+            params.append(bias)
         return params
 
     def grad_matrix(self) -> torch.Tensor | None:
@@ -130,10 +137,11 @@ class ModuleHelper(ABC):
         if weight.grad is None:
             return None
         grad = weight.grad.reshape(weight.shape[0], -1)
-        if self.has_bias:
-            bias_grad = self.module.bias.grad
+        bias = self.module.bias
+        if bias is not None:
+            bias_grad = bias.grad
             if bias_grad is None:
-                bias_grad = torch.zeros_like(self.module.bias)
+                bias_grad = torch.zeros_like(bias)
             grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)
         return grad
 
@@ -141,15 +149,17 @@ class ModuleHelper(ABC):
         """Write a (d_out, a_dim) matrix back into ``.grad`` of weight and bias."""
         weight = self.module.weight
         w_cols = matrix[:, : self.in_features]
-        weight.grad.copy_(w_cols.reshape(weight.shape).to(weight.grad.dtype))
-        if self.has_bias:
-            bias = self.module.bias
+        weight_grad = weight.grad
+        assert weight_grad is not None, "set_grad_matrix needs the weight's gradient"
+        weight_grad.copy_(w_cols.reshape(weight.shape).to(weight_grad.dtype))
+        bias = self.module.bias
+        if bias is not None:
             if bias.grad is None:
                 bias.grad = torch.zeros_like(bias)
             bias.grad.copy_(matrix[:, -1].reshape(bias.shape).to(bias.grad.dtype))
 
 
-class LinearHelper(ModuleHelper):
+class LinearHelper(ModuleHelper[nn.Linear]):
     """``nn.Linear`` with input (N, *, d_in): the extra dims are positions."""
 
     @property
@@ -171,14 +181,14 @@ class LinearHelper(ModuleHelper):
         return grad_output.reshape(grad_output.shape[0], -1, grad_output.shape[-1])
 
 
-class Conv2dHelper(ModuleHelper):
+class Conv2dHelper(ModuleHelper[nn.Conv2d]):
     """``nn.Conv2d`` (groups=1): ``a`` is the im2col patch matrix of the layer's geometry.
 
     The kernels' index and mask tensors are kept per input geometry, device
     and dtype in this helper's own :class:`~dpkfac.device.TableCache`.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Conv2d) -> None:
         super().__init__(module)
         self.tables = TableCache()
 
@@ -205,7 +215,8 @@ class Conv2dHelper(ModuleHelper):
             return F.pad(x, pads, mode=mode), (0, 0)
         if conv.padding_mode != "zeros":
             return F.pad(x, conv._reversed_padding_repeated_twice, mode=conv.padding_mode), (0, 0)
-        return x, tuple(conv.padding)
+        ph, pw = conv.padding
+        return x, (ph, pw)
 
     def a_matrix(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 3:
@@ -245,7 +256,8 @@ class Conv2dHelper(ModuleHelper):
         if dtype is not None:
             x = x.to(dtype)
         conv, bf16 = self.module, method == "auto_bf16"
-        stride, dilation = tuple(conv.stride), tuple(conv.dilation)
+        (sh, sw), (dh, dw) = conv.stride, conv.dilation
+        stride, dilation = (sh, sw), (dh, dw)
         n, _, h, w = x.shape
         kh, kw = conv.kernel_size
         t = kernels.out_positions((h, w), (kh, kw), stride, padding, dilation)
@@ -292,13 +304,15 @@ class Conv2dHelper(ModuleHelper):
         )
 
 
-MODULE_HELPERS: dict[type[nn.Module], type[ModuleHelper]] = {
+#: Helper type per module type (the pairing is the registry's, so the helper's
+#: module parameter is Any to the type checker).
+MODULE_HELPERS: dict[type[nn.Module], type[ModuleHelper[Any]]] = {
     nn.Linear: LinearHelper,
     nn.Conv2d: Conv2dHelper,
 }
 
 
-def helper_for(module: nn.Module) -> ModuleHelper | None:
+def helper_for(module: nn.Module) -> ModuleHelper[SupportedModule] | None:
     """The helper for a supported module, or None for layers K-FAC leaves alone.
 
     Subclasses of registered types count (e.g. ``NonDynamicallyQuantizableLinear``);

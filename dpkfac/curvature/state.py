@@ -8,7 +8,7 @@ refers to another rank's device) and moved to the layer's device when loaded.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -16,6 +16,10 @@ from dpkfac.curvature.decomposition import Decomposition
 from dpkfac.curvature.layer import FACTORS, KFACLayer
 
 
+@overload
+def _clone(t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor: ...
+@overload
+def _clone(t: None, device: torch.device | None = None) -> None: ...
 def _clone(t: torch.Tensor | None, device: torch.device | None = None) -> torch.Tensor | None:
     if t is None:
         return None
@@ -88,7 +92,7 @@ def load_layer_state(
     layer.clear_pending()
     if held is None:
         return
-    device = layer.module.weight.device
+    device = layer.helper.module.weight.device
     for which in FACTORS:
         state = layer.factors[which]
         state.running = _clone(entry[which], device) if held else None
