@@ -261,7 +261,7 @@ def validate_benchmark(cfg: DictConfig) -> None:
     """Reject benchmark values that would fail, or silently misbehave, later.
 
     Args:
-        cfg: The composed configuration of ``experiments.benchmark``.
+        cfg: The composed configuration of ``python -m experiments.bench``.
 
     Raises:
         ExperimentError: Naming the first offending key, its value and what is allowed.

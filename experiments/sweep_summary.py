@@ -59,7 +59,7 @@ def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
     """Write ``summary.csv`` and ``summary.md`` into ``sweep_dir``; returns the rows."""
     import pandas as pd
 
-    from experiments.tables import to_markdown
+    from experiments.bench.tables import to_markdown
 
     rows = collect(sweep_dir)
     if not rows:

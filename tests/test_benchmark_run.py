@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.bench.models import build, row_model
-from experiments.benchmark import compose_config, job_spec
+from experiments.bench.run import compose_config, job_spec
+from experiments.bench.tables import load_rows
+from experiments.bench.workloads import build, row_model
 from experiments.config import ExperimentError
 from experiments.preconditioning import uses_preconditioner
-from experiments.tables import load_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -44,7 +44,7 @@ def _options(group: str) -> list[str]:
 
 def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "experiments.benchmark", *args]
+    cmd = [sys.executable, "-m", "experiments.bench", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -58,7 +58,7 @@ def test_one_tree() -> None:
 def test_every_model_config_composes_and_builds(model: str) -> None:
     cfg = _compose(f"model={model}")
     assert cfg.workload.name == model and cfg.workload.label
-    assert cfg.workload.batch._target_.startswith("experiments.bench.models.")
+    assert cfg.workload.batch._target_.startswith("experiments.bench.workloads.")
     spec = job_spec(cfg)
     with torch.device("meta"):
         bench = build(spec["model"]["config"], spec["model"]["batch"])
@@ -219,7 +219,7 @@ def test_cli_rejects_a_bad_strategy_option_in_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 def test_one_job_from_the_command_line(tmp_path: Path) -> None:
-    """``python -m experiments.benchmark strategy=dp_kfac model=M world_size=2`` writes a row."""
+    """``python -m experiments.bench strategy=dp_kfac model=M world_size=2`` writes a row."""
     proc = _cli("strategy=dp_kfac", "model=mlp", "world_size=2", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads((tmp_path / "rows.json").read_text())
@@ -270,7 +270,7 @@ def test_tiny_sweep_at_world_size_2_matches_cost_model_bytes(tmp_path: Path) -> 
         "isolate_comm=true",
         f"hydra.sweep.dir={sweep}",
         f"results_dir={results}",
-        "+hydra.callbacks.table={_target_:experiments.tables.TableCallback,"
+        "+hydra.callbacks.table={_target_:experiments.bench.tables.TableCallback,"
         "table:second_order_update}",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from experiments import tables
+from experiments.bench import tables
 from experiments.bench.aggregate import aggregate, kind_weights
 from experiments.bench.measure import step_kinds
 from experiments.bench.predict import measured_phases
@@ -32,13 +32,13 @@ PHASES = (
 )
 
 
-#: The tiny model's columns, as ``experiments.benchmark`` records them.
+#: The tiny model's columns, as ``python -m experiments.bench`` records them.
 MLP_COLUMNS = {
     "model_config": json.dumps(
         {"_target_": "experiments.models.mlp.MLP", "d_in": 16, "hidden": 32}
     ),
     "model_batch": json.dumps(
-        {"_target_": "experiments.bench.models.VectorBatches", "batch_size": 8, "features": 16}
+        {"_target_": "experiments.bench.workloads.VectorBatches", "batch_size": 8, "features": 16}
     ),
     "model_paper": "{}",
     "skip_layers": "[]",
@@ -105,7 +105,7 @@ def fake_row(
     setting: str = "paper",
     **over: float,
 ) -> dict:
-    """A timing row as ``experiments.benchmark`` writes it, with round numbers."""
+    """A timing row as ``python -m experiments.bench`` writes it, with round numbers."""
     kfac = {
         "none": None,
         "dp_kfac": {"strategy": "dp_kfac", **COMMON, "grad_reduction": "allreduce"},

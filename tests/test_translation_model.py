@@ -18,9 +18,9 @@ from torch import nn
 from dpkfac import KFACPreconditioner
 from dpkfac.costmodel import shapes_from_model
 from dpkfac.costmodel.zoo import PAPER_MODELS, transformer
-from experiments.bench.models import build
 from experiments.bench.predict import row_shapes
-from experiments.benchmark import compose_config, job_spec
+from experiments.bench.run import compose_config, job_spec
+from experiments.bench.workloads import build
 from experiments.models.translation import MultiHeadAttention, TranslationTransformer
 
 PROJECTIONS = ("w_qs", "w_ks", "w_vs", "fc")

@@ -1,4 +1,4 @@
-"""The per-rank timing loop of ``python -m experiments.benchmark``.
+"""The per-rank timing loop of ``python -m experiments.bench``.
 
 Each rank builds, for every strategy of the job, the model (identical
 weights everywhere), a fixed synthetic batch of its own and the
@@ -111,7 +111,7 @@ class _Stepper:
         from dpkfac import KFACPreconditioner
         from dpkfac.comm import Communicator
         from dpkfac.stats import CommStats, PhaseTimer
-        from experiments.bench.models import build
+        from experiments.bench.workloads import build
 
         self.name = str(member["name"])
         model_spec = spec["model"]
@@ -217,7 +217,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
     stay meaningful where absolute times do not.
 
     Args:
-        spec: plain-dict job description (see ``experiments.benchmark.job_spec``).
+        spec: plain-dict job description (see ``experiments.bench.run.job_spec``).
 
     Returns:
         This rank's result: ``rank``, ``world_size``, ``device``, ``backend``

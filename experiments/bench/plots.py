@@ -1,7 +1,7 @@
 """Matplotlib figures of the tables.
 
 Each function takes the tidy frame its table writer built in
-:mod:`experiments.tables` and returns the figure, so the notebook draws
+:mod:`experiments.bench.tables` and returns the figure, so the notebook draws
 exactly what ``results/*.png`` shows. Figures are built with the
 object-oriented API (``matplotlib.figure.Figure``), never through pyplot, so
 no GUI backend is selected and nothing depends on a display or on the

@@ -1,6 +1,6 @@
 """Benchmark rows meet the cost model (:mod:`dpkfac.costmodel`).
 
-A thin adapter: :func:`measurement` turns a row of ``experiments.benchmark``
+A thin adapter: :func:`measurement` turns a row of ``python -m experiments.bench``
 into a :class:`dpkfac.costmodel.Measurement` (shapes, strategy, the
 preconditioner's options, per-rank timings, least waits, shared cores), and
 everything else is the cost model's own code (:mod:`dpkfac.costmodel.fitting`,
@@ -74,7 +74,7 @@ def row_shapes(row: Mapping[str, Any], *, paper: bool = False) -> tuple[ModelSha
     import torch
 
     from dpkfac.costmodel import shapes_from_model
-    from experiments.bench.models import row_model
+    from experiments.bench.workloads import row_model
 
     def on(device: str) -> tuple[ModelShapes, str]:
         with torch.device(device):

@@ -1,4 +1,4 @@
-"""Benchmark models: a network from the ``model`` group and a fixed-shape synthetic batch.
+"""Benchmark workloads: a network from the ``model`` group and a fixed-shape synthetic batch.
 
 A timing benchmark needs the same tensor shapes on every step and every rank,
 so it times a network on synthetic batches rather than on a data loader. The
@@ -240,6 +240,34 @@ def _json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
+#: The synthetic batches a workload's ``batch`` (and a row's ``model_batch``) may name.
+BATCHES = (ImageBatches, VectorBatches, QuestionAnsweringBatches, TranslationBatches)
+
+
+def batch_target(target: str) -> str:
+    """A batch ``_target_`` as this module names its class.
+
+    Rows record their batch's ``_target_``; rows written before this module got
+    its present name call the same class by its earlier, no longer importable
+    path. A target whose class is one of :data:`BATCHES` is named after this
+    module; any other is returned unchanged.
+    """
+    name = str(target).rsplit(".", 1)[-1]
+    return f"{__name__}.{name}" if name in {c.__name__ for c in BATCHES} else str(target)
+
+
+def upgrade_batch(value: Any) -> Any:
+    """A row's ``model_batch`` (JSON text or a mapping) with :func:`batch_target`'s name."""
+    batch = _json(value)
+    if not isinstance(batch, Mapping) or "_target_" not in batch:
+        return value
+    target = batch_target(batch["_target_"])
+    if target == batch["_target_"]:
+        return value
+    batch = {**batch, "_target_": target}
+    return json.dumps(batch) if isinstance(value, str) else batch
+
+
 def row_model(row: Mapping[str, Any], *, paper: bool = False, seed: int = 0) -> BenchModel:
     """The model a benchmark row was measured on, or its paper-sized version.
 
@@ -251,7 +279,7 @@ def row_model(row: Mapping[str, Any], *, paper: bool = False, seed: int = 0) -> 
         seed: torch seed for the weights.
     """
     model = dict(_json(row["model_config"]))
-    batch = dict(_json(row["model_batch"]))
+    batch = dict(_json(upgrade_batch(row["model_batch"])))
     if paper:
         overrides = _json(row.get("model_paper") or "{}") or {}
         model.update(overrides.get("model") or {})

@@ -1,12 +1,12 @@
 """Benchmark rows to the papers' tables: ``results/<table>.{csv,md,png}``.
 
-A table sweep (``python -m experiments.benchmark -m table=NAME``) ends in
+A table sweep (``python -m experiments.bench -m table=NAME``) ends in
 :class:`TableCallback`, which collects the sweep's ``rows.json`` files, keeps
 them as ``results/raw/NAME.csv`` and writes the table. The table alone can be
 redrawn from saved rows without measuring again::
 
-    python -m experiments.tables second_order_update              # from results/raw
-    python -m experiments.tables scaling --rows multirun/benchmark/scaling/<stamp>
+    python -m experiments.bench.tables second_order_update              # from results/raw
+    python -m experiments.bench.tables scaling --rows multirun/benchmark/scaling/<stamp>
 
 Tables (see the README, "Reproducing the tables", for what each column means):
 
@@ -40,7 +40,7 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from experiments.bench import plots, smoke, takeaways
+from experiments.bench import plots, smoke, takeaways, workloads
 from experiments.bench.aggregate import ITERATION_PARTS
 from experiments.bench.plots import COMPARED, REFERENCE
 
@@ -91,10 +91,24 @@ def load_rows(sources: Iterable[str | Path]) -> pd.DataFrame:
         frames.append(pd.DataFrame(records))
     if not frames:
         return pd.DataFrame()
-    df = pd.concat(frames, ignore_index=True)
+    df = upgrade_rows(pd.concat(frames, ignore_index=True))
     if "error" not in df.columns:
         df["error"] = ""
     df["error"] = ["" if pd.isna(e) else str(e) for e in df["error"]]
+    return df
+
+
+def upgrade_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows written by earlier versions of the benchmark, in the present one's terms.
+
+    A row's ``model_batch`` names its batch class by the module it lives in now
+    (:func:`experiments.bench.workloads.batch_target`). Values are otherwise
+    untouched, so a table rewritten from old rows has the numbers it had.
+    """
+    if "model_batch" in df.columns:
+        df["model_batch"] = [
+            v if isinstance(v, float) else workloads.upgrade_batch(v) for v in df["model_batch"]
+        ]
     return df
 
 

@@ -1,4 +1,4 @@
-"""Hydra entry point: ``python -m experiments.benchmark [overrides]``.
+"""The benchmark's Hydra entry point: ``python -m experiments.bench [overrides]``.
 
 Measures, for one model, strategy config (or several, interleaved step by step:
 ``strategies=[none,dp_kfac,d_kfac]``), world size and update setting, the
@@ -18,11 +18,11 @@ The job starts its own ``world_size`` local ranks through torch's elastic
 launcher (:mod:`experiments.bench.launch`), so a Hydra multirun sweeps world
 sizes without a shell loop::
 
-    python -m experiments.benchmark strategy=dp_kfac model=resnet32 world_size=2
-    python -m experiments.benchmark -m model=resnet32,bert_base strategy=dp_kfac,d_kfac
-    python -m experiments.benchmark -m table=second_order_update
+    python -m experiments.bench strategy=dp_kfac model=resnet32 world_size=2
+    python -m experiments.bench -m model=resnet32,bert_base strategy=dp_kfac,d_kfac
+    python -m experiments.bench -m table=second_order_update
 
-Under ``torchrun --nproc_per_node=N -m experiments.benchmark world_size=N``
+Under ``torchrun --nproc_per_node=N -m experiments.bench world_size=N``
 every rank measures itself and rank 0 writes the row. ``task=convergence``
 trains with the training entry point instead (:mod:`experiments.bench.convergence`).
 """
@@ -71,7 +71,7 @@ VIEW_KEYS = ("compute_method", "skip_layers", "weight_sharing", "bucket_cap_mb")
 def compose_config(config_name: str, overrides: Sequence[str] = ()) -> DictConfig:
     """Compose a primary config of ``conf/``, inside a running Hydra app or not.
 
-    Inside ``python -m experiments.benchmark`` Hydra is already initialised on
+    Inside ``python -m experiments.bench`` Hydra is already initialised on
     ``conf/``; elsewhere (tests, notebooks) the tree is opened for the call.
     """
     from hydra import compose, initialize_config_dir
@@ -413,7 +413,7 @@ def _summary(row: dict[str, Any]) -> str:
     )
 
 
-@hydra.main(config_path="../conf", config_name="benchmark", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="benchmark", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Measure one configuration and write its rows; failures are recorded, not fatal.
 
