@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: train test test-gpu gpu-report fuzz lint venv clean
+.PHONY: train test test-gpu gpu-report smoke-report fuzz lint venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,13 @@ test-gpu: $(STAMP)
 gpu-report: $(STAMP)
 	-$(PY) -m pytest -q -m gpu --junitxml=$(VENV)/gpu-tests.xml
 	$(PY) -m experiments.bench.gpu_report --junit $(VENV)/gpu-tests.xml
+
+# The training presets' 2-step smoke runs (every preset x strategy, fake data) as a JUnit
+# report, which the convergence table's status section reads; then that table is rewritten
+# from its saved rows (results/raw/convergence.csv) -> results/convergence.{md,csv,png}.
+smoke-report: $(STAMP)
+	-$(PY) -m pytest -q -p no:cacheprovider tests/test_experiments_smoke.py::test_preset_runs_two_steps --junitxml=results/raw/smoke_junit.xml
+	$(PY) -m experiments.bench.tables convergence
 
 # The long profile of the property-based differential test (tests/test_differential.py):
 # random examples, FUZZ_EXAMPLES per strategy kind and world size per round, rounds with a new

@@ -486,6 +486,29 @@ def test_convergence_table_and_smoke_status(tmp_path: Path) -> None:
     assert paths["png"].exists()
 
 
+def test_convergence_table_without_a_smoke_report_says_so(tmp_path: Path) -> None:
+    paths = tables.write_table("convergence", convergence_rows(), tmp_path)
+    md = paths["md"].read_text()
+    assert "No smoke report" in md and "`make smoke-report`" in md
+    assert not (tmp_path / "convergence_smoke.csv").exists()
+
+
+def test_the_smoke_report_comes_from_the_makefile_not_the_benchmark() -> None:
+    """No module of experiments/ runs pytest; ``make smoke-report`` writes what the table reads."""
+    import re
+
+    from experiments.bench import smoke
+
+    for path in (ROOT / "experiments").rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"[\"']pytest[\"']", text), f"{path} runs pytest"
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = makefile.split("\nsmoke-report:", 1)[1].split("\n\n", 1)[0]
+    assert "tests/test_experiments_smoke.py::test_preset_runs_two_steps" in recipe
+    assert f"--junitxml=results/{smoke.JUNIT.as_posix()}" in recipe
+    assert "-m experiments.bench.tables convergence" in recipe
+
+
 def test_load_rows_reads_sweep_folders_and_csv(tmp_path: Path) -> None:
     for num, strategy in ((2, "none"), (10, "dp_kfac")):  # job 10 comes after job 2
         job = tmp_path / "sweep" / str(num)

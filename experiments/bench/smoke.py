@@ -2,38 +2,23 @@
 
 The training side's smoke test (``tests/test_experiments_smoke.py``) runs
 every preset with every strategy for two steps on fake data. The table
-reports its outcome per (preset, strategy) from a JUnit XML report, which
-:func:`run_smoke_tests` can produce (the ``convergence`` table preset asks
-for it) or ``pytest --junitxml`` wrote earlier.
+reports its outcome per (preset, strategy) from the JUnit XML report that
+``make smoke-report`` has pytest write (``results/raw/smoke_junit.xml``,
+:data:`JUNIT` under the results folder); nothing here runs the tests. Without
+a report the table says so.
 """
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_smoke_tests(target: str, junit: Path, timeout_s: float = 1800) -> int:
-    """Run ``pytest target`` writing a JUnit report; returns pytest's exit code.
-
-    A failing smoke test is a result to report, not an error here; a pytest
-    that cannot run at all (or times out) leaves no report and the table
-    says so.
-    """
-    junit.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pytest", target, "-q", "-p", "no:cacheprovider"]
-    cmd.append(f"--junitxml={junit}")
-    try:
-        return subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, check=False).returncode
-    except subprocess.TimeoutExpired:
-        return -1
+#: Where the smoke report lies, relative to the results folder (the Makefile's smoke-report).
+JUNIT = Path("raw") / "smoke_junit.xml"
 
 
 def smoke_cases(junit: Path) -> pd.DataFrame:

@@ -18,7 +18,8 @@ Tables (see the README, "Reproducing the tables", for what each column means):
   and model (the SPD-KFAC paper's stacked bars);
 * ``scaling``: measured iteration and phase times against P, with the cost
   model's predictions (:mod:`experiments.bench.predict`);
-* ``convergence``: digits test accuracy per epoch, and the presets' smoke status;
+* ``convergence``: digits test accuracy per epoch, and the presets' smoke status
+  (from the JUnit report ``make smoke-report`` writes);
 * ``ablation``: from the published D-KFAC to DP-KFAC one switch at a time,
   measured at P=2 and predicted at P=64 for the paper-size models.
 
@@ -568,12 +569,12 @@ def write_convergence(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         pivot.columns = [f"P={c}" for c in pivot.columns]
         md += ["## Final test accuracy", "", to_markdown(pivot.reset_index(), 4), ""]
         md += ["## Runs", "", to_markdown(final, {"final_acc": 4, "best_acc": 4, "seconds": 1})]
-    cases = smoke.smoke_cases(out / "raw" / "smoke_junit.xml")
+    cases = smoke.smoke_cases(out / smoke.JUNIT)
     md += ["", "## Training presets: smoke status (2 steps on fake data)", ""]
     if cases.empty:
         md.append(
-            "No smoke report: run the training smoke tests with "
-            "`--junitxml=results/raw/smoke_junit.xml` to fill this section."
+            f"No smoke report ({smoke.JUNIT} under the results folder): `make smoke-report` "
+            "runs the training smoke tests, writes it and rewrites this table."
         )
     else:
         cases.to_csv(out / "convergence_smoke.csv", index=False)
@@ -631,14 +632,10 @@ class TableCallback(Callback):
 
     Args:
         table: which table to write.
-        smoke_tests: a pytest target to run first (JUnit report in
-            ``results/raw/smoke_junit.xml``), for the convergence table's
-            preset status; None: use an existing report, if any.
     """
 
-    def __init__(self, table: str, smoke_tests: str | None = None) -> None:
+    def __init__(self, table: str) -> None:
         self.table = table
-        self.smoke_tests = smoke_tests
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         """Collect ``rows.json`` from the sweep folder and write ``results/<table>.*``."""
@@ -648,10 +645,6 @@ class TableCallback(Callback):
             log.error("no rows under %s; table %s not written", sweep_dir, self.table)
             return
         results = Path(config.get("results_dir", "results"))
-        if self.smoke_tests:
-            log.info("running the smoke tests %s", self.smoke_tests)
-            code = smoke.run_smoke_tests(self.smoke_tests, results / "raw" / "smoke_junit.xml")
-            log.info("smoke tests finished with exit code %s", code)
         paths = write_table(self.table, rows, results)
         log.info("table %s: %s", self.table, ", ".join(str(p) for p in paths.values()))
         for line in failures(rows):
