@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dpkfac.device import DeviceMismatch, HostReader, TableCache, check_device
-from dpkfac.fusion import size_cap_buckets
+from dpkfac.plan.fusion import size_cap_buckets
 from dpkfac.stats import PHASE_OF_CATEGORY, CommStats, PhaseTimer
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -49,6 +49,7 @@ from dpkfac.curvature.decomposition import (
     working_dtype,
 )
 from dpkfac.curvature.layer import FACTORS, KFACLayer
+from dpkfac.options import KFACOptions
 from dpkfac.stats import PhaseTimer
 
 #: Accounting category of the probe's collectives (waiting timed as ``fidelity_comm``).
@@ -171,48 +172,39 @@ class FidelityProbe:
 
     Args:
         layers: the preconditioner's K-FAC layers, in module order.
-        every: probe at steps where ``step % every == 0``.
-        patterns: the ``fidelity_layers`` option (None: one layer in rotation).
+        options: the preconditioner's common options (``fidelity_every``,
+            ``fidelity_layers``, compute method, dtypes, damping split, weight sharing).
         comm: the preconditioner's communicator (its accounting and timeouts).
         timer: the preconditioner's phase timer.
-        method: the compute method's name ("eigen" or "inverse").
-        decomposition_dtype: the preconditioner's decomposition dtype.
-        pi_damping: the preconditioner's π-damping option.
-        weight_sharing: "expand" or "reduce".
-        dtype_for: the dtype a layer's factors are built in.
         grad_scaler: the preconditioner's GradScaler, if any (G is unscaled as in the
             preconditioner's hooks).
 
     Raises:
-        ValueError: a ``patterns`` entry that matches no layer.
+        ValueError: a ``fidelity_layers`` entry that matches no layer.
     """
 
     def __init__(
         self,
         layers: Sequence[KFACLayer],
+        options: KFACOptions,
         *,
-        every: int,
-        patterns: Sequence[str] | None,
         comm: Communicator,
         timer: PhaseTimer,
-        method: str,
-        decomposition_dtype: torch.dtype,
-        pi_damping: bool,
-        weight_sharing: str,
-        dtype_for: Callable[[KFACLayer], torch.dtype],
         grad_scaler: Any = None,
     ) -> None:
+        every = options.fidelity_every
+        patterns = options.fidelity_layers
+        self.factor_dtype = options.factor_dtype
+        self.method = options.compute_method
+        self.decomposition_dtype = options.decomposition_dtype
+        self.pi_damping = options.pi_damping
+        self.weight_sharing = options.weight_sharing
         self.layers = {x.name: x for x in layers}
         self.names = [x.name for x in layers]
         self.every = int(every)
         self.selected = select_layers(self.names, patterns)
         self.comm = comm
         self.timer = timer
-        self.method = method
-        self.decomposition_dtype = decomposition_dtype
-        self.pi_damping = pi_damping
-        self.weight_sharing = weight_sharing
-        self.dtype_for = dtype_for
         self.grad_scaler = grad_scaler
         #: Layers probed at the armed step (empty off the schedule).
         self.active: frozenset[str] = frozenset()
@@ -222,6 +214,10 @@ class FidelityProbe:
         self._latest: dict[str, tuple[torch.Tensor, int]] = {}
         #: Probe steps completed (a host counter: lets callers skip reading results).
         self.probes = 0
+
+    def dtype_for(self, layer: KFACLayer) -> torch.dtype:
+        """The dtype the layer's factors are built in (as the preconditioner builds them)."""
+        return self.factor_dtype or layer.helper.module.weight.dtype
 
     # ---------------------------------------------------------------- schedule
     def arm(self, step: int) -> None:

@@ -1,4 +1,10 @@
-"""DP-KFAC overlapped with the backward pass (``dp_kfac`` option ``overlap=True``).
+"""The overlapped execution mode: a step's work inside the backward pass.
+
+The preconditioner installs it when the plan's traits ask for it
+(``Traits.overlapped_precondition``: dp_kfac's ``overlap=True``). It sees the
+run through a narrow :class:`OverlapContext` (the layers, the parameters to
+reduce, the communicator, the step's flags, the timer and the preconditioner's
+per-layer decomposition), never the preconditioner itself.
 
 What happens where, on the last micro-batch of a step (``accumulation_steps``):
 
@@ -45,16 +51,18 @@ not final) and steps of the fidelity probe run the ordinary ``step()``.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from dpkfac.comm import Handle
-from dpkfac.curvature.layer import FACTORS, KFACLayer
-from dpkfac.fusion import size_cap_buckets
+from dpkfac.comm import Communicator, Handle
+from dpkfac.curvature.layer import KFACLayer, MaskedFold, warn_non_finite
+from dpkfac.device import HostReader
+from dpkfac.plan import Plan
+from dpkfac.plan.fusion import size_cap_buckets
+from dpkfac.stats import PhaseTimer
 from dpkfac.strategies.base import (
     Preconditioned,
     precondition_layer,
@@ -62,14 +70,72 @@ from dpkfac.strategies.base import (
     update_buffers,
 )
 
-if TYPE_CHECKING:
-    from dpkfac.preconditioner import KFACPreconditioner
-    from dpkfac.strategies.base import Strategy
+__all__ = ["OverlapContext", "OverlapEngine", "StepFlags", "backward_buckets"]
+
+
+@dataclass
+class StepFlags:
+    """What the preconditioner tells the overlap about the step its hooks run in.
+
+    Set by the preconditioner before each step's backward pass (at the end of
+    the previous ``step()``, at construction and when a checkpoint is loaded).
+
+    Attributes:
+        step: the step's index.
+        overlapped: whether this step's work runs in the hooks (False: the
+            first step, whose placement is not final, a fidelity-probe step,
+            a step that must decompose after a resize: ``step()`` does it all).
+        capture: whether batch factors are built this step.
+        decompose: whether this is a decomposition step.
+        damping: the step's damping.
+        decay: the step's running-average decay.
+        plan: the final plan (who preconditions and decomposes what).
+    """
+
+    step: int = 0
+    overlapped: bool = False
+    capture: bool = False
+    decompose: bool = False
+    damping: float = 0.0
+    decay: float = 0.0
+    plan: Plan | None = None
+
+
+@dataclass
+class OverlapContext:
+    """What the overlapped execution mode may see of the run (never the preconditioner).
+
+    Attributes:
+        layers: the K-FAC layers, in module order.
+        params: every parameter whose gradient the step averages, in module order.
+        comm: the preconditioner's communicator.
+        bucket_cap_bytes: the size cap of fused buckets.
+        accumulation_steps: backward passes per ``step()``.
+        with_kl: whether the KL-clip terms travel with the updates.
+        timer: the preconditioner's phase timer.
+        host: the preconditioner's host reader.
+        decompose: the preconditioner's per-layer decomposition (the factors this
+            rank decomposes, with the given damping).
+        note_buffers: records the bytes of batch factors awaiting their fold.
+        flags: the current step's flags (the preconditioner updates them in place).
+    """
+
+    layers: Sequence[KFACLayer]
+    params: Sequence[nn.Parameter]
+    comm: Communicator
+    bucket_cap_bytes: int
+    accumulation_steps: int
+    with_kl: bool
+    timer: PhaseTimer
+    host: HostReader
+    decompose: Callable[[KFACLayer, float], None]
+    note_buffers: Callable[[int], None]
+    flags: StepFlags = field(default_factory=StepFlags)
 
 
 def backward_buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[list[int]]:
     """Consecutive buckets of ``params`` (already in backward order): one dtype and device each,
-    split at ``cap_bytes`` by :func:`dpkfac.fusion.size_cap_buckets`."""
+    split at ``cap_bytes`` by :func:`dpkfac.plan.fusion.size_cap_buckets`."""
     runs: list[list[int]] = []
     for i, p in enumerate(params):
         if runs and (params[runs[-1][0]].dtype, params[runs[-1][0]].device) == (p.dtype, p.device):
@@ -95,36 +161,25 @@ class _StepState:
         self.prepared: set[str] = set()
         self.results: dict[str, Preconditioned] = {}
         self.sends: list[tuple[list[KFACLayer], list[torch.Tensor], Handle]] = []
-        # (layer, factor, finite flag on the device, had a running average, old decomposition)
-        self.flags: list[tuple[KFACLayer, str, torch.Tensor, bool, object]] = []
-        self.damping: float | None = None
+        # The factors folded this step, per layer, with their device finiteness flags.
+        self.folds: list[tuple[KFACLayer, MaskedFold]] = []
         self.n_buckets = n_buckets
 
 
 class OverlapEngine:
-    """Gradient hooks and the end of step of dp_kfac with ``overlap=True`` (module docstring).
+    """Gradient hooks and the end of step of the overlapped mode (module docstring).
 
     Args:
-        strategy: the dp_kfac strategy (placement queries, communicator, bucket cap).
-        pre: the preconditioner, read for its schedule, options and layers.
+        ctx: what the mode may see of the run.
     """
 
-    def __init__(self, strategy: Strategy, pre: KFACPreconditioner) -> None:
-        self.strategy = strategy
-        self.pre = pre
-        self.comm = strategy.comm
+    def __init__(self, ctx: OverlapContext) -> None:
+        self.ctx = ctx
+        self.comm = ctx.comm
         self.bcast_comm = self.comm.duplicate()
-        self.layers = list(pre.layers.values())
-        kfac = {id(p) for x in self.layers for p in x.helper.parameters()}
-        other = {id(p) for p in pre._other_params}
-        seen: set[int] = set()
-        params: list[nn.Parameter] = []
-        for p in pre.module.parameters():
-            if (id(p) in kfac or id(p) in other) and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
-        self.params = params[::-1]  # the order a sequential model's backward produces them
-        self.buckets = backward_buckets(self.params, strategy.bucket_cap_bytes)
+        self.layers = list(ctx.layers)
+        self.params = list(ctx.params)[::-1]  # the order a sequential backward produces them
+        self.buckets = backward_buckets(self.params, ctx.bucket_cap_bytes)
         self.bucket_of = {id(self.params[i]): b for b, idx in enumerate(self.buckets) for i in idx}
         self.layers_of: dict[int, list[KFACLayer]] = {}
         for layer in self.layers:
@@ -134,21 +189,20 @@ class OverlapEngine:
         self.last_bucket = {
             x.name: max(self.bucket_of[id(p)] for p in x.helper.parameters()) for x in self.layers
         }
-        self.k = pre.options.accumulation_steps
+        self.k = ctx.accumulation_steps
         self.state: _StepState | None = None
         self.inactive = False  # this step runs the ordinary step()
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._hook)
 
+    def _owner(self, layer: KFACLayer) -> int:
+        plan = self.ctx.flags.plan
+        assert plan is not None, "the overlapped mode runs with a final plan only"
+        return plan.owner(layer.name)
+
     # ------------------------------------------------------------------ hooks
     def _begin(self) -> None:
-        pre = self.pre
-        probe = getattr(pre, "_fidelity", None)
-        self.inactive = (
-            not self.strategy.placed
-            or pre._decompose_next
-            or (probe is not None and bool(probe.active))
-        )
+        self.inactive = not self.ctx.flags.overlapped
         if self.inactive:
             return
         st = _StepState(len(self.buckets))
@@ -176,7 +230,7 @@ class OverlapEngine:
         st.left[self.bucket_of[key]] -= 1
         for layer in self.layers_of.get(key, ()):
             st.layer_left[layer.name] -= 1
-            if st.layer_left[layer.name] == 0 and layer.owner == self.comm.rank:
+            if st.layer_left[layer.name] == 0 and self._owner(layer) == self.comm.rank:
                 self._prepare(layer)
         self._launch(ready_only=True)
         self._poll(block=False)
@@ -190,8 +244,7 @@ class OverlapEngine:
             b = len(st.handles)
             if ready_only and st.left[b] > 0:
                 return
-            grads = [self.params[i].grad for i in self.buckets[b]]
-            grads = [g for g in grads if g is not None]
+            grads = [g for i in self.buckets[b] if (g := self.params[i].grad) is not None]
             st.handles.append(
                 self.comm.allreduce_mean(grads, "grad_allreduce", async_op=True, overlapped=True)
             )
@@ -208,14 +261,6 @@ class OverlapEngine:
             self._send(st.done)
             st.done += 1
 
-    def _damping(self) -> float:
-        st = self.state
-        assert st is not None
-        if st.damping is None:
-            damping = float(self.pre.options.at("damping", self.pre.steps))
-            st.damping = damping
-        return st.damping
-
     def _prepare(self, layer: KFACLayer) -> None:
         """Fold the owner's pending batch factors; decompose on decomposition steps."""
         st = self.state
@@ -223,53 +268,28 @@ class OverlapEngine:
         if layer.name in st.prepared:
             return
         st.prepared.add(layer.name)
-        pre = self.pre
-        step = pre.steps
-        if pre._capture:  # batch factors are pending on capture steps only
-            pending = sum(x.pending_nbytes() for x in self.layers)
-            pre._buffer_peak = max(pre._buffer_peak, pending)
-        decay = float(pre.options.at("factor_decay", step))
-        for which in FACTORS:
-            state = layer.factors[which]
-            batch = state.pending()
-            if batch is None:
-                continue
-            finite = torch.isfinite(batch).all()
-            had = state.running is not None
-            st.flags.append((layer, which, finite, had, state.decomposition))
-            if had:
-                new = state.running.mul(decay).add_(
-                    batch.to(state.running.dtype), alpha=1.0 - decay
-                )
-                state.running = torch.where(finite, new, state.running)
-            else:
-                # No previous average to keep: zeros stand in, the layer's update is
-                # masked below, and finish() sets the average back to None.
-                state.running = torch.where(finite, batch, torch.zeros_like(batch))
-        layer.clear_pending()
-        if not pre._is_inv_step(step):
-            return
-        damping = self._damping()
-        with pre._timer.phase("decomposition"):
-            for which in FACTORS:
-                if layer.factor(which) is not None and self.strategy.decomposes(layer, which):
-                    pre._decompose(layer, which, damping)
+        flags = self.ctx.flags
+        if flags.capture:  # batch factors are pending on capture steps only
+            self.ctx.note_buffers(sum(x.pending_nbytes() for x in self.layers))
+        st.folds += [(layer, record) for record in layer.fold_masked(flags.decay)]
+        if flags.decompose:
+            self.ctx.decompose(layer, flags.damping)
 
     def _valid(self, layer: KFACLayer) -> torch.Tensor | None:
         """Device flag: no factor of the layer was built from scratch out of a non-finite batch."""
         st = self.state
         assert st is not None
-        flags = [ok for x, _, ok, had, _ in st.flags if x is layer and not had]
+        flags = [r.finite for x, r in st.folds if x is layer and not r.had_running]
         if not flags:
             return None
         return torch.stack(flags).all()
 
     def _precondition(self, layer: KFACLayer) -> Preconditioned:
         """As ``KFACPreconditioner._precondition`` for one layer (its gradient is averaged)."""
-        with self.pre._timer.phase("precondition"):
+        with self.ctx.timer.phase("precondition"):
             grad = layer.helper.grad_matrix()
             assert grad is not None
-            res = precondition_layer(layer, grad, self._damping())
+            res = precondition_layer(layer, grad, self.ctx.flags.damping)
             valid = self._valid(layer)
             if res.preconditioned is False or valid is None:
                 return res
@@ -284,13 +304,13 @@ class OverlapEngine:
         st = self.state
         assert st is not None
         rank, size = self.comm.rank, self.comm.size
-        with_kl = self.pre.options.kl_clip is not None
+        with_kl = self.ctx.with_kl
         for owner in range(size):
             sent = [
                 x
                 for x in self.layers
                 if self.last_bucket[x.name] == bucket
-                and x.owner == owner
+                and self._owner(x) == owner
                 and x.module.weight.grad is not None
             ]
             if not sent:
@@ -309,7 +329,7 @@ class OverlapEngine:
                 buffers,
                 owner,
                 "precond_broadcast",
-                cap_bytes=self.strategy.bucket_cap_bytes,
+                cap_bytes=self.ctx.bucket_cap_bytes,
                 async_op=True,
             )
             st.sends.append((sent, buffers, handle))
@@ -320,7 +340,7 @@ class OverlapEngine:
         st, self.state = self.state, None
         inactive, self.inactive = self.inactive, False
         if st is None:
-            if inactive or not self.strategy.placed:
+            if inactive or not self.ctx.flags.overlapped:
                 return None
             self._begin()  # no backward this step (or no hook fired): do it all here
             st, self.state = self.state, None
@@ -329,7 +349,7 @@ class OverlapEngine:
         self.state = st
         try:
             for layer in self.layers:
-                if layer.owner == self.comm.rank:
+                if self._owner(layer) == self.comm.rank:
                     self._prepare(layer)  # layers without gradients still fold their factors
             self._launch(ready_only=False)
             self._poll(block=True)
@@ -343,7 +363,7 @@ class OverlapEngine:
         """Wait for the broadcasts; the updates in the form ``share_preconditioned`` gives."""
         if not self.comm.active:
             return st.results
-        with_kl = self.pre.options.kl_clip is not None
+        with_kl = self.ctx.with_kl
         out: dict[str, Preconditioned] = {}
         for sent, buffers, handle in st.sends:
             self.bcast_comm.wait(handle)
@@ -352,19 +372,11 @@ class OverlapEngine:
 
     def _check_factors(self, st: _StepState) -> None:
         """Read the step's finiteness flags at once; warn, and undo first averages of NaN/Inf."""
-        if not st.flags:
+        if not st.folds:
             return
-        device = st.flags[0][2].device
-        finite = self.pre.host.flags(torch.stack([ok.to(device) for _, _, ok, _, _ in st.flags]))
-        for (layer, which, _, had, old_decomposition), ok in zip(st.flags, finite, strict=True):
-            if ok:
-                continue
-            warnings.warn(
-                f"dpkfac: non-finite values in the {which} factor of layer {layer.name!r}; "
-                "update skipped, previous factor kept",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            if not had:
-                layer.factors[which].running = None
-                layer.factors[which].decomposition = old_decomposition  # type: ignore[assignment]
+        device = st.folds[0][1].finite.device
+        finite = self.ctx.host.flags(torch.stack([r.finite.to(device) for _, r in st.folds]))
+        for (layer, record), ok in zip(st.folds, finite, strict=True):
+            if not ok:
+                warn_non_finite(layer.name, record.which, stacklevel=5)
+                layer.undo_fold(record)

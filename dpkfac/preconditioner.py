@@ -24,6 +24,7 @@ import logging
 import re
 import warnings
 from collections.abc import Iterable
+from dataclasses import fields
 from functools import partial
 from typing import Any
 
@@ -34,24 +35,65 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dpkfac.amp import check_grad_scaler, inverse_loss_scale
 from dpkfac.comm import Communicator
+from dpkfac.costmodel.auto import Candidate, log_choice, resolve
 from dpkfac.curvature import COMPUTE_METHODS, KFACLayer, helper_for
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.curvature.state import layer_state, load_layer_state, merge_layer_states
 from dpkfac.device import HostReader
 from dpkfac.fidelity import FidelityProbe, select_layers
 from dpkfac.options import KFACOptions, Scalar, Schedule
+from dpkfac.overlap import OverlapContext, OverlapEngine
+from dpkfac.plan import SCHEMES, Scheme, StrategyOptions, scheme_of, scheme_options
+from dpkfac.probes import start_up_hardware
 from dpkfac.report import format_table, layer_rows, skipped_modules, slow_factors
 from dpkfac.stats import CommStats, PhaseTimer
-from dpkfac.strategies import (
-    Preconditioned,
-    Strategy,
-    canonical_name,
-    strategy_class,
-    strategy_options,
-)
+from dpkfac.strategies import Preconditioned, Strategy, strategy_class
 from dpkfac.strategies.base import layer_shape, precondition_layer
 
 log = logging.getLogger("dpkfac")
+
+
+def _scheme_and_options(
+    strategy: str | StrategyOptions, values: dict[str, Any]
+) -> tuple[type[Scheme], StrategyOptions]:
+    """The scheme and its validated options, from a name and keyword options, or from an
+    options instance (which names its scheme by its class)."""
+    if isinstance(strategy, StrategyOptions):
+        if values:
+            raise ValueError(
+                f"strategy options {sorted(values)} given as keywords beside the "
+                f"{type(strategy).__name__} instance; set them in the instance"
+            )
+        matches = [s for s in SCHEMES.values() if type(strategy) is s.Options]
+        if not matches:
+            raise ValueError(
+                f"strategy={strategy!r}: not the options of a registered strategy "
+                f"({', '.join(s.Options.__name__ for s in SCHEMES.values())})"
+            )
+        return matches[0], strategy
+    scheme = scheme_of(strategy)
+    return scheme, scheme_options(scheme.name, values)
+
+
+def _common_options(given: KFACOptions | None, keywords: KFACOptions) -> KFACOptions:
+    """``options=`` when given (then no common option may also be given as a keyword),
+    else the options built from the keywords."""
+    if given is None:
+        return keywords
+    if not isinstance(given, KFACOptions):
+        raise TypeError(f"options must be a KFACOptions, got {type(given).__name__}")
+    defaults = KFACOptions()
+    clash = [
+        f.name
+        for f in fields(KFACOptions)
+        if getattr(keywords, f.name) != getattr(defaults, f.name)
+    ]
+    if clash:
+        raise ValueError(
+            f"common options {clash} given as keywords beside options=KFACOptions(...); "
+            "set them in options"
+        )
+    return given
 
 
 class KFACPreconditioner:
@@ -59,8 +101,12 @@ class KFACPreconditioner:
 
     Args:
         model: the model, possibly wrapped in ``DistributedDataParallel``.
-        strategy: "dp_kfac", "d_kfac", "spd_kfac", "kaisa" or "grouped"
-            (the hyphenated spellings are accepted too).
+        strategy: "dp_kfac" (default), "d_kfac", "spd_kfac", "kaisa" or "grouped"
+            (the hyphenated spellings are accepted too), or a scheme's options
+            instance (e.g. :class:`~dpkfac.plan.DPKFACOptions`), which names
+            the scheme and holds its options.
+        options: the common options as one :class:`~dpkfac.options.KFACOptions`
+            (then none of the keywords below may be given as well).
         compute_method: "eigen" (exact damped Kronecker inverse) or "inverse"
             (damping split as √γ on each factor).
         damping: γ, a float or a callable of the step.
@@ -103,9 +149,12 @@ class KFACPreconditioner:
         fidelity_layers: layer names or regexes (full match; each must match a
             K-FAC layer, else ValueError) probed at every probe step; None:
             one layer per probe step, in rotation in module order.
-        **strategy_options: the strategy's own options (its ``Options``
-            dataclass, e.g. :class:`~dpkfac.strategies.DPKFACOptions`).
-            Unknown options raise ValueError.
+        **strategy_options: the strategy's own options as keywords, when
+            ``strategy`` is a name (the fields of its scheme's ``Options``,
+            e.g. :class:`~dpkfac.plan.DPKFACOptions`). Unknown options raise
+            ValueError.
+
+    Every argument after ``model`` is keyword-only.
 
     Attributes:
         options: the common options, a :class:`~dpkfac.options.KFACOptions`.
@@ -116,7 +165,9 @@ class KFACPreconditioner:
     def __init__(
         self,
         model: nn.Module,
-        strategy: str = "dp-kfac",
+        *,
+        strategy: str | StrategyOptions = "dp_kfac",
+        options: KFACOptions | None = None,
         compute_method: str = "eigen",
         damping: Scalar = 0.003,
         factor_decay: Scalar = 0.95,
@@ -127,7 +178,6 @@ class KFACPreconditioner:
         skip_layers: str | Iterable[str] = (),
         weight_sharing: str = "expand",
         process_group: dist.ProcessGroup | None = None,
-        *,
         factor_dtype: torch.dtype | None = None,
         factor_method: str = "auto",
         decomposition_dtype: torch.dtype = torch.float32,
@@ -144,9 +194,9 @@ class KFACPreconditioner:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
-        self.strategy_name = canonical_name(strategy)
-        own_options = strategy_options(self.strategy_name, strategy_options_kwargs)
-        self.options = KFACOptions(
+        scheme, own_options = _scheme_and_options(strategy, strategy_options_kwargs)
+        self.strategy_name = scheme.name
+        settings = KFACOptions(
             compute_method=compute_method,
             damping=damping,
             factor_decay=factor_decay,
@@ -167,37 +217,45 @@ class KFACPreconditioner:
             fidelity_layers=fidelity_layers,
             timing=timing,
         )
+        self.options = _common_options(options, settings)
         self._skip = [re.compile(p) for p in self.options.skip_layers]
         self.model = model
         self.ddp = isinstance(model, DistributedDataParallel)
         check_grad_scaler(grad_scaler)
         self.grad_scaler = grad_scaler
         self.module = model.module if self.ddp else model
-        self.method = COMPUTE_METHODS[compute_method]
+        self.method = COMPUTE_METHODS[self.options.compute_method]
         self.steps = 0
 
         self._stats = CommStats()
         #: The run's device: the model's. Every tensor the library makes for a layer
         #: is made there, and every collective must be handed tensors on it.
         self.device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
-        self._timer = PhaseTimer(self.device, timing)
+        self._timer = PhaseTimer(self.device, self.options.timing)
         self.host = host_reader if host_reader is not None else HostReader()
         self.comm = Communicator(
             process_group,
-            timeout=collective_timeout,
+            timeout=self.options.collective_timeout,
             stats=self._stats,
             timer=self._timer,
             device=self.device,
             host=self.host,
         )
+        # The options the run was given decide its one-time setup; a hardware model the
+        # scheme places work by is measured now, on this group (a collective).
+        self._given_options = own_options
+        if scheme.measures_hardware(own_options):
+            own_options = scheme.with_hardware(own_options, start_up_hardware(self.comm))
         self.strategy: Strategy = strategy_class(self.strategy_name)(
             self.comm,
             self.method,
             own_options,
-            decomposition_dtype=decomposition_dtype,
-            bucket_cap_mb=bucket_cap_mb,
+            decomposition_dtype=self.options.decomposition_dtype,
+            bucket_cap_mb=self.options.bucket_cap_mb,
             kfac=self.options,
         )
+        #: Every candidate "auto" priced at the first step (empty when nothing was "auto").
+        self.choice: list[Candidate] = []
         if grad_scaler is not None and self.comm.active and not self.ddp:
             raise ValueError(
                 "grad_scaler with more than one rank needs a DistributedDataParallel model: the "
@@ -218,7 +276,11 @@ class KFACPreconditioner:
         self._report_construction()
         # Checked even while the probe is off: a typo should not wait for fidelity_every > 0.
         select_layers(list(self.layers), self.options.fidelity_layers)
-        self.strategy.place(self._layer_list, [layer_shape(x, 1, 1) for x in self._layer_list])
+        self.strategy.place(
+            self._layer_list,
+            [layer_shape(x, 1, 1) for x in self._layer_list],
+            given=self._given_options,
+        )
         self._buffer_peak = 0
         self._capture = self._is_factor_step(0)
         # Whether a backward pass wrote a K-FAC gradient since the last step().
@@ -227,24 +289,84 @@ class KFACPreconditioner:
         self._inverse_scales: dict[torch.device, torch.Tensor] = {}
         # Set by a checkpoint of another world size that lacks some decompositions.
         self._decompose_next = False
-        # Gradient hooks of a strategy that works inside the backward pass (dp_kfac's overlap).
-        self.strategy.register_hooks(self)
         self._fidelity: FidelityProbe | None = None
         if self.options.fidelity_every > 0:
             self._fidelity = FidelityProbe(
                 self._layer_list,
-                every=self.options.fidelity_every,
-                patterns=self.options.fidelity_layers,
+                self.options,
                 comm=self.comm,
                 timer=self._timer,
-                method=compute_method,
-                decomposition_dtype=decomposition_dtype,
-                pi_damping=pi_damping,
-                weight_sharing=weight_sharing,
-                dtype_for=self._dtype_for,
                 grad_scaler=grad_scaler,
             )
-            self._fidelity.arm(0)
+        #: The overlapped execution mode, where the plan's traits ask for it.
+        self._overlap: OverlapEngine | None = None
+        if self.strategy.traits.overlapped_precondition:
+            self._overlap = self._install_overlap()
+        self._arm(0)
+
+    def _install_overlap(self) -> OverlapEngine:
+        """The overlapped mode's gradient hooks, with the narrow view of the run it needs."""
+        if self.ddp:
+            raise ValueError(
+                "overlap=True with a DistributedDataParallel model: the overlap reduces the "
+                "gradients itself; pass the unwrapped module"
+            )
+        if self.grad_scaler is not None:
+            raise ValueError(
+                f"overlap=True does not support grad_scaler={self.grad_scaler!r}: the overflow "
+                "check would need the gradients before the hooks reduce them"
+            )
+        reduced = self._kfac_params | {id(p) for p in self._other_params}
+        seen: set[int] = set()
+        params = []
+        for p in self._params:
+            if id(p) in reduced and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+        return OverlapEngine(
+            OverlapContext(
+                layers=self._layer_list,
+                params=params,
+                comm=self.comm,
+                bucket_cap_bytes=self.options.bucket_cap_bytes,
+                accumulation_steps=self.options.accumulation_steps,
+                with_kl=self.options.kl_clip is not None,
+                timer=self._timer,
+                host=self.host,
+                decompose=self._decompose_layer,
+                note_buffers=self._note_buffers,
+            )
+        )
+
+    @property
+    def overlap(self) -> OverlapEngine | None:
+        """The overlapped execution mode, where the plan's traits ask for it (else None)."""
+        return self._overlap
+
+    def _arm(self, step: int) -> None:
+        """Set what the hooks of ``step`` do: capture, and (overlapped mode) the step's flags."""
+        self._capture = self._is_factor_step(step)
+        if self._fidelity is not None:
+            self._fidelity.arm(step)
+        if self._overlap is None:
+            return
+        flags = self._overlap.ctx.flags
+        flags.step = step
+        flags.plan = self.strategy.plan
+        flags.capture = self._capture
+        flags.decompose = self._is_inv_step(step)
+        flags.overlapped = (
+            self.strategy.placed
+            and not self._decompose_next
+            and not (self._fidelity is not None and bool(self._fidelity.active))
+        )
+        if flags.overlapped:
+            flags.damping = float(self.options.at("damping", step))
+            flags.decay = float(self.options.at("factor_decay", step))
+
+    def _note_buffers(self, nbytes: int) -> None:
+        """Record the bytes of batch factors awaiting their fold (the peak is reported)."""
+        self._buffer_peak = max(self._buffer_peak, nbytes)
 
     # ------------------------------------------------------------ registration
     def _register(self) -> dict[str, KFACLayer]:
@@ -323,7 +445,7 @@ class KFACPreconditioner:
         if not new:
             return
         self._planned_params |= {id(p) for p in others}
-        if self.strategy.traits(self.strategy.options).overlapped_precondition:
+        if self._overlap is not None:
             raise ValueError(
                 f"dpkfac: parameters {new} were frozen when the preconditioner was built and are "
                 "trainable now; overlap=True reduces gradients from hooks registered at "
@@ -424,9 +546,14 @@ class KFACPreconditioner:
 
     # --------------------------------------------------------------- placement
     def _finalise_placement(self) -> None:
-        """Place layers from the first batch's shapes, agreed on by all ranks."""
+        """Place layers from the first batch's shapes, agreed on by all ranks.
+
+        Where options are left to choose ("auto"), the cost model resolves them
+        first for these shapes, and the strategy is configured with the choice.
+        """
+        strategy = self.strategy
         stats = [float(v) for x in self._layer_list for v in (x.batch_size, x.positions)]
-        if self.strategy.placement_uses_batch(self.strategy.options):
+        if strategy.scheme.placement_uses_batch(self._given_options):
             stats = self.comm.agree_max(stats)
         # A step's batch is its k micro-batches: placing by one micro-batch would
         # place (and so precondition) an accumulated run unlike the same batch in one.
@@ -435,7 +562,17 @@ class KFACPreconditioner:
             layer_shape(x, k * int(stats[2 * i]), int(stats[2 * i + 1]))
             for i, x in enumerate(self._layer_list)
         ]
-        self.strategy.finalise_placement(self._layer_list, shapes)
+        if not strategy.configured:
+            chosen, self.choice = resolve(
+                strategy.scheme,
+                strategy.options,
+                shapes=shapes,
+                world_size=self.comm.size,
+                kfac=self.options,
+            )
+            strategy.configure(chosen)
+            log_choice(strategy.scheme, self.comm.size, chosen, self.choice)
+        strategy.place(self._layer_list, shapes, final=True, given=self._given_options)
         if self.comm.rank == 0 and self.comm.size > 1:
             for x in self._layer_list:
                 log.info(
@@ -486,14 +623,12 @@ class KFACPreconditioner:
 
         # A strategy that did this step's work in the backward pass (dp_kfac's
         # overlap) hands over the updates: only the KL clip and write-back remain.
-        overlapped = strat.overlapped_updates(layers)
+        overlapped = None if self._overlap is None else self._overlap.finish()
         if overlapped is not None:
             self._apply(overlapped, step)
             self._warn_uncaptured()
             self.steps += 1
-            self._capture = self._is_factor_step(self.steps)
-            if probe is not None:
-                probe.arm(self.steps)
+            self._arm(self.steps)
             return
 
         if not self.ddp:
@@ -510,11 +645,8 @@ class KFACPreconditioner:
             self._decompose_next = False
             strat.sync_factors(layers)
             due = {(x.name, w) for x in layers for w in FACTORS if x.factor(w) is not None}
-            with self._timer.phase("decomposition"):
-                for name, which in sorted(due):
-                    layer = self.layers[name]
-                    if strat.decomposes(layer, which):
-                        self._decompose(layer, which, damping)
+            for layer in sorted(layers, key=lambda x: x.name):
+                self._decompose_layer(layer, damping)
             strat.share_decompositions(layers, due)
 
         results = self._precondition(damping)
@@ -524,9 +656,18 @@ class KFACPreconditioner:
         self._warn_uncaptured()
 
         self.steps += 1
-        self._capture = self._is_factor_step(self.steps)
-        if probe is not None:
-            probe.arm(self.steps)
+        self._arm(self.steps)
+
+    def _decompose_layer(self, layer: KFACLayer, damping: float) -> None:
+        """The layer's decompositions this rank computes: the one routine of ``step()`` and of
+        the overlapped mode's hooks."""
+        due = [w for w in FACTORS if layer.factor(w) is not None]
+        mine = [w for w in due if self.strategy.decomposes(layer, w)]
+        if not mine:
+            return
+        with self._timer.phase("decomposition"):
+            for which in mine:
+                self._decompose(layer, which, damping)
 
     def _decompose(self, layer: KFACLayer, which: str, damping: float) -> None:
         """Decompose one factor with the step's damping (split by π under ``pi_damping``)."""
@@ -782,19 +923,22 @@ class KFACPreconditioner:
             self.strategy.load_state_dict(state.get("strategy_state", {}))
             for name, entry in entries.items():  # placement first: it decides what is held
                 load_layer_state(self.layers[name], entry, self.method, held=None)
+            self.strategy.restore(self._layer_list, given=self._given_options)
             for name, entry in entries.items():
                 layer = self.layers[name]
                 load_layer_state(layer, entry, self.method, **self._held(layer))
-        self._capture = self._is_factor_step(self.steps)
-        if self._fidelity is not None:
-            self._fidelity.arm(self.steps)
+        self._arm(self.steps)
 
     def _load_resized(self, entries: dict[str, dict[str, Any]], saved_size: Any) -> None:
         """Load layer entries saved by another number of ranks (see :meth:`load_state_dict`)."""
         # The saved owners may not exist here: place with nominal shapes now (every
         # rank captures every layer until the first step places with measured ones).
         self.strategy.placed = False
-        self.strategy.place(self._layer_list, [layer_shape(x, 1, 1) for x in self._layer_list])
+        self.strategy.place(
+            self._layer_list,
+            [layer_shape(x, 1, 1) for x in self._layer_list],
+            given=self._given_options,
+        )
         for name, entry in entries.items():
             layer = self.layers[name]
             here = {

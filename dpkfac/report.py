@@ -17,9 +17,9 @@ from typing import Any
 
 from torch import nn
 
-from dpkfac.assignment import EIGH_COEFF
 from dpkfac.curvature import KFACLayer, helper_for
 from dpkfac.curvature.layer import FACTORS
+from dpkfac.plan.assignment import EIGH_COEFF
 
 #: Predicted seconds of one factor's decomposition above which the run is warned.
 SLOW_DECOMPOSITION_S = 1.0

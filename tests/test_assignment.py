@@ -1,4 +1,4 @@
-"""Tests for dpkfac.assignment: cost models, LPT, round robin, factor placement."""
+"""Tests for dpkfac.plan.assignment: cost models, LPT, round robin, factor placement."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from dpkfac.assignment import (
+from dpkfac.plan.assignment import (
     COSTS,
     EIGH_COEFF,
     LayerShape,

@@ -166,7 +166,7 @@ def _siamese_run(rank: int, world_size: int, variant: str) -> list[dict[str, tor
         opt.step()
         out.append({n: p.detach().clone() for n, p in model.named_parameters()})
     if variant.startswith("spd_kfac"):
-        assert any(len(bucket) > 2 for bucket in pre.strategy.plan)
+        assert any(len(bucket) > 2 for bucket in pre.strategy.fusion_plan)
     return out
 
 

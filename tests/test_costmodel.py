@@ -206,7 +206,7 @@ def _run_cases(
             if step == 2:
                 memory = pre.memory_usage()
         hardware = getattr(pre.strategy.options, "hardware", None)
-        out[name] = (stats, memory, getattr(pre.strategy, "plan", None), hardware)
+        out[name] = (stats, memory, getattr(pre.strategy, "fusion_plan", None), hardware)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Tests for dpkfac.fusion: the alpha-beta model, SPD-KFAC's fusion rule, size caps."""
+"""Tests for dpkfac.plan.fusion: the alpha-beta model, SPD-KFAC's fusion rule, size caps."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from dpkfac.fusion import (
+from dpkfac.plan.fusion import (
     CommModel,
     bucket_schedule,
     fit_comm_model,

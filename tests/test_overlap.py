@@ -259,7 +259,7 @@ def test_too_many_backward_passes_raise() -> None:
 def _engaged(rank: int, world_size: int) -> dict[str, Any]:
     model = _model("bn")
     pre = make_preconditioner(model, "dp_kfac", overlap=True, bucket_cap_mb=300 / 2**20)
-    engine = pre.strategy.overlap
+    engine = pre.overlap
     out: dict[str, Any] = {"buckets": len(engine.buckets)}
     for step in range(3):
         x, y = batch(step, rank)

@@ -169,7 +169,7 @@ def _fusion_calls(rank: int, world_size: int, alpha: float, beta: float, fusion:
         F.cross_entropy(model(x), y).backward()
         pre.step()
         calls.append(pre.comm_stats()["factor_allreduce"]["calls"])
-    return calls, pre.strategy.plan
+    return calls, pre.strategy.fusion_plan
 
 
 @pytest.mark.distributed

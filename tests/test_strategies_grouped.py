@@ -12,11 +12,12 @@ from dist_utils import run_ranks
 from strategy_cases import batch, concat_batch, make_model, max_rel_err, run
 
 import dpkfac
-from dpkfac.assignment import grouped_assign, kaisa_assign
-from dpkfac.costmodel import PRESETS, predict, zoo
+from dpkfac.costmodel import PRESETS, predict, resolve, zoo
 from dpkfac.options import KFACOptions
-from dpkfac.strategies import GroupedKFAC, strategy_class, strategy_options
-from dpkfac.strategies.grouped import factor_groups_of
+from dpkfac.plan import scheme_of
+from dpkfac.plan.assignment import grouped_assign, kaisa_assign
+from dpkfac.plan.grouped import GroupedScheme, factor_groups_of
+from dpkfac.strategies import strategy_options
 
 STEPS = 3
 KW: dict[str, Any] = {
@@ -141,21 +142,29 @@ def test_auto_choice_is_the_cheapest_prediction(
     )
     hw = PRESETS["cpu_gloo_local"]
     options = strategy_options("grouped", {"hardware": hw})
-    chosen, candidates = GroupedKFAC.choose(shapes, 2, options, kfac)
-    assert {(c.factor_group_size, c.grad_worker_fraction) for c in candidates} == {
+    chosen, found = resolve(GroupedScheme, options, shapes=shapes, world_size=2, kfac=kfac)
+    candidates = found
+    assert {(c.options.factor_group_size, c.options.grad_worker_fraction) for c in candidates} == {
         (1, 0.5), (1, 1.0), (2, 0.5), (2, 1.0)
     }  # fmt: skip
     fastest = min(c.iteration for c in candidates)
     near = [c for c in candidates if c.iteration <= 1.05 * fastest]
     best = min(near, key=lambda c: c.comm_bytes)
     assert (chosen.factor_group_size, chosen.grad_worker_fraction) == (
-        best.factor_group_size,
-        best.grad_worker_fraction,
+        best.options.factor_group_size,
+        best.options.grad_worker_fraction,
     )
     assert (chosen.factor_group_size, chosen.grad_worker_fraction) == expected
     # Without the tolerance: the fastest prediction, whatever it sends.
-    strict, _ = GroupedKFAC.choose(shapes, 2, replace(options, auto_tolerance=0.0), kfac)
-    assert strict.factor_group_size == min(candidates, key=lambda c: c.iteration).factor_group_size
+    strict, _ = resolve(
+        GroupedScheme,
+        replace(options, auto_tolerance=0.0),
+        shapes=shapes,
+        world_size=2,
+        kfac=kfac,
+    )
+    fastest_options = min(candidates, key=lambda c: c.iteration).options
+    assert strict.factor_group_size == fastest_options.factor_group_size
     # The cost model resolves "auto" the same way when it predicts the run.
     pred = predict(shapes, strategy="grouped", world_size=2, hardware=hw, kfac=kfac, options={})
     assert pred.options.factor_group_size == chosen.factor_group_size
@@ -171,7 +180,7 @@ def _auto(rank: int, world_size: int) -> dict[str, Any]:
     return {
         "params": params,
         "choice": (pre.strategy.factor_group_size, pre.strategy.grad_worker_fraction),
-        "candidates": len(pre.strategy.choice),
+        "candidates": len(pre.choice),
         "state": state if rank == 0 else None,
     }
 
@@ -187,16 +196,16 @@ def test_auto_resolves_at_the_first_step_identically_on_every_rank() -> None:
         "factor_group_size": k,
         "grad_worker_fraction": f,
     }
-    cls = strategy_class("grouped")
+    cls = scheme_of("grouped")
     assert cls.traits(strategy_options("grouped", {"grad_worker_fraction": 1.0})).preconditions_all
 
 
 def test_auto_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     model = make_model()
     pre = dpkfac.KFACPreconditioner(model, strategy="grouped", hardware="cpu_gloo_local", **KW)
-    with caplog.at_level(logging.INFO, logger="dpkfac.strategies.grouped"):
+    with caplog.at_level(logging.INFO, logger="dpkfac"):
         run(model, pre, [batch(0, 0)])
-    assert "grouped: chose factor_group_size=1, grad_worker_fraction=1" in caplog.text
+    assert "grouped: chose k=1, f=1 at P=1" in caplog.text
     assert (pre.strategy.factor_group_size, pre.strategy.grad_worker_fraction) == (1, 1.0)
 
 

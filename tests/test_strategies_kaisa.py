@@ -10,7 +10,7 @@ from dist_utils import run_ranks
 from strategy_cases import batch, concat_batch, make_model, max_rel_err, run
 
 import dpkfac
-from dpkfac.assignment import grad_worker_grid, kaisa_assign
+from dpkfac.plan.assignment import grad_worker_grid, kaisa_assign
 from dpkfac.strategies import strategy_class, strategy_options
 
 STEPS = 3

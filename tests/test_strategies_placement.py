@@ -16,8 +16,9 @@ from dist_utils import run_ranks
 from torch import nn
 
 import dpkfac
-from dpkfac.assignment import ASSIGNMENTS, LayerShape, Placement
-from dpkfac.costmodel import PRESETS
+from dpkfac.costmodel import PRESETS, resolve
+from dpkfac.plan import scheme_of
+from dpkfac.plan.assignment import ASSIGNMENTS, LayerShape, Placement
 from dpkfac.strategies import STRATEGIES, strategy_class, strategy_options
 
 #: (strategy, options) pairs: every registered strategy, every dp_kfac assignment.
@@ -73,7 +74,7 @@ def test_ranks_agree_on_placement_with_different_first_batches(
         LayerShape.linear(str(i), d_in, d_out, batch_size=8, positions=50)
         for i, (d_in, d_out) in zip((0, 2, 4), DIMS, strict=True)
     ]
-    cls = strategy_class(strategy)
+    cls = scheme_of(strategy)
     assert results[0]["options"] == results[1]["options"]
     expected = cls.placement(shapes, 2, results[0]["options"])
     got = Placement(*map(tuple, zip(*results[0]["owners"], strict=True)))
@@ -86,8 +87,14 @@ def test_placement_uses_batch_is_declared_for_every_batch_dependent_assignment()
         LayerShape.linear(str(i), d_in, d_out, batch_size=8) for i, (d_in, d_out) in enumerate(DIMS)
     ]
     for strategy, options in CASES:
-        cls = strategy_class(strategy)
-        opts = cls.resolve_options(strategy_options(strategy, options), PRESETS["cpu_gloo_local"])
+        cls = scheme_of(strategy)
+        opts, _ = resolve(
+            cls,
+            strategy_options(strategy, options),
+            shapes=small,
+            world_size=2,
+            hardware=PRESETS["cpu_gloo_local"],
+        )
         if cls.placement_uses_batch(opts):
             continue
         for n, t in ((1, 1), (8, 50), (2, 1000)):

@@ -22,16 +22,19 @@ builds the DP-KFAC paper's table; ``python -m dpkfac.costmodel`` prints it,
 and ``python -m dpkfac.costmodel balance`` the load balance of DP-KFAC's
 layer assignments on the same models.
 
-Layout: ``hardware`` (models, least squares), ``presets``, ``shapes`` (what
-a model contributes, :func:`shapes_from_model`), ``zoo`` (analytic
-ResNet-50, BERT, Transformer), ``traffic`` (collectives and memory, exact),
-``timing`` (work per phase, critical path), ``predict``, ``table``,
-``balance``, ``calibration`` (local micro-benchmarks), ``fitting``
-(hardware from measured runs).
+Layout: ``shapes`` (what a model contributes, :func:`shapes_from_model`),
+``zoo`` (analytic ResNet-50, BERT, Transformer), ``traffic`` (collectives
+and memory, exact), ``timing`` (work per phase, critical path), ``predict``,
+``auto`` (:func:`resolve`: "auto" priced candidate by candidate), ``table``,
+``balance``, ``calibration`` (local micro-benchmarks), ``fitting`` (hardware
+from measured runs). The hardware model, its presets and the plans it prices
+live on the plan floor (:mod:`dpkfac.plan`); this package reads the same
+:class:`~dpkfac.plan.Plan` the runtime executes.
 """
 
 from __future__ import annotations
 
+from dpkfac.costmodel.auto import Candidate, resolve
 from dpkfac.costmodel.balance import Balance, balance_rows, format_balance
 from dpkfac.costmodel.calibration import calibrate_local
 from dpkfac.costmodel.fitting import (
@@ -43,7 +46,12 @@ from dpkfac.costmodel.fitting import (
     fit,
     predict_measurement,
 )
-from dpkfac.costmodel.hardware import (
+from dpkfac.costmodel.predict import Prediction, StepPrediction, predict, predict_sgd
+from dpkfac.costmodel.shapes import ModelShapes, as_model_shapes, shapes_from_model
+from dpkfac.costmodel.table import BASELINES, VARIANTS, format_table, predicted_table
+from dpkfac.costmodel.traffic import Collective, Placement, comm_counts
+from dpkfac.costmodel.zoo import PAPER_MODELS, bert_qa, resnet50, transformer
+from dpkfac.plan.hardware import (
     Engine,
     Hardware,
     Link,
@@ -54,12 +62,7 @@ from dpkfac.costmodel.hardware import (
     scaled,
     wire_bytes,
 )
-from dpkfac.costmodel.predict import Prediction, StepPrediction, predict, predict_sgd
-from dpkfac.costmodel.presets import PRESETS
-from dpkfac.costmodel.shapes import ModelShapes, as_model_shapes, shapes_from_model
-from dpkfac.costmodel.table import BASELINES, VARIANTS, format_table, predicted_table
-from dpkfac.costmodel.traffic import Collective, Placement, comm_counts
-from dpkfac.costmodel.zoo import PAPER_MODELS, bert_qa, resnet50, transformer
+from dpkfac.plan.presets import PRESETS
 
 __all__ = [
     "BASELINES",
@@ -67,6 +70,7 @@ __all__ = [
     "PRESETS",
     "VARIANTS",
     "Balance",
+    "Candidate",
     "Collective",
     "Engine",
     "Fit",
@@ -97,6 +101,7 @@ __all__ = [
     "predict_sgd",
     "predicted_table",
     "resnet50",
+    "resolve",
     "scaled",
     "shapes_from_model",
     "transformer",

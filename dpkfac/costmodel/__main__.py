@@ -24,12 +24,12 @@ import csv
 import sys
 from typing import Any
 
-from dpkfac.assignment import COSTS
 from dpkfac.costmodel import PAPER_MODELS, PRESETS, Hardware, format_table, predicted_table
 from dpkfac.costmodel.balance import balance_rows, format_balance
 from dpkfac.costmodel.calibration import calibrate_local
 from dpkfac.costmodel.zoo import ZOO
-from dpkfac.strategies import STRATEGIES, canonical_name
+from dpkfac.plan import SCHEMES, canonical_name
+from dpkfac.plan.assignment import COSTS
 
 #: Columns of ``table --format csv``.
 CSV_COLUMNS = (
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--strategies",
-        default=",".join(STRATEGIES),
+        default=",".join(SCHEMES),
         help="comma-separated strategy names (table --format csv)",
     )
     parser.add_argument("--threads", type=int, default=1, help="calibrate: threads per rank")
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.format == "csv":
         strategies = _names(
             ",".join(n.replace("-", "_") for n in args.strategies.split(",")),
-            list(STRATEGIES),
+            list(SCHEMES),
             "strategy",
         )
         writer = csv.DictWriter(sys.stdout, fieldnames=CSV_COLUMNS, lineterminator="\n")

@@ -4,7 +4,7 @@ DP-KFAC gives every K-FAC layer one owner that builds its factors from the
 local batch, decomposes them and preconditions the layer, and the step waits
 for the busiest owner. So the number that matters for a placement is the
 busiest rank's load over the mean load (1.0 is a perfect split). This module
-reports it for each of :data:`dpkfac.assignment.ASSIGNMENTS` (the published
+reports it for each of :data:`dpkfac.plan.assignment.ASSIGNMENTS` (the published
 round robin, LPT on a cost model, and the better of the two) on the analytic
 shapes of :mod:`dpkfac.costmodel.zoo`, with the very functions the strategy
 places its layers with. ``python -m dpkfac.costmodel balance`` prints it.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dpkfac.assignment import ASSIGNMENTS, COSTS, LayerShape, assign_layers, rank_loads
+from dpkfac.plan.assignment import ASSIGNMENTS, COSTS, LayerShape, assign_layers, rank_loads
 
 __all__ = ["Balance", "balance_rows", "format_balance"]
 
@@ -28,7 +28,7 @@ class Balance:
         model: the model's name.
         world_size: number of ranks ``P``.
         layers: K-FAC layers placed.
-        cost: name of the cost function in :data:`dpkfac.assignment.COSTS`.
+        cost: name of the cost function in :data:`dpkfac.plan.assignment.COSTS`.
         imbalance: per assignment, the busiest rank's load over the mean.
         lower_bound: the least possible busiest-over-mean ratio: the largest
             single layer or the even split, whichever is larger, over the mean.
@@ -54,7 +54,7 @@ def balance_rows(
         models: name -> K-FAC layer shapes in module order.
         world_size: number of ranks.
         cost: layer cost the assignments balance and the loads are measured in.
-        assignments: methods of :func:`dpkfac.assignment.assign_layers`.
+        assignments: methods of :func:`dpkfac.plan.assignment.assign_layers`.
 
     Raises:
         ValueError: an unknown cost or assignment, or a world size below 1.

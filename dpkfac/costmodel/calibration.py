@@ -17,40 +17,26 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
-import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from dpkfac.costmodel.hardware import Engine, Hardware, Link, Sample, calibrate
+from dpkfac.plan.hardware import Hardware, Sample, calibrate
+from dpkfac.probes import median_time
 
 if TYPE_CHECKING:
-    from dpkfac.comm import Communicator
+    pass
 
 __all__ = [
-    "MEASURE_COLLECTIVES",
     "calibrate_local",
     "measure_collectives",
     "measure_compute",
-    "measure_in_group",
-    "start_up_hardware",
 ]
 
 SIZES = (256, 4096, 65536, 262144, 1048576, 4194304)  # float32 elements
-
-
-def _median_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _sync_time(op: Callable[[], object], repeats: int, inner: int = 5) -> float:
@@ -141,9 +127,9 @@ def _factor_samples(gen: torch.Generator, repeats: int) -> list[Sample]:
     """Time the capture path (``KFACLayer.accumulate_a/g``) of real layers."""
     from torch import nn
 
-    from dpkfac.assignment import LayerShape
     from dpkfac.costmodel.timing import factor_work
     from dpkfac.curvature import KFACLayer, helper_for
+    from dpkfac.plan.assignment import LayerShape
 
     cases = []
     for c_in, c_out, k, side, n in _CONVS:
@@ -167,7 +153,7 @@ def _factor_samples(gen: torch.Generator, repeats: int) -> list[Sample]:
                 layer.clear_pending()
                 capture(t, "expand", torch.float32)
 
-            seconds = _median_time(fn, repeats)
+            seconds = median_time(fn, repeats)
             out.append(Sample(factor_work(shape, which, "expand", 4), seconds))
     return out
 
@@ -189,19 +175,19 @@ def measure_compute(threads: int = 1, repeats: int = 5) -> list[Sample]:
         for d in (32, 64, 128, 256, 512, 1024):
             x = torch.randn(d, 2 * d, generator=gen)
             factor = x @ x.t() / (2 * d)
-            t = _median_time(
+            t = median_time(
                 lambda f=factor: EigenDecomposition.compute(f, damping=1e-3, dtype=torch.float32),
                 max(3, repeats // (1 + d // 256)),
             )
             out.append(Sample.compute("eigh", 9.0 * d**3, t))
-            t = _median_time(
+            t = median_time(
                 lambda f=factor: InverseDecomposition.compute(f, damping=1e-3, dtype=torch.float32),
                 repeats,
             )
             out.append(Sample.compute("inverse", 2.0 * d**3, t))
         for d in (65, 145, 289, 577, 1025):
             packed = pack_triangle(torch.randn(d, d, generator=gen), tables)
-            t = _median_time(lambda p=packed, d=d: unpack_triangle(p, d, tables), repeats)
+            t = median_time(lambda p=packed, d=d: unpack_triangle(p, d, tables), repeats)
             out.append(Sample.compute("unpack", 4.0 * d * d, t))
         for g, a in ((16, 64), (64, 128), (128, 256), (256, 512), (512, 1024)):
             qa = EigenDecomposition(
@@ -211,7 +197,7 @@ def measure_compute(threads: int = 1, repeats: int = 5) -> list[Sample]:
                 torch.linalg.qr(torch.randn(g, g, generator=gen))[0], torch.rand(g)
             )
             grad = torch.randn(g, a, generator=gen)
-            t = _median_time(
+            t = median_time(
                 lambda grad=grad, qa=qa, qg=qg: precondition(grad, qa, qg, damping=1e-3), repeats
             )
             out.append(Sample.compute("precondition", 4.0 * g * a * (g + a), t))
@@ -228,7 +214,7 @@ def measure_compute(threads: int = 1, repeats: int = 5) -> list[Sample]:
                 layer.zero_grad()
                 layer(x.requires_grad_()).sum().backward()
 
-            t = _median_time(fwd_bwd, repeats)
+            t = median_time(fwd_bwd, repeats)
             out.append(Sample.compute("forward_backward", 6.0 * rows * (d_in + 1) * d_out, t))
     finally:
         torch.set_num_threads(before)
@@ -250,93 +236,3 @@ def calibrate_local(
     # ranks with a core each (see the cpu_gloo_local preset); refit it from
     # measured runs with dpkfac.costmodel.fitting.fit_overlap.
     return Hardware(hw.name, hw.links, hw.engines, (source, *hw.sources), overlap=0.9)
-
-
-#: Factor sides whose eigendecomposition ``measure_in_group`` times.
-EIGH_PROBE_DIMS = (32, 128, 320)
-#: float32 elements of the broadcasts ``measure_in_group`` times.
-BROADCAST_PROBE_NUMELS = (256, 16384, 262144)
-PROBE_REPEATS = 3
-#: Collectives of one ``measure_in_group`` call, as (kind, bytes): what the
-#: cost model books as one-time "setup" traffic.
-MEASURE_COLLECTIVES: tuple[tuple[str, int], ...] = (
-    *(
-        collective
-        for n in BROADCAST_PROBE_NUMELS
-        for collective in (("allreduce", 8), *(("broadcast", 4 * n),) * PROBE_REPEATS)
-    ),
-    ("allreduce", 8 * 4),
-)
-
-
-def measure_in_group(comm: Communicator, base: Hardware, name: str = "measured") -> Hardware:
-    """This rank's ``eigh`` engine and the group's broadcast link, measured in-process.
-
-    A collective: every rank of ``comm`` calls it. Each rank times ``eigh`` of
-    a few factor sizes on its device and a few broadcasts of rank 0's buffers.
-    The ranks meet (a tiny all-reduce) before each broadcast size, and the
-    fastest of the repeats counts, so a rank that arrives late (still timing
-    its decompositions, or building another model) does not pass its delay
-    off as transfer time. The fitted parameters are then agreed by an
-    element-wise maximum (the slowest rank's view), so every rank returns the
-    same model and a placement computed from it is the same everywhere. The
-    collectives are accounted in the "setup" category (:data:`MEASURE_COLLECTIVES`).
-
-    Args:
-        comm: the preconditioner's communicator.
-        base: where the other links and engines come from.
-        name: the result's name.
-    """
-    device = comm.device if comm.device.type == "cuda" else torch.device("cpu")
-    gen = torch.Generator().manual_seed(0)
-    samples: list[Sample] = []
-
-    def synced(fn: Callable[[], object]) -> Callable[[], object]:
-        def run() -> object:
-            out = fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            return out
-
-        return run
-
-    for d in EIGH_PROBE_DIMS:
-        x = torch.randn(d, d, generator=gen).to(device)
-        factor = x @ x.T / d + torch.eye(d, device=device)
-        seconds = _median_time(synced(lambda f=factor: torch.linalg.eigh(f)), PROBE_REPEATS)
-        samples.append(Sample.compute("eigh", 9.0 * d**3, seconds))
-    for numel in BROADCAST_PROBE_NUMELS:
-        buf = torch.zeros(numel, dtype=torch.float32, device=comm.device)
-        comm.agree_max([0.0])  # meet first
-        times = []
-        for _ in range(PROBE_REPEATS):
-            start = time.perf_counter()
-            comm.broadcast([buf], 0, "setup")
-            times.append(time.perf_counter() - start)
-        samples.append(Sample.collective("broadcast", 4 * numel, min(times), comm.size))
-    fitted = calibrate(samples, base=base, name=name)
-    eigh, bcast = fitted.engine("eigh"), fitted.link("broadcast")
-    inv_rate, latency, alpha, beta = comm.agree_max(
-        [1.0 / eigh.rate, eigh.latency, bcast.alpha, bcast.beta]
-    )
-    return replace(
-        base,
-        name=name,
-        links={**base.links, "broadcast": Link(alpha, beta)},
-        engines={**base.engines, "eigh": Engine(1.0 / inv_rate if inv_rate > 0 else 1e30, latency)},
-        sources=(f"measured in-process on {comm.size} ranks by measure_in_group",),
-    )
-
-
-def start_up_hardware(comm: Communicator) -> Hardware:
-    """The model a strategy measures when it starts: ``measure_in_group`` on this machine's preset.
-
-    A collective over ``comm`` (nothing is measured on one rank: no
-    collective would ever be timed there).
-    """
-    from dpkfac.costmodel.presets import PRESETS
-
-    base = PRESETS["cpu_gloo_local"]
-    if not comm.active:
-        return base
-    return measure_in_group(comm, base)

@@ -45,13 +45,14 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from dpkfac.costmodel.hardware import COLLECTIVE_KINDS, Engine, Hardware, Link, Sample, calibrate
-from dpkfac.costmodel.hardware import scaled as scaled_hardware
+from dpkfac.costmodel.auto import resolve
 from dpkfac.costmodel.predict import Prediction, predict
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.costmodel.timing import COMM_PHASES, COMPUTE_PHASES, forward_backward_work
 from dpkfac.options import KFACOptions, StrategyOptions
-from dpkfac.strategies import canonical_name, strategy_class, strategy_options
+from dpkfac.plan import canonical_name, scheme_of, scheme_options
+from dpkfac.plan.hardware import COLLECTIVE_KINDS, Engine, Hardware, Link, Sample, calibrate
+from dpkfac.plan.hardware import scaled as scaled_hardware
 
 __all__ = [
     "Fit",
@@ -136,7 +137,7 @@ class Measurement:
         name = canonical_name(self.strategy)
         object.__setattr__(self, "strategy", name)
         if self.options is None:
-            object.__setattr__(self, "options", strategy_options(name))
+            object.__setattr__(self, "options", scheme_options(name))
 
 
 @dataclass(frozen=True)
@@ -205,8 +206,13 @@ def predict_measurement(
     plan = m.fusion_plan if replay else None
     options = m.options
     if replay and m.strategy is not None and options is not None and m.measured_hardware:
-        options = strategy_class(m.strategy).resolve_options(
-            options, m.measured_hardware, shapes=list(m.shapes), world_size=p, kfac=m.kfac
+        options, _ = resolve(
+            scheme_of(m.strategy),
+            options,
+            shapes=list(m.shapes),
+            world_size=p,
+            kfac=m.kfac,
+            hardware=m.measured_hardware,
         )
     return predict(
         m.shapes,

@@ -4,12 +4,12 @@
 (:class:`~dpkfac.options.KFACOptions` and the strategy's
 :class:`~dpkfac.options.StrategyOptions`), so a run and its prediction are
 described by the same values and validated by the same code. The strategy
-is priced through its class (:func:`dpkfac.strategies.strategy_class`):
-its traits, placement and one-time collectives; nothing here branches on a
-strategy's name. Bytes, calls, wire bytes and memory come from
+is priced through its :class:`~dpkfac.plan.Plan`, the object the runtime
+executes: its traits, placement, roles and one-time collectives; nothing here
+branches on a strategy's name. Bytes, calls, wire bytes and memory come from
 :mod:`dpkfac.costmodel.traffic` and are exact; seconds come from
 :mod:`dpkfac.costmodel.timing` (work per phase and rank, priced by a
-:class:`~dpkfac.costmodel.hardware.Hardware`).
+:class:`~dpkfac.plan.hardware.Hardware`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dpkfac.assignment import LayerShape, Placement
 from dpkfac.costmodel import traffic as tr
-from dpkfac.costmodel.hardware import Hardware, Sample
+from dpkfac.costmodel.auto import resolve
 from dpkfac.costmodel.shapes import as_model_shapes
 from dpkfac.costmodel.timing import (
     COMM_PHASES,
@@ -31,9 +30,11 @@ from dpkfac.costmodel.timing import (
     step_prediction,
     timeline,
 )
-from dpkfac.fusion import CommModel
 from dpkfac.options import KFACOptions, Schedule, StrategyOptions
-from dpkfac.strategies import Traits, canonical_name, strategy_class, strategy_options
+from dpkfac.plan import Plan, Traits, scheme_of, scheme_options
+from dpkfac.plan.assignment import LayerShape, Placement
+from dpkfac.plan.fusion import CommModel
+from dpkfac.plan.hardware import Hardware, Sample
 
 __all__ = ["Prediction", "predict", "predict_sgd"]
 
@@ -52,6 +53,7 @@ class Prediction:
         memory: ``memory_usage()`` of every rank.
         setup: one-time collectives (placement agreement, fusion planning).
         placement: owners and decomposers (None without K-FAC).
+        roles: the run's plan: placement, roles and groups (None without K-FAC).
         plan: the fusion buckets of (layer, "A"/"G") keys of pipelined factor traffic.
         sgd_grad_comm: seconds of plain data parallelism's gradient all-reduce.
         kfac: the preconditioner's common options the prediction assumed.
@@ -67,6 +69,7 @@ class Prediction:
     memory: list[dict[str, int]]
     setup: list[tr.Collective]
     placement: Placement | None
+    roles: Plan | None
     plan: list[list[Key]] | None
     sgd_grad_comm: float
     kfac: KFACOptions
@@ -226,20 +229,6 @@ def _interval(name: str, value: Schedule) -> int:
     return int(value)
 
 
-def _strategy_options(
-    name: str, options: StrategyOptions | Mapping[str, Any] | None
-) -> StrategyOptions:
-    """Validated options of strategy ``name`` (a mapping is built as the preconditioner would)."""
-    cls = strategy_class(name)
-    if options is None or isinstance(options, Mapping):
-        return strategy_options(name, options)
-    if not isinstance(options, cls.Options):
-        raise TypeError(
-            f"strategy {cls.name!r} takes {cls.Options.__name__}, got {type(options).__name__}"
-        )
-    return options
-
-
 def _fusion_comm(options: StrategyOptions, hw: Hardware, p: int) -> tuple[str, CommModel]:
     """Fusion rule and alpha-beta model a pipelined strategy plans its buckets with.
 
@@ -290,7 +279,7 @@ def predict(
             keyword arguments (validated as the preconditioner validates them).
         param_itemsize: bytes per element of the parameters.
         fusion_plan: the fusion plan of a pipelined strategy as the run fixed
-            it (``pre.strategy.plan``), instead of replanning from modelled
+            it (``pre.strategy.fusion_plan``), instead of replanning from modelled
             ready times.
         ready_times: measured factor ready times to plan from.
         ddp: the model is DDP-wrapped (gradients are not counted by K-FAC).
@@ -304,25 +293,27 @@ def predict(
     kfac = KFACOptions() if kfac is None else kfac
     f_every = _interval("factor_update_steps", kfac.factor_update_steps)
     i_every = _interval("inv_update_steps", kfac.inv_update_steps)
+    model = as_model_shapes(shapes, bias=bias, other_params=other_params)
+    p, hw = int(world_size), hardware
+    name = roles = traits = opts = None
     if strategy is None:
         if options:
             raise ValueError(f"strategy options {options!r} given without a strategy")
-        name, opts, traits = None, None, None
     else:
-        name = canonical_name(strategy)
-        # What the run would fill in at start-up (spd_kfac's measured hardware,
-        # grouped's automatic choice).
-        given = _strategy_options(name, options)
-        opts = strategy_class(name).resolve_options(
-            given,
-            hardware,
-            shapes=list(shapes),
-            world_size=int(world_size),
-            kfac=kfac,
+        scheme = scheme_of(strategy)
+        name = scheme.name
+        given = scheme_options(name, options)
+        # Placed by the step's batch, k micro-batches of the shapes' batch, as at run time.
+        k = kfac.accumulation_steps
+        step_shapes = (
+            [replace(s, batch_size=s.batch_size * k) for s in model] if k > 1 else list(model)
         )
-        traits = strategy_class(name).traits(opts)
-    model = as_model_shapes(shapes, bias=bias, other_params=other_params)
-    p, hw = int(world_size), hardware
+        # What the run would fill in at start-up (a measured hardware model, "auto").
+        opts, _ = resolve(scheme, given, shapes=list(shapes), world_size=p, kfac=kfac, hardware=hw)
+        roles = scheme.plan(
+            step_shapes, p, opts, given=given, num_factors=len(tr.factor_keys(model))
+        )
+        traits = roles.traits
     fi = kfac.factor_dtype.itemsize if kfac.factor_dtype is not None else param_itemsize
     di = max(4, fi, kfac.decomposition_dtype.itemsize)
     cap = kfac.bucket_cap_bytes
@@ -332,27 +323,15 @@ def predict(
     sgd_grad_comm = (
         sum(hw.link(c.kind).time(1, c.wire_bytes, p) for c in sgd_grads) if active else 0.0
     )
-    placement = plan = roles = None
+    placement = None if roles is None else roles.placement
+    plan = None
     every: list[tr.Collective] = [] if ddp else list(sgd_grads)
     updates: list[list[tr.Collective]] = [[] for _ in range(p)]
     setup: list[tr.Collective] = []
     factor_colls: list[list[tr.Collective]] = [[] for _ in range(p)]
     decomp_colls: list[list[tr.Collective]] = [[] for _ in range(p)]
-    if name is not None and opts is not None and traits is not None:
-        cls = strategy_class(name)
-        # Placed by the step's batch, k micro-batches of the shapes' batch, as at run time.
-        k = kfac.accumulation_steps
-        placement = cls.placement(
-            [replace(s, batch_size=s.batch_size * k) for s in model] if k > 1 else list(model),
-            p,
-            opts,
-        )
-        roles = tr.Roles(
-            tuple(cls.preconditioners(o, p, opts) for o in placement.owner),
-            tuple(tuple(g) for g in cls.decomposition_groups(p, opts)),
-            tuple(tuple(g) for g in cls.update_groups(p, opts)),
-            tuple(tuple(g) for g in cls.factor_groups(p, opts)),
-        )
+    if roles is not None and traits is not None and opts is not None:
+        placement = roles.placement
         if traits.owner_grad_reduction and active and not ddp:
             every = tr.grad_collectives(
                 model, p, itemsize=param_itemsize, cap_bytes=cap, owners=placement.owner
@@ -368,15 +347,7 @@ def predict(
             )
             for r in range(p)
         ]
-        if cls.placement_uses_batch(given):
-            # (batch_size, positions) of every layer, as float64, agreed by a max-reduce.
-            setup.append(tr.Collective("setup", "allreduce", 16 * len(model), p))
-        n_keys = len(tr.factor_keys(model))
-        setup += [
-            tr.Collective("setup", kind, nbytes, p)
-            # What the run does at start-up, with the options it was given.
-            for kind, nbytes in cls.setup_collectives(given, n_keys)
-        ]
+        setup = [tr.Collective("setup", kind, nbytes, p) for kind, nbytes in roles.setup]
         if traits.factor_comm == "pipelined":
             fusion, comm = _fusion_comm(opts, hw, p)
             if fusion_plan is not None:
@@ -393,11 +364,11 @@ def predict(
                 itemsize=fi,
                 cap_bytes=cap,
                 plan=plan,
-                include=[roles.captures(r, o) for o in placement.owner],
+                include=[roles.captures(r, i) for i in range(len(model))],
             )
         decomp_colls = [
             tr.decomposition_collectives(
-                model, placement, roles, r, compute_method=method, itemsize=di, cap_bytes=cap
+                model, roles, r, compute_method=method, itemsize=di, cap_bytes=cap
             )
             for r in range(p)
         ]
@@ -421,8 +392,6 @@ def predict(
             steps[(factor, decomp)] = step_prediction(
                 model,
                 p,
-                traits,
-                placement,
                 roles,
                 hw,
                 rank_colls if active else [],
@@ -432,21 +401,18 @@ def predict(
                 weight_sharing=sharing,
                 factor_itemsize=fi,
                 ddp_grad=ddp_grad,
-                plan=plan,
+                fusion_plan=plan,
             )
     memory = (
         tr.memory_per_rank(
             model,
-            p,
-            traits,
-            placement,
             roles,
             compute_method=method,
             factor_itemsize=fi,
             decomposition_itemsize=di,
             accumulation_steps=kfac.accumulation_steps,
         )
-        if traits is not None and placement is not None and roles is not None
+        if roles is not None
         else [{"factors_bytes": 0, "decompositions_bytes": 0, "buffers_bytes": 0} for _ in range(p)]
     )
     return Prediction(
@@ -457,6 +423,7 @@ def predict(
         memory=memory,
         setup=setup if active else [],
         placement=placement,
+        roles=roles,
         plan=plan,
         sgd_grad_comm=sgd_grad_comm,
         kfac=replace(kfac, factor_update_steps=f_every, inv_update_steps=i_every),

@@ -1,6 +1,6 @@
 """What the cost model needs to know about a model beyond its K-FAC layer shapes.
 
-A :class:`~dpkfac.assignment.LayerShape` carries a layer's factor sizes and
+A :class:`~dpkfac.plan.assignment.LayerShape` carries a layer's factor sizes and
 batch statistics. Exact byte predictions need three more facts, because
 buffers are split between *tensors* at the bucket cap and a layer's factors
 only travel when its hooks fire:
@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, overload
 
-from dpkfac.assignment import LayerShape
+from dpkfac.plan.assignment import LayerShape
 
 __all__ = ["ModelShapes", "as_model_shapes", "shapes_from_model"]
 

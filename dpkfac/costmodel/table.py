@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dpkfac.assignment import LayerShape
-from dpkfac.costmodel.hardware import Hardware
 from dpkfac.costmodel.predict import predict, predict_sgd
-from dpkfac.costmodel.presets import PRESETS
 from dpkfac.options import KFACOptions
-from dpkfac.strategies import strategy_class
+from dpkfac.plan import scheme_of
+from dpkfac.plan.assignment import LayerShape
+from dpkfac.plan.hardware import Hardware
+from dpkfac.plan.presets import PRESETS
 
 __all__ = ["BASELINES", "VARIANTS", "format_table", "predicted_table"]
 
@@ -94,7 +94,7 @@ def predicted_table(
                 "kfac_wire_mb": (wire - sgd_wire) / 2**20,
                 "iteration_s": pred.iteration,
                 "sgd_iteration_s": sgd.iteration,
-                "configuration": strategy_class(strategy).describe(pred.options),
+                "configuration": scheme_of(strategy).describe(pred.options),
             }
             by_label[label] = row
             rows.append(row)

@@ -1,6 +1,6 @@
 """The timing half of the cost model: work per phase and rank, and the critical path.
 
-Work (``kind -> (calls, amount)``, see :mod:`dpkfac.costmodel.hardware`) per phase:
+Work (``kind -> (calls, amount)``, see :mod:`dpkfac.plan.hardware`) per phase:
 
 * ``factor_compute``: per factor, the kernels ``factor_method="auto"`` uses
   (:mod:`dpkfac.curvature.kernels`): a Conv2d "expand" A factor by shifted
@@ -18,7 +18,7 @@ Work (``kind -> (calls, amount)``, see :mod:`dpkfac.costmodel.hardware`) per pha
   priced per launch (that would make the fitted latency and overlap less
   identifiable);
 * ``decomposition``: per factor, ``9·d³`` flops of kind "eigh" (Golub & Van
-  Loan, symmetric QR with vectors; :data:`dpkfac.assignment.EIGH_COEFF` in
+  Loan, symmetric QR with vectors; :data:`dpkfac.plan.assignment.EIGH_COEFF` in
   flops) or ``2·d³`` of kind "inverse" (Cholesky and its inverse);
 * ``precondition``: per layer, ``4·g·a·(g+a)`` flops for eigen (four
   matmuls), ``2·g·a·(g+a)`` for inverse;
@@ -30,7 +30,7 @@ Work (``kind -> (calls, amount)``, see :mod:`dpkfac.costmodel.hardware`) per pha
   (spd_kfac), which happens when the collective is waited on.
 
 Which rank does which work, and where the step synchronises, come from the
-strategy's :class:`~dpkfac.strategies.Traits` and placement, never from its
+strategy's :class:`~dpkfac.plan.Traits` and placement, never from its
 name. The iteration is a critical path through the step's synchronisation
 points (a collective completes when the slowest rank has joined it): the
 busiest rank's forward/backward with factor construction, the gradient
@@ -49,13 +49,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dpkfac.assignment import EIGH_COEFF, INVERSE_COEFF, LayerShape, Placement
 from dpkfac.costmodel import traffic as tr
-from dpkfac.costmodel.hardware import Hardware, Work, add_work
 from dpkfac.costmodel.shapes import ModelShapes
-from dpkfac.fusion import CommModel, plan_buckets
+from dpkfac.plan.assignment import EIGH_COEFF, INVERSE_COEFF, LayerShape
+from dpkfac.plan.fusion import CommModel, plan_buckets
+from dpkfac.plan.hardware import Hardware, Work, add_work
+from dpkfac.plan.roles import Plan
 from dpkfac.stats import PHASE_OF_CATEGORY
-from dpkfac.strategies import Traits
 
 __all__ = [
     "COMM_PHASES",
@@ -190,7 +190,7 @@ def pipelined_plan(
     """The fusion plan of pipelined factor traffic, built as ``SPDKFAC._build_plan`` builds it.
 
     Factors are ordered by ready time; "dynamic" fusion merges consecutive
-    ones by :func:`dpkfac.fusion.plan_buckets`, anything else sends each alone.
+    ones by :func:`dpkfac.plan.fusion.plan_buckets`, anything else sends each alone.
     """
     keys = tr.factor_keys(model)
     order = sorted(range(len(keys)), key=lambda i: (ready[keys[i]], i))
@@ -207,9 +207,7 @@ def pipelined_plan(
 def _rank_work(
     model: ModelShapes,
     rank: int,
-    traits: Traits | None,
-    placement: Placement | None,
-    roles: tr.Roles | None,
+    plan: Plan | None,
     *,
     factor: bool,
     decomp: bool,
@@ -223,17 +221,17 @@ def _rank_work(
     pre_coeff = 4.0 if compute_method == "eigen" else 2.0
     w: dict[str, Work] = {}
     for i, s in enumerate(model):
-        if traits is None or placement is None or roles is None or not model.captured[i]:
+        if plan is None or not model.captured[i]:
             continue
-        if factor and roles.captures(rank, placement.owner[i]):
+        if factor and plan.captures(rank, i):
             for which in "AG":
                 for kind, (c, a) in factor_work(s, which, weight_sharing, itemsize).items():
                     add_work(w.setdefault("factor_compute", {}), kind, c, a)
         if decomp:
-            for d, o in ((s.a_dim, placement.a_owner[i]), (s.g_dim, placement.g_owner[i])):
-                if o is None or o == rank:
+            for d, which in ((s.a_dim, "A"), (s.g_dim, "G")):
+                if plan.decomposes(rank, i, which):
                     add_work(w.setdefault("decomposition", {}), dec_kind, 1, dec_flops * d**3)
-        if rank in roles.preconditioners[i]:
+        if plan.preconditions(rank, i):
             flops = pre_coeff * s.g_dim * s.a_dim * (s.g_dim + s.a_dim)
             add_work(w.setdefault("precondition", {}), "precondition", 1, flops)
     return w
@@ -309,9 +307,7 @@ def _overlap_backward(
 def step_prediction(
     model: ModelShapes,
     p: int,
-    traits: Traits | None,
-    placement: Placement | None,
-    roles: tr.Roles | None,
+    plan: Plan | None,
     hw: Hardware,
     rank_colls: list[list[tr.Collective]],
     *,
@@ -321,12 +317,13 @@ def step_prediction(
     weight_sharing: str,
     factor_itemsize: int,
     ddp_grad: float,
-    plan: list[list[Key]] | None,
+    fusion_plan: list[list[Key]] | None,
 ) -> StepPrediction:
     """Work, seconds and critical path of one step where each rank sends ``rank_colls[r]``.
 
-    ``traits`` None is plain data parallelism (no K-FAC work).
+    ``plan`` None is plain data parallelism (no K-FAC work).
     """
+    traits = None if plan is None else plan.traits
     rank_comm_work: list[dict[str, Work]] = []
     for colls in rank_colls or [[] for _ in range(p)]:
         comm_work: dict[str, Work] = {}
@@ -345,9 +342,7 @@ def step_prediction(
             _rank_work(
                 model,
                 r,
-                traits,
-                placement,
-                roles,
+                plan,
                 factor=factor,
                 decomp=decomp,
                 compute_method=compute_method,
@@ -359,11 +354,11 @@ def step_prediction(
         seconds.append({ph: hw.time(w.get(ph, {}), p) for ph in (*COMPUTE_PHASES, *COMM_PHASES)})
     serial = {ph: seconds[0][ph] for ph in COMM_PHASES}
     pipelined = traits is not None and traits.factor_comm == "pipelined"
-    if pipelined and "factor_comm" in comm_work and plan:
+    if pipelined and "factor_comm" in comm_work and fusion_plan:
         ready, backward_end = timeline(model, hw, weight_sharing, factor_itemsize)
         link, finish = hw.link("allreduce"), -math.inf
         factor_colls = [c for c in colls if c.category == "factor_allreduce"]
-        for c, bucket in zip(factor_colls, plan, strict=True):
+        for c, bucket in zip(factor_colls, fusion_plan, strict=True):
             start = max(finish, max(ready[k] for k in bucket))
             finish = start + link.time(1, c.wire_bytes, p)
         hidden = hw.overlap * max(0.0, finish - backward_end)

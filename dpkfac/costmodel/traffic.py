@@ -1,12 +1,10 @@
 """Which collectives a strategy launches, buffer by buffer, and what each rank holds.
 
 This is the exact half of the cost model. It never asks which strategy it
-prices: the strategy class answers with its :class:`~dpkfac.strategies.Traits`
-(does it send factors, broadcast decompositions, broadcast preconditioned
-gradients, reduce gradients onto owners?) and its
-:meth:`~dpkfac.strategies.Strategy.placement`, the very function the strategy
-writes into its layers. This module replays those answers with the
-communicator's bucket rule (:func:`dpkfac.fusion.size_cap_buckets`, the
+prices: it reads the run's :class:`~dpkfac.plan.Plan` (traits, placement,
+roles and rank groups), the very object the runtime strategy executes. This
+module replays those answers with the
+communicator's bucket rule (:func:`dpkfac.plan.fusion.size_cap_buckets`, the
 single-dtype case of :func:`dpkfac.comm.bucket_plan`) and the fusion plans of
 pipelined factor traffic, so the predicted bytes, calls and wire bytes are
 what :meth:`dpkfac.KFACPreconditioner.comm_stats` reports on every rank. All
@@ -24,18 +22,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dpkfac.assignment import Placement
 from dpkfac.comm import triangle_numel
-from dpkfac.costmodel.hardware import wire_bytes
 from dpkfac.costmodel.shapes import ModelShapes
-from dpkfac.fusion import size_cap_buckets
+from dpkfac.plan.assignment import Placement
+from dpkfac.plan.fusion import size_cap_buckets
+from dpkfac.plan.hardware import wire_bytes
+from dpkfac.plan.roles import Plan
+from dpkfac.plan.traits import Traits
 from dpkfac.stats import COMM_CATEGORIES
-from dpkfac.strategies import Traits
 
 __all__ = [
     "Collective",
     "Placement",
-    "Roles",
     "bucket_bytes",
     "comm_counts",
     "decomposition_collectives",
@@ -113,51 +111,9 @@ def grad_collectives(
     return out + _collectives(cat, "allreduce", others, cap_bytes, world_size)
 
 
-@dataclass(frozen=True)
-class Roles:
-    """Who holds and who sends what, per layer and rank group (from the strategy class).
-
-    Attributes:
-        preconditioners: per layer, the ranks that precondition it and hold its
-            decompositions (``Strategy.preconditioners``).
-        decomposition_groups: groups within which decompositions are broadcast
-            from their decomposer (``Strategy.decomposition_groups``).
-        update_groups: groups within which preconditioned updates are
-            broadcast, each by the group's member among the layer's
-            preconditioners (``Strategy.update_groups``).
-        factor_groups: groups within which a layer's factors are built (by
-            the group of its owner) and averaged (``Strategy.factor_groups``).
-    """
-
-    preconditioners: tuple[tuple[int, ...], ...]
-    decomposition_groups: tuple[tuple[int, ...], ...]
-    update_groups: tuple[tuple[int, ...], ...]
-    factor_groups: tuple[tuple[int, ...], ...] = ()
-
-    def factor_group(self, rank: int) -> tuple[int, ...]:
-        """The factor group of ``rank`` (itself alone when no groups are given)."""
-        return next((tuple(g) for g in self.factor_groups if rank in g), (rank,))
-
-    def captures(self, rank: int, owner: int | None) -> bool:
-        """Whether ``rank`` builds the factors of a layer whose owner is ``owner``.
-
-        In a group of every rank, all capture whatever the owner (d_kfac's
-        owner may be None or -1: decomposed everywhere).
-        """
-        group = self.factor_group(rank)
-        world = sum(len(g) for g in self.factor_groups)
-        return len(group) == world or owner in group
-
-    @staticmethod
-    def group_of(groups: Sequence[Sequence[int]], rank: int) -> tuple[int, ...] | None:
-        """The group holding ``rank``, when it is in one of more than one rank."""
-        group = next((tuple(g) for g in groups if rank in g), None)
-        return group if group is not None and len(group) > 1 else None
-
-
 def precond_collectives(
     model: ModelShapes,
-    roles: Roles,
+    plan: Plan,
     rank: int,
     *,
     itemsize: int,
@@ -168,14 +124,14 @@ def precond_collectives(
 
     Each layer's update matrix travels with its two KL scalars when the clip is on.
     """
-    group = Roles.group_of(roles.update_groups, rank)
+    group = plan.update_group(rank)
     if group is None:
         return []
     out: list[Collective] = []
     for src in group:
         sizes: list[int] = []
         for i, s in enumerate(model):
-            if src in roles.preconditioners[i]:
+            if plan.sends_update(src, i):
                 sizes.append(s.g_dim * s.a_dim * itemsize)
                 if kl_clip:
                     sizes.append(2 * itemsize)
@@ -256,8 +212,7 @@ def decomposition_numel(dim: int, compute_method: str) -> list[int]:
 
 def decomposition_collectives(
     model: ModelShapes,
-    placement: Placement,
-    roles: Roles,
+    plan: Plan,
     rank: int,
     *,
     compute_method: str,
@@ -266,7 +221,7 @@ def decomposition_collectives(
 ) -> list[Collective]:
     """The decomposition broadcasts ``rank`` takes part in: per decomposer of its group, one
     capped bucket (layer by layer, A before G, eigenvectors before eigenvalues)."""
-    group = Roles.group_of(roles.decomposition_groups, rank)
+    group = plan.decomposition_group(rank)
     if group is None:
         return []
     out: list[Collective] = []
@@ -275,8 +230,8 @@ def decomposition_collectives(
         for i, s in enumerate(model):
             if not model.captured[i]:
                 continue
-            for dim, owner in ((s.a_dim, placement.a_owner[i]), (s.g_dim, placement.g_owner[i])):
-                if owner == src:
+            for dim, which in ((s.a_dim, "A"), (s.g_dim, "G")):
+                if plan.sends_decomposition(src, i, which):
                     sizes += [n * itemsize for n in decomposition_numel(dim, compute_method)]
         out += _collectives("decomposition_broadcast", "broadcast", sizes, cap_bytes, len(group))
     return out
@@ -297,10 +252,7 @@ def comm_counts(collectives: Sequence[Collective]) -> dict[str, dict[str, int]]:
 
 def memory_per_rank(
     model: ModelShapes,
-    world_size: int,
-    traits: Traits,
-    placement: Placement,
-    roles: Roles,
+    plan: Plan,
     *,
     compute_method: str,
     factor_itemsize: int,
@@ -319,22 +271,22 @@ def memory_per_rank(
     more, every G of the earlier micro-batches waits too, so all of them).
     """
     out = []
-    for r in range(world_size):
+    for r in range(plan.world_size):
         factors = decomps = 0
         held = []  # (A bytes, G bytes) of the layers this rank captures, in module order
         for i, s in enumerate(model):
             if not model.captured[i]:
                 continue
-            if roles.captures(r, placement.owner[i]):
+            if plan.captures(r, i):
                 held.append((s.a_dim**2 * factor_itemsize, s.g_dim**2 * factor_itemsize))
                 factors += sum(held[-1])
-            if r in roles.preconditioners[i]:
+            if plan.preconditions(r, i):
                 decomps += (
                     sum(sum(decomposition_numel(d, compute_method)) for d in (s.a_dim, s.g_dim))
                     * decomposition_itemsize
                 )
         buffers = factors
-        if traits.overlapped_precondition and held and accumulation_steps == 1:
+        if plan.traits.overlapped_precondition and held and accumulation_steps == 1:
             # Folded layer by layer in the backward pass (reverse module order): when
             # layer j folds, the A factors of layers up to j still wait, and G of j alone.
             buffers = max(sum(a for a, _ in held[: j + 1]) + g for j, (_, g) in enumerate(held))

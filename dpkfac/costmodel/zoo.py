@@ -10,9 +10,9 @@ and Hugging Face modules.
 
 from __future__ import annotations
 
-from dpkfac.assignment import LayerShape
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.options import KFACOptions
+from dpkfac.plan.assignment import LayerShape
 
 __all__ = ["PAPER_MODELS", "ZOO", "bert_qa", "cifar_resnet", "resnet50", "transformer"]
 

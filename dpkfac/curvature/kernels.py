@@ -129,7 +129,7 @@ def triangle_work(rows: int, d: int, block: int = TRIANGLE_BLOCK) -> tuple[int, 
 
 def guess_square_kernel(a_dim: int) -> tuple[int, int]:
     """(k, C) of a conv A factor side ``a_dim`` (bias or not): the largest odd k in 7, 5, 3
-    with ``k²`` dividing it, else 1. A guess: :class:`~dpkfac.assignment.LayerShape`
+    with ``k²`` dividing it, else 1. A guess: :class:`~dpkfac.plan.assignment.LayerShape`
     keeps neither the kernel nor the stride."""
     for k in (7, 5, 3):
         for d in (a_dim, a_dim - 1):

@@ -84,6 +84,33 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def warn_non_finite(layer: str, which: str, *, stacklevel: int = 3) -> None:
+    """The warning of a batch factor rejected for NaN/Inf (its update is skipped)."""
+    warnings.warn(
+        f"dpkfac: non-finite values in the {which} factor of layer {layer!r}; "
+        "update skipped, previous factor kept",
+        RuntimeWarning,
+        stacklevel=stacklevel,
+    )
+
+
+@dataclass(frozen=True)
+class MaskedFold:
+    """One factor folded by :meth:`KFACLayer.fold_masked`.
+
+    Attributes:
+        which: "A" or "G".
+        finite: device boolean, whether the batch factor held only finite values.
+        had_running: whether there was a running average before.
+        old_decomposition: the decomposition before (restored by ``undo_fold``).
+    """
+
+    which: str
+    finite: torch.Tensor
+    had_running: bool
+    old_decomposition: Decomposition | None
+
+
 class KFACLayer:
     """Factors, decompositions and placement of one preconditioned module.
 
@@ -145,7 +172,7 @@ class KFACLayer:
         return self.helper.a_dim if which == "A" else self.helper.g_dim
 
     def set_placement(self, owner: int, a_owner: int | None, g_owner: int | None) -> None:
-        """Write this layer's entry of a :class:`~dpkfac.assignment.Placement`."""
+        """Write this layer's entry of a :class:`~dpkfac.plan.assignment.Placement`."""
         self.owner = owner
         self.factors["A"].owner, self.factors["G"].owner = a_owner, g_owner
 
@@ -259,12 +286,7 @@ class KFACLayer:
             if batch is None:
                 continue
             if not finite[which]:
-                warnings.warn(
-                    f"dpkfac: non-finite values in the {which} factor of layer {self.name!r}; "
-                    "update skipped, previous factor kept",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+                warn_non_finite(self.name, which, stacklevel=4)
                 continue
             if state.running is None:
                 state.running = batch.clone()
@@ -275,6 +297,41 @@ class KFACLayer:
             updated.append(which)
         self.clear_pending()
         return updated
+
+    def fold_masked(self, decay: float) -> list[MaskedFold]:
+        """Fold pending batch factors without reading the host: NaN/Inf masked on the device.
+
+        Where a batch factor holds NaN/Inf, ``torch.where`` keeps the previous
+        running average (zeros where there was none yet: the caller reads the
+        returned flags later, warns, and undoes those with :meth:`undo_fold`).
+        The arithmetic is :meth:`update_factors`'s, so a finite fold is the same.
+
+        Returns:
+            One record per folded factor.
+        """
+        records = []
+        for which, state in self.factors.items():
+            batch = state.pending()
+            if batch is None:
+                continue
+            finite = torch.isfinite(batch).all()
+            running = state.running
+            records.append(MaskedFold(which, finite, running is not None, state.decomposition))
+            if running is not None:
+                new = running.mul(decay).add_(batch.to(running.dtype), alpha=1.0 - decay)
+                state.running = torch.where(finite, new, running)
+            else:
+                state.running = torch.where(finite, batch, torch.zeros_like(batch))
+        self.clear_pending()
+        return records
+
+    def undo_fold(self, record: MaskedFold) -> None:
+        """Undo a :meth:`fold_masked` of a non-finite batch factor where there was no running
+        average yet (the masked zeros must not count as one)."""
+        if not record.had_running:
+            state = self.factors[record.which]
+            state.running = None
+            state.decomposition = record.old_decomposition
 
     # ------------------------------------------------------------- decomposition
     def factor(self, which: str) -> torch.Tensor | None:

@@ -1,10 +1,9 @@
-"""Distribution schemes behind one interface, looked up by name.
+"""The runtime strategies: each executes its scheme's plan over a communicator.
 
-Every strategy has one name, spelled the same in Python, Hydra (``strategy=``),
-the command line, tables and W&B: ``dp_kfac``, ``d_kfac``, ``spd_kfac``,
-``kaisa`` and ``grouped`` (the space between them). The
-hyphenated spellings of the papers (``dp-kfac``, ...) are accepted as input
-and normalised by :func:`canonical_name`; nothing is ever written with them.
+The pure half of every scheme (options, traits, placement, roles) lives on
+the plan floor (:mod:`dpkfac.plan`), registered there by name; this package
+maps each name to the class that runs it. Names are those of
+:func:`dpkfac.plan.canonical_name`.
 """
 
 from __future__ import annotations
@@ -12,44 +11,31 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dpkfac.options import StrategyOptions, make_options
-from dpkfac.strategies.base import Preconditioned, Strategy, Traits
+from dpkfac.plan import SCHEMES, StrategyOptions, Traits, canonical_name, scheme_options
+from dpkfac.strategies.base import Preconditioned, Strategy
 from dpkfac.strategies.d_kfac import DKFAC, DKFACOptions
 from dpkfac.strategies.dp_kfac import DPKFAC, DPKFACOptions
 from dpkfac.strategies.grouped import GroupedKFAC, GroupedOptions
 from dpkfac.strategies.kaisa import KAISA, KAISAOptions
 from dpkfac.strategies.spd_kfac import SPDKFAC, SPDKFACOptions
 
+#: The runtime class of every registered scheme, by name.
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (DPKFAC, DKFAC, SPDKFAC, KAISA, GroupedKFAC)
+    cls.scheme.name: cls for cls in (DPKFAC, DKFAC, SPDKFAC, KAISA, GroupedKFAC)
 }
-
-
-def canonical_name(name: str) -> str:
-    """The registered spelling of a strategy name.
-
-    Raises:
-        ValueError: the name is not a registered strategy.
-    """
-    key = name.replace("-", "_") if isinstance(name, str) else name
-    if key not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; expected one of {sorted(STRATEGIES)}")
-    return key
+assert list(STRATEGIES) == list(SCHEMES), "every scheme has exactly one runtime class"
 
 
 def strategy_class(name: str) -> type[Strategy]:
-    """The strategy class registered under ``name`` (any accepted spelling)."""
+    """The runtime class registered under ``name`` (any accepted spelling)."""
     return STRATEGIES[canonical_name(name)]
 
 
-def strategy_options(name: str, values: Mapping[str, Any] | None = None) -> StrategyOptions:
-    """Validated options of strategy ``name`` from keyword arguments.
-
-    Raises:
-        ValueError: an unknown strategy, an unknown option or a bad value.
-    """
-    cls = strategy_class(name)
-    return make_options(cls.Options, dict(values or {}), f"strategy {cls.name!r}")
+def strategy_options(
+    name: str, values: Mapping[str, Any] | StrategyOptions | None = None
+) -> StrategyOptions:
+    """Validated options of strategy ``name`` (see :func:`dpkfac.plan.scheme_options`)."""
+    return scheme_options(name, values)
 
 
 __all__ = [

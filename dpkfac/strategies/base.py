@@ -1,34 +1,30 @@
-"""The interface every distribution scheme implements.
+"""The runtime half of a distribution scheme: executing a plan over a communicator.
 
-The generic step loop in :mod:`dpkfac.preconditioner` never asks "which
-strategy is this?"; it asks the strategy object questions (does this rank
-build this layer's factors? decompose this factor? precondition this layer?)
-and hands it the communication points of an iteration (gradients, factors,
-decompositions, preconditioned gradients). Every collective goes through the
-strategy's :class:`~dpkfac.comm.Communicator`, so bytes and waiting time are
-accounted in one place.
+The preconditioner (:mod:`dpkfac.preconditioner`) is the one orchestrator.
+At each point of an iteration it asks the strategy, and the strategy asks its
+:class:`~dpkfac.plan.Plan` (``plan.captures(rank, layer)``, ...): roles are
+stated once, by the scheme's pure half (:mod:`dpkfac.plan`), and read here
+and by the cost model alike. A strategy owns the communication points of an
+iteration (gradients, factors, decompositions, preconditioned updates); every
+collective goes through its :class:`~dpkfac.comm.Communicator`, so bytes and
+waiting time are accounted in one place.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from dpkfac.assignment import LayerShape, Placement
 from dpkfac.comm import Communicator
 from dpkfac.curvature import Decomposition, KFACLayer
 from dpkfac.curvature.decomposition import working_dtype
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.options import KFACOptions, StrategyOptions
-
-if TYPE_CHECKING:
-    from dpkfac.costmodel.hardware import Hardware
-    from dpkfac.preconditioner import KFACPreconditioner
+from dpkfac.plan import LayerShape, Placement, Plan, Scheme, Traits
 
 
 @dataclass
@@ -47,45 +43,6 @@ class Preconditioned:
     matrix: torch.Tensor
     vg: torch.Tensor
     preconditioned: bool | torch.Tensor
-
-
-@dataclass(frozen=True)
-class Traits:
-    """What a strategy does at each point of an iteration, in the cost model's terms.
-
-    The cost model prices a strategy from these and from its
-    :meth:`Strategy.placement`, never from its name, so a new strategy is
-    predicted as soon as it states its traits.
-
-    Attributes:
-        captures_all: every rank builds every layer's factors (False: only
-            the layer's owner does, from its local batch).
-        factor_comm: how batch factors are averaged: "none" (never sent),
-            "allreduce" (fused all-reduces in ``step()``) or "pipelined"
-            (launched from the capture hooks, one collective per fusion bucket).
-        triangle: factors travel as packed upper triangles.
-        decomposition_broadcast: decompositions are broadcast from their decomposers.
-        preconditions_all: every rank preconditions every layer (False: the
-            owner does and broadcasts the result).
-        owner_grad_reduction: K-FAC layers' gradients are reduced onto their
-            owners instead of all-reduced.
-        lazy_factor_sync: with ``factor_comm="allreduce"``, the running
-            averages are all-reduced on decomposition steps only, instead of
-            the batch factors on every factor step.
-        overlapped_precondition: gradient reduction, preconditioning and the
-            broadcast of preconditioned updates are launched from gradient
-            hooks during the backward pass (dp_kfac's ``overlap``), so their
-            communication overlaps it as far as the hardware overlaps.
-    """
-
-    captures_all: bool
-    factor_comm: Literal["none", "allreduce", "pipelined"]
-    triangle: bool
-    decomposition_broadcast: bool
-    preconditions_all: bool
-    owner_grad_reduction: bool = False
-    lazy_factor_sync: bool = False
-    overlapped_precondition: bool = False
 
 
 def precondition_layer(layer: KFACLayer, grad: torch.Tensor, damping: float) -> Preconditioned:
@@ -160,27 +117,22 @@ def layer_shape(layer: KFACLayer, batch_size: int, positions: int) -> LayerShape
     )
 
 
-class Strategy(ABC):
-    """Placement queries and communication points of one distribution scheme.
-
-    Class-level methods (``traits``, ``placement``, ``placement_uses_batch``,
-    ``setup_collectives``) are pure functions of shapes and options: the cost
-    model calls them without building anything. Instances do the work of one
-    run over a communicator.
+class Strategy:
+    """Communication points of one distribution scheme, executing its plan.
 
     Args:
         comm: accounted collectives over the preconditioner's process group.
         method: decomposition class of the compute method ("eigen"/"inverse").
-        options: this strategy's :attr:`Options` (default: all defaults).
+        options: this strategy's resolved or unresolved :attr:`Options`
+            (default: all defaults); the preconditioner resolves "auto"
+            (:meth:`configure`) before the first placement.
         decomposition_dtype: dtype decompositions run in (receive buffers use it too).
         bucket_cap_mb: size cap of fused buckets.
-        kfac: the preconditioner's common options (what a strategy that
-            chooses its own configuration from the cost model prices).
+        kfac: the preconditioner's common options.
     """
 
-    name: ClassVar[str]
-    #: The dataclass of this strategy's own options.
-    Options: ClassVar[type[StrategyOptions]] = StrategyOptions
+    #: The scheme this strategy executes (its pure half).
+    scheme: ClassVar[type[Scheme]]
 
     def __init__(
         self,
@@ -192,14 +144,10 @@ class Strategy(ABC):
         bucket_cap_mb: float = 25.0,
         kfac: KFACOptions | None = None,
     ) -> None:
-        options = self.Options() if options is None else options
-        if not isinstance(options, self.Options):
-            raise TypeError(
-                f"strategy {self.name!r} takes {self.Options.__name__}, "
-                f"got {type(options).__name__}"
-            )
+        options = self.scheme.check(options)
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.scheme.check_world_size(options, comm.size)
         self.options = options
         self.comm = comm
         self.method = method
@@ -207,7 +155,23 @@ class Strategy(ABC):
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         #: The preconditioner's common options (update schedule, compute method).
         self.kfac = KFACOptions() if kfac is None else kfac
+        #: The run's plan: None until the options are resolved and the layers placed.
+        self.plan: Plan | None = None
+        #: Whether the plan is final (made from the shapes all ranks agreed on).
         self.placed = False
+        self.factor_comm = comm
+        self._decomposition_comm: Communicator | None = None
+        self._update_comm: Communicator | None = None
+        self._configured = False
+        if self.scheme.resolved(options):
+            self.configure(options)
+
+    #: The scheme's registered name (set from ``scheme`` for every subclass).
+    name: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name = cls.scheme.name
 
     @property
     def rank(self) -> int:
@@ -217,107 +181,101 @@ class Strategy(ABC):
     def world_size(self) -> int:
         return self.comm.size
 
-    # ------------------------------------------------- pure, class-level facts
-    @classmethod
-    @abstractmethod
-    def traits(cls, options: StrategyOptions) -> Traits:
-        """What this strategy does with these options (see :class:`Traits`)."""
+    @property
+    def traits(self) -> Traits:
+        """What this strategy does with its options."""
+        return self.scheme.traits(self.options)
 
-    @classmethod
-    @abstractmethod
-    def placement(
-        cls, shapes: Sequence[LayerShape], world_size: int, options: StrategyOptions
-    ) -> Placement:
-        """Who owns, decomposes and preconditions each layer.
+    # --------------------------------------------------------------- the plan
+    def configure(self, options: StrategyOptions) -> None:
+        """Take resolved options and make the process groups their plan names (collective).
 
-        A pure function of its inputs: every rank computes the same answer,
-        and the cost model calls it to predict the run.
+        Every rank calls it with the same options: at construction when
+        nothing is left to choose, else once the preconditioner has resolved
+        "auto" at the first step. The groups depend on the world size and the
+        options only, not on the shapes.
         """
+        self.options = self.scheme.check(options)
+        p = self.world_size
+        factor_groups = self.scheme.factor_groups(p, self.options)
+        decomposition_groups = self.scheme.decomposition_groups(p, self.options)
+        update_groups = self.scheme.update_groups(p, self.options)
+        # Creating a process group is a collective: every rank makes all of them, in order.
+        self.factor_comm = self._own(factor_groups, self.comm.subgroups(factor_groups))
+        self._decomposition_comm = self._own(
+            decomposition_groups, self.comm.subgroups(decomposition_groups)
+        )
+        self._update_comm = self._own(update_groups, self.comm.subgroups(update_groups))
+        self._configured = True
 
-    @classmethod
-    def resolve_options(
-        cls,
-        options: StrategyOptions,
-        hardware: Hardware,
+    def _own(
+        self, groups: Sequence[Sequence[int]], comms: dict[int, Communicator]
+    ) -> Communicator | None:
+        """The communicator of the group this rank is in (None: it is in none)."""
+        mine = next((i for i, g in enumerate(groups) if self.rank in g), None)
+        return None if mine is None else comms.get(mine)
+
+    @property
+    def configured(self) -> bool:
+        """Whether the options are resolved and the process groups made."""
+        return self._configured
+
+    def place(
+        self,
+        layers: Sequence[KFACLayer],
+        shapes: Sequence[LayerShape],
         *,
-        shapes: Sequence[LayerShape] = (),
-        world_size: int = 1,
-        kfac: KFACOptions | None = None,
-    ) -> StrategyOptions:
-        """The options a run on ``hardware`` ends up with (the cost model's view of a run).
+        final: bool = False,
+        given: StrategyOptions | None = None,
+    ) -> None:
+        """Make the plan for these shapes and write its placement into the layers.
 
-        A strategy that measures something at start-up (spd_kfac's hardware
-        model) fills it in from the hardware being predicted, one that
-        chooses its configuration (grouped's ``"auto"``) makes the choice the
-        run would make for these shapes, world size and schedule; the others
-        return their options unchanged.
+        Called at construction with nominal shapes (nothing while options are
+        left to choose) and with ``final`` at the first ``step()`` with the
+        shapes all ranks agreed on; the placement is then final.
         """
-        return options
+        if not self._configured:
+            return
+        self.plan = self.scheme.plan(shapes, self.world_size, self.options, given=given)
+        for i, layer in enumerate(layers):
+            placement = self.plan.placement
+            layer.set_placement(placement.owner[i], placement.a_owner[i], placement.g_owner[i])
+        self.placed = self.placed or final
 
-    @classmethod
-    def describe(cls, options: StrategyOptions) -> str:
-        """What a run with these (resolved) options chose, in a few words ("" if nothing)."""
-        return ""
+    def restore(self, layers: Sequence[KFACLayer], *, given: StrategyOptions | None = None) -> None:
+        """Make the plan again from the placement a checkpoint wrote into the layers."""
+        if not self._configured:
+            return
+        placement = Placement(
+            tuple(x.owner for x in layers),
+            tuple(x.factors["A"].owner for x in layers),
+            tuple(x.factors["G"].owner for x in layers),
+        )
+        shapes = [layer_shape(x, 1, 1) for x in layers]
+        self.plan = self.scheme.plan(
+            shapes, self.world_size, self.options, given=given, placement=placement
+        )
 
-    @classmethod
-    def factor_groups(cls, world_size: int, options: StrategyOptions) -> list[list[int]]:
-        """Groups of ranks within which a layer's batch factors are built and averaged.
+    # ----------------------------------------------------------------- queries
+    def captures(self, layer: KFACLayer) -> bool:
+        """Whether this rank builds the layer's factors from its local batch.
 
-        A layer is captured by the group of its owner, every member on its
-        local batch, and its factors are averaged within that group (when
-        ``Traits.factor_comm`` is not "none"). Every rank is in exactly one
-        group: the whole world where every rank captures every layer,
-        singletons where the owner alone does.
+        Until the placement is final every rank captures every layer, so the
+        first step loses nothing; those the plan gives to others are then dropped.
         """
-        if cls.traits(options).captures_all:
-            return [list(range(world_size))]
-        return [[r] for r in range(world_size)]
+        return not self.placed or self.plan is None or self.plan.captures(self.rank, layer.name)
 
-    @classmethod
-    def placement_uses_batch(cls, options: StrategyOptions) -> bool:
-        """Whether :meth:`placement` reads ``batch_size``/``positions`` of the shapes.
+    def decomposes(self, layer: KFACLayer, which: str) -> bool:
+        """Whether this rank computes the decomposition of factor ``which`` ("A"/"G")."""
+        return self.plan is None or self.plan.decomposes(self.rank, layer.name, which)
 
-        When it does, the preconditioner makes all ranks agree on those
-        (element-wise maximum over ranks) before placing, since each rank
-        measured them on its own first batch.
-        """
-        return False
+    def preconditions(self, layer: KFACLayer) -> bool:
+        """Whether this rank preconditions the layer's gradient."""
+        return self.plan is not None and self.plan.preconditions(self.rank, layer.name)
 
-    @classmethod
-    def setup_collectives(cls, options: StrategyOptions, num_factors: int) -> list[tuple[str, int]]:
-        """One-time collectives of the strategy itself, as (kind, bytes), in order."""
-        return []
-
-    @classmethod
-    def preconditioners(
-        cls, owner: int, world_size: int, options: StrategyOptions
-    ) -> tuple[int, ...]:
-        """The ranks that precondition (and hold the decompositions of) a layer of ``owner``."""
-        if cls.traits(options).preconditions_all:
-            return tuple(range(world_size))
-        return (owner,)
-
-    @classmethod
-    def decomposition_groups(cls, world_size: int, options: StrategyOptions) -> list[list[int]]:
-        """Groups of ranks within which decompositions are broadcast from their decomposer.
-
-        Each rank is in at most one group; a decomposition travels to the
-        group of its decomposer only.
-        """
-        if cls.traits(options).decomposition_broadcast:
-            return [list(range(world_size))]
-        return []
-
-    @classmethod
-    def update_groups(cls, world_size: int, options: StrategyOptions) -> list[list[int]]:
-        """Groups of ranks within which preconditioned updates are broadcast.
-
-        In each group, a layer's update is sent by the one member among the
-        layer's :meth:`preconditioners`.
-        """
-        if cls.traits(options).preconditions_all:
-            return []
-        return [list(range(world_size))]
+    def holds_decompositions(self, layer: KFACLayer) -> bool:
+        """Whether this rank keeps the layer's decompositions (it captures or preconditions it)."""
+        return self.captures(layer) or self.preconditions(layer)
 
     @property
     def replicated_state(self) -> bool:
@@ -327,60 +285,8 @@ class Strategy(ABC):
         workers alone hold decompositions (kaisa with f < 1): a checkpoint then
         gathers the pieces onto rank 0.
         """
-        traits = self.traits(self.options)
+        traits = self.traits
         return traits.captures_all and traits.preconditions_all
-
-    # --------------------------------------------------------------- placement
-    def place(self, layers: Sequence[KFACLayer], shapes: Sequence[LayerShape]) -> None:
-        """Write :meth:`placement` into the layers.
-
-        Called at construction with nominal shapes and once more at the first
-        ``step()`` with the shapes all ranks agreed on.
-        """
-        placement = self.placement(shapes, self.world_size, self.options)
-        for i, layer in enumerate(layers):
-            layer.set_placement(placement.owner[i], placement.a_owner[i], placement.g_owner[i])
-
-    def finalise_placement(self, layers: Sequence[KFACLayer], shapes: Sequence[LayerShape]) -> None:
-        """Place with the shapes all ranks agreed on at the first step; placement is final.
-
-        A collective where the strategy makes choices that need process groups
-        (grouped's "auto"): every rank calls it, from the first ``step()``.
-        """
-        self.place(layers, shapes)
-        self.placed = True
-
-    # ----------------------------------------------------------------- queries
-    @abstractmethod
-    def captures(self, layer: KFACLayer) -> bool:
-        """Whether this rank builds the layer's factors from its local batch."""
-
-    def decomposes(self, layer: KFACLayer, which: str) -> bool:
-        """Whether this rank computes the decomposition of factor ``which`` ("A"/"G")."""
-        owner = layer.factors[which].owner
-        return owner is None or owner == self.rank
-
-    @abstractmethod
-    def preconditions(self, layer: KFACLayer) -> bool:
-        """Whether this rank preconditions the layer's gradient."""
-
-    # ------------------------------------------------- work inside the backward
-    def register_hooks(self, pre: KFACPreconditioner) -> None:
-        """Called once at the end of the preconditioner's construction.
-
-        A strategy that works inside the backward pass (dp_kfac's ``overlap``)
-        registers its gradient hooks here; the default does nothing.
-        """
-
-    def overlapped_updates(self, layers: Sequence[KFACLayer]) -> dict[str, Preconditioned] | None:
-        """This step's updates, if the strategy computed them during the backward pass.
-
-        Called by ``step()`` after placement. None (the default): ``step()``
-        reduces, folds, decomposes, preconditions and shares as usual.
-        Otherwise every rank's update of every layer with a gradient, by
-        layer name, and ``step()`` only applies the KL clip and writes them.
-        """
-        return None
 
     # ---------------------------------------------------- communication points
     def factor_ready(self, layer: KFACLayer, which: str) -> None:
@@ -405,12 +311,16 @@ class Strategy(ABC):
     def share_decompositions(
         self, layers: Sequence[KFACLayer], updated: set[tuple[str, str]]
     ) -> None:
-        """Make decompositions available where they are needed for preconditioning.
+        """Each decomposer broadcasts the due decompositions it computed to its group.
 
         Args:
             layers: all K-FAC layers.
             updated: (layer name, factor) pairs whose decompositions were due this step.
         """
+        group = None if self.plan is None else self.plan.decomposition_group(self.rank)
+        if group is None or self._decomposition_comm is None:
+            return
+        self.broadcast_decompositions(self._decomposition_comm, group, layers, updated)
 
     def share_preconditioned(
         self,
@@ -419,7 +329,8 @@ class Strategy(ABC):
         *,
         with_kl: bool,
     ) -> dict[str, Preconditioned]:
-        """Make every layer's update available on every rank.
+        """Make every layer's update available on every rank: in each update group, the
+        layer's preconditioner there broadcasts it.
 
         Args:
             layers: all K-FAC layers.
@@ -429,7 +340,19 @@ class Strategy(ABC):
         Returns:
             The update of every layer that has a gradient, by layer name.
         """
-        return results
+        plan = self.plan
+        group = None if plan is None else plan.update_group(self.rank)
+        if plan is None or group is None or self._update_comm is None:
+            return results
+
+        def sent_by(src: int) -> list[KFACLayer]:
+            return [
+                x
+                for x in layers
+                if plan.sends_update(src, x.name) and x.module.weight.grad is not None
+            ]
+
+        return self.broadcast_updates(self._update_comm, group, sent_by, results, with_kl=with_kl)
 
     # --------------------------------------------- helpers of the rooted schemes
     def broadcast_decompositions(
@@ -455,7 +378,7 @@ class Strategy(ABC):
                 (layer, w)
                 for layer in layers
                 for w in FACTORS
-                if (layer.name, w) in updated and layer.factors[w].owner == src
+                if (layer.name, w) in updated and self._sends_decomposition(src, layer, w)
             ]
             if not items:
                 continue
@@ -537,6 +460,9 @@ class Strategy(ABC):
             comm.wait(handle)
             out.update(received_updates(sent, buffers, with_kl=with_kl))
         return out
+
+    def _sends_decomposition(self, src: int, layer: KFACLayer, which: str) -> bool:
+        return self.plan is not None and self.plan.sends_decomposition(src, layer.name, which)
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

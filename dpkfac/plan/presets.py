@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dpkfac.costmodel.hardware import Engine, Hardware, Link
+from dpkfac.plan.hardware import Engine, Hardware, Link
 
 __all__ = ["PRESETS", "check_hardware_option", "hardware_option"]
 

@@ -428,23 +428,15 @@ def kaisa_assign(costs: Sequence[float], world_size: int, grad_workers: int) -> 
     Layers are taken by cost, largest first; each goes to the column (see
     :func:`grad_worker_grid`) with the lowest total load and, inside it, to
     the least-loaded rank (ties: the lowest index). That rank decomposes both
-    factors; its column are the layer's gradient workers.
+    factors; its column are the layer's gradient workers. It is
+    :func:`grouped_assign` with one factor group of every rank.
 
     Returns:
         The decomposing rank of each layer.
     """
-    columns, _ = grad_worker_grid(world_size, grad_workers)
-    for i, c in enumerate(costs):
-        if not (math.isfinite(c) and c >= 0):
-            raise ValueError(f"cost of item {i} must be finite and >= 0, got {c}")
-    loads = [0.0] * world_size
-    result = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        column = min(range(len(columns)), key=lambda c: (sum(loads[r] for r in columns[c]), c))
-        rank = min(columns[column], key=lambda r: (loads[r], r))
-        loads[rank] += float(costs[i])
-        result[i] = rank
-    return result
+    return grouped_assign(
+        costs, [0] * len(costs), [list(range(world_size))], world_size, grad_workers
+    )
 
 
 def grouped_assign(
@@ -473,6 +465,9 @@ def grouped_assign(
         The owner rank of each layer.
     """
     columns, _ = grad_worker_grid(world_size, grad_workers)
+    for i, c in enumerate(costs):
+        if not (math.isfinite(c) and c >= 0):
+            raise ValueError(f"cost of item {i} must be finite and >= 0, got {c}")
     if len(costs) != len(group_of):
         raise ValueError(f"{len(costs)} costs for {len(group_of)} group indices")
     loads = [0.0] * world_size

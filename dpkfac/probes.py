@@ -1,0 +1,131 @@
+"""Start-up measurements over a communicator: the group's hardware model and link model.
+
+A strategy that places work by predicted time (spd_kfac's local-or-broadcast
+rule, grouped's "auto") needs a hardware model of the group it runs on; the
+preconditioner measures it here when its options ask for it
+(:meth:`dpkfac.plan.Scheme.measures_hardware`). spd_kfac's fusion rule needs
+an alpha-beta model of the all-reduce, measured here at the end of its
+profiling. The sizes of every probe are fixed on the plan floor
+(:mod:`dpkfac.plan.probes`), which books them as "setup" traffic, so the
+prediction and the run cannot disagree on them. Every function here is a
+collective: every rank of the communicator calls it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from dpkfac.comm import Communicator
+from dpkfac.plan.fusion import CommModel, fit_comm_model
+from dpkfac.plan.hardware import Engine, Hardware, Link, Sample, calibrate
+from dpkfac.plan.presets import PRESETS
+from dpkfac.plan.probes import (
+    ALLREDUCE_PROBE_NUMELS,
+    BROADCAST_PROBE_NUMELS,
+    EIGH_PROBE_DIMS,
+    PROBE_REPEATS,
+)
+
+__all__ = ["measure_comm_model", "measure_in_group", "median_time", "start_up_hardware"]
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs, after one warm-up run."""
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_in_group(comm: Communicator, base: Hardware, name: str = "measured") -> Hardware:
+    """This rank's ``eigh`` engine and the group's broadcast link, measured in-process.
+
+    A collective: every rank of ``comm`` calls it. Each rank times ``eigh`` of
+    a few factor sizes on its device and a few broadcasts of rank 0's buffers.
+    The ranks meet (a tiny all-reduce) before each broadcast size, and the
+    fastest of the repeats counts, so a rank that arrives late (still timing
+    its decompositions, or building another model) does not pass its delay
+    off as transfer time. The fitted parameters are then agreed by an
+    element-wise maximum (the slowest rank's view), so every rank returns the
+    same model and a placement computed from it is the same everywhere. The
+    collectives are accounted in the "setup" category (:data:`MEASURE_COLLECTIVES`).
+
+    Args:
+        comm: the preconditioner's communicator.
+        base: where the other links and engines come from.
+        name: the result's name.
+    """
+    device = comm.device if comm.device.type == "cuda" else torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    samples: list[Sample] = []
+
+    def synced(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            out = fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return out
+
+        return run
+
+    for d in EIGH_PROBE_DIMS:
+        x = torch.randn(d, d, generator=gen).to(device)
+        factor = x @ x.T / d + torch.eye(d, device=device)
+        seconds = median_time(synced(lambda f=factor: torch.linalg.eigh(f)), PROBE_REPEATS)
+        samples.append(Sample.compute("eigh", 9.0 * d**3, seconds))
+    for numel in BROADCAST_PROBE_NUMELS:
+        buf = torch.zeros(numel, dtype=torch.float32, device=comm.device)
+        comm.agree_max([0.0])  # meet first
+        times = []
+        for _ in range(PROBE_REPEATS):
+            start = time.perf_counter()
+            comm.broadcast([buf], 0, "setup")
+            times.append(time.perf_counter() - start)
+        samples.append(Sample.collective("broadcast", 4 * numel, min(times), comm.size))
+    fitted = calibrate(samples, base=base, name=name)
+    eigh, bcast = fitted.engine("eigh"), fitted.link("broadcast")
+    inv_rate, latency, alpha, beta = comm.agree_max(
+        [1.0 / eigh.rate, eigh.latency, bcast.alpha, bcast.beta]
+    )
+    return replace(
+        base,
+        name=name,
+        links={**base.links, "broadcast": Link(alpha, beta)},
+        engines={**base.engines, "eigh": Engine(1.0 / inv_rate if inv_rate > 0 else 1e30, latency)},
+        sources=(f"measured in-process on {comm.size} ranks by measure_in_group",),
+    )
+
+
+def start_up_hardware(comm: Communicator) -> Hardware:
+    """The model a strategy measures when it starts: ``measure_in_group`` on this machine's preset.
+
+    A collective over ``comm`` (nothing is measured on one rank: no
+    collective would ever be timed there).
+    """
+    base = PRESETS["cpu_gloo_local"]
+    if not comm.active:
+        return base
+    return measure_in_group(comm, base)
+
+
+def measure_comm_model(comm: Communicator) -> CommModel:
+    """Time blocking all-reduces of a few sizes on ``comm`` and fit alpha and beta.
+
+    The fit is this rank's; the caller agrees on it with the others.
+    """
+    samples = []
+    for numel in ALLREDUCE_PROBE_NUMELS:
+        buf = torch.zeros(numel, dtype=torch.float32, device=comm.device)
+        for _ in range(PROBE_REPEATS):
+            start = time.perf_counter()
+            comm.allreduce_sum(buf, "setup")
+            samples.append((buf.numel() * buf.element_size(), time.perf_counter() - start))
+    return fit_comm_model(samples)
