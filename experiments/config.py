@@ -21,7 +21,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from experiments.preconditioning import node_options, uses_preconditioner
 from experiments.schedules import build_step_schedules
@@ -80,13 +80,18 @@ _TRAINING: Checks = {
     "optimizer.weight_decay": (_optional(_non_negative), "a non-negative number"),
 }
 
-TASKS = ("timing", "convergence")
+#: What a benchmark job does: the first two write benchmark rows (a table preset's callback
+#: turns a sweep's rows into its table); the others are the jobs of table presets that
+#: write their own files (conf/table/fidelity.yaml, conf/table/factor_kernels.yaml).
+ROW_TASKS = ("timing", "convergence")
+TABLE_TASKS = ("fidelity", "factor_kernels")
+TASKS = (*ROW_TASKS, *TABLE_TASKS)
 #: Values of ``trainer.precision`` (Hydra reads a bare 32 as an int).
 PRECISIONS = (32, "32", "bf16", "fp16")
 
 _BENCHMARK: Checks = {
     "seed": (_is_int, "an integer"),
-    "task": (lambda v: v in TASKS, " or ".join(TASKS)),
+    "task": (lambda v: v in TASKS, ", ".join(TASKS[:-1]) + " or " + TASKS[-1]),
     "world_size": (_positive_int, "a positive integer"),
     "warmup": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
     "steps": (_positive_int, "a positive integer"),
@@ -95,6 +100,14 @@ _BENCHMARK: Checks = {
     "lr": (_positive, "a positive number"),
     "setting.factor_every": (_positive_int, "a positive integer"),
     "setting.inv_every": (_positive_int, "a positive integer"),
+    "fidelity.every": (_positive_int, "a positive integer"),
+    "fidelity.timeout_s": (_positive, "a positive number of seconds"),
+    "factor_kernels.batch": (_positive_int, "a positive integer"),
+    "factor_kernels.reps": (_positive_int, "a positive integer"),
+    "factor_kernels.threads": (
+        lambda v: isinstance(v, ListConfig) and len(v) > 0 and all(_positive_int(t) for t in v),
+        "a non-empty list of positive integers",
+    ),
 }
 
 
@@ -278,4 +291,25 @@ def validate_benchmark(cfg: DictConfig) -> None:
                 f"invalid value strategies={list(strategies)!r}: interleaved strategies are "
                 "for task=timing only"
             )
+    if cfg.task == "fidelity":
+        _check_fidelity_runs(cfg.fidelity)
     validate_strategy(cfg.strategy)
+
+
+def _check_fidelity_runs(node: DictConfig) -> None:
+    """``fidelity.runs``: known runs, each with a positive number of ``fidelity.steps``."""
+    from experiments.bench.fidelity import RUNS
+
+    runs = node.get("runs")
+    if not isinstance(runs, ListConfig) or not runs or not all(r in RUNS for r in runs):
+        shown = list(runs) if isinstance(runs, ListConfig) else runs
+        raise ExperimentError(
+            f"invalid value fidelity.runs={shown!r}: expected a non-empty list of {sorted(RUNS)}"
+        )
+    steps = node.get("steps")
+    for run in runs:
+        value = steps.get(run) if isinstance(steps, DictConfig) else None
+        if not _positive_int(value):
+            raise ExperimentError(
+                f"invalid value fidelity.steps.{run}={value!r}: expected a positive integer"
+            )

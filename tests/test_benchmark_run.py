@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from experiments.bench.run import compose_config, job_spec
 from experiments.bench.tables import load_rows
 from experiments.bench.workloads import build, row_model
-from experiments.config import ExperimentError
+from experiments.config import TABLE_TASKS, ExperimentError
 from experiments.preconditioning import uses_preconditioner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,6 +90,9 @@ def test_every_table_preset_composes(table: str) -> None:
     with initialize_config_dir(str(CONF), version_base="1.3"):
         cfg = compose("benchmark", [f"table={table}"], return_hydra_config=True)
     assert cfg.table_name == table
+    if cfg.task in TABLE_TASKS:  # one job that writes its table itself
+        assert cfg.task == table and "table" not in cfg.hydra.callbacks
+        return
     params = cfg.hydra.sweeper.params
     assert cfg.hydra.callbacks.table.table == table
     for name in [*(cfg.get("strategies") or []), *str(params.get("strategy", "")).split(",")]:
@@ -171,11 +175,29 @@ def test_practical_setting_measures_whole_cycles(strategy: str) -> None:
         ("steps=0", "steps=0"),
         ("strategy.assignment=random", "strategy.assignment='random'"),
         ("strategy.damping=-1", "strategy.damping=-1"),
+        ("factor_kernels.reps=0", "factor_kernels.reps=0"),
+        ("factor_kernels.threads=[]", "factor_kernels.threads=[]"),
+        ("fidelity.every=0", "fidelity.every=0"),
     ],
 )
 def test_bad_values_are_named(override: str, named: str) -> None:
-    with pytest.raises(ExperimentError, match=f"^invalid value {named.replace('(', '.')}"):
+    with pytest.raises(ExperimentError, match=f"^invalid value {re.escape(named)}"):
         _spec(override)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["fidelity.runs=[digits_cnn,nope]"], "fidelity.runs=['digits_cnn', 'nope']"),
+        (["fidelity.runs=[]"], "fidelity.runs=[]"),
+        (["fidelity.steps.digits_cnn=0"], "fidelity.steps.digits_cnn=0"),
+    ],
+)
+def test_bad_fidelity_runs_are_named(overrides: list[str], named: str) -> None:
+    from experiments.bench.run import run_table_task
+
+    with pytest.raises(ExperimentError, match=f"^invalid value {re.escape(named)}"):
+        run_table_task(_compose("table=fidelity", *overrides))
 
 
 def test_interleaved_strategies_come_from_the_strategy_group() -> None:
@@ -293,6 +315,90 @@ def test_tiny_sweep_at_world_size_2_matches_cost_model_bytes(tmp_path: Path) -> 
     assert json.loads(by.loc["none", "kfac_options"]) is None
     assert (results / "second_order_update.md").exists()
     assert (results / "raw" / "second_order_update.csv").exists()
+
+
+def test_fidelity_preset_dispatches_to_its_runs(tmp_path: Path, monkeypatch) -> None:
+    """``table=fidelity``: the node's runs and steps, world_size ranks, the job's strategy."""
+    from experiments.bench import fidelity
+    from experiments.bench.run import run_table_task
+
+    calls = []
+
+    def fake_run(name, overrides, *, nproc, steps, every, strategy, out, timeout):
+        calls.append((name, nproc, steps, every, strategy, timeout))
+        layer = {"digits_cnn": "features.0", "resnet20_fake_cifar": "fc"}[name]
+        return [
+            {"run": name, "world_size": nproc, "strategy": strategy, "step": s, "layer": layer}
+            | {"cosine": 0.9, "rel_error": 0.1}
+            for s in (1, 3)
+        ]
+
+    monkeypatch.setattr(fidelity, "train_run", fake_run)
+    cfg = _compose("table=fidelity", "strategy=dp_kfac_owner", f"results_dir={tmp_path}")
+    assert cfg.task == "fidelity"
+    paths = run_table_task(cfg)
+    assert calls == [
+        ("digits_cnn", 2, 200, 2, "dp_kfac_owner", 600.0),
+        ("resnet20_fake_cifar", 2, 60, 2, "dp_kfac_owner", 600.0),
+    ]
+    assert paths == {"csv": tmp_path / "fidelity.csv", "png": tmp_path / "fidelity.png"}
+    lines = paths["csv"].read_text().splitlines()
+    assert lines[0] == ",".join(fidelity.FIELDS) and len(lines) == 5
+    assert lines[1] == "digits_cnn,2,dp_kfac_owner,1,features.0,0.9,0.1"
+    assert paths["png"].stat().st_size > 0
+    # The node's keys are the old script's options.
+    calls.clear()
+    cfg = _compose(
+        "table=fidelity",
+        "fidelity.runs=[resnet20_fake_cifar]",
+        "fidelity.steps.resnet20_fake_cifar=8",
+        "fidelity.every=4",
+        "world_size=3",
+        f"results_dir={tmp_path}",
+    )
+    run_table_task(cfg)
+    assert calls == [("resnet20_fake_cifar", 3, 8, 4, "dp_kfac", 600.0)]
+
+
+def test_factor_kernels_preset_prints_and_keeps_its_report(tmp_path: Path) -> None:
+    """``table=factor_kernels``, tiny: the report is printed and kept in results_dir."""
+    proc = _cli(
+        "table=factor_kernels",
+        "factor_kernels.batch=2",
+        "factor_kernels.reps=1",
+        "factor_kernels.threads=[1]",
+        f"results_dir={tmp_path}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = (tmp_path / "factor_kernels.txt").read_text()
+    assert report.startswith("== 1 thread(s), batch 2, float32, median of 1 (ms) ==\n")
+    assert "\nlinear 64->10 " in report and "totals over all layers (ms):" in report
+    assert "  A+G auto_bf16 " in report and report.rstrip().endswith("x)")
+    assert report.strip() in proc.stdout
+
+
+@pytest.mark.distributed
+def test_fidelity_preset_from_the_command_line(tmp_path: Path) -> None:
+    """``table=fidelity``, tiny: a real probed digits_cnn run on two ranks."""
+    proc = _cli(
+        "table=fidelity",
+        "fidelity.runs=[digits_cnn]",
+        "fidelity.steps.digits_cnn=4",
+        f"results_dir={tmp_path}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (tmp_path / "fidelity.csv").read_text().splitlines()
+    assert lines[0] == "run,world_size,strategy,step,layer,cosine,rel_error"
+    # Probes at preconditioner steps 0 and 2, logged at optimizer steps 1 and 3.
+    assert [line.split(",")[:4] for line in lines[1:]] == [
+        ["digits_cnn", "2", "dp_kfac", "1"],
+        ["digits_cnn", "2", "dp_kfac", "3"],
+    ]
+    assert (tmp_path / "fidelity.png").stat().st_size > 0
+    assert "digits_cnn: 4 steps on 2 rank(s)" in proc.stdout
 
 
 def test_uses_preconditioner_reads_the_config() -> None:

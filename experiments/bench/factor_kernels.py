@@ -1,23 +1,26 @@
 """Time the batch-factor kernels per ResNet-32 layer shape.
 
-Run as ``python -m experiments.bench.factor_kernels``.
+Run as ``python -m experiments.bench table=factor_kernels`` (``task=factor_kernels``,
+with the ``factor_kernels`` node of ``conf/benchmark.yaml``: ``batch``, ``reps``,
+``threads``).
 
 For every distinct K-FAC layer shape of CIFAR ResNet-32 (shortcut option B, so
 the 1×1 stride-2 projections are included; option A has the same layers
 minus those three) at batch 32, float32, the batch A and G factors are built
 with each method of ``factor_method`` (:mod:`dpkfac.curvature.kernels`) plus
 "unfold+tri" (im2col with the triangle-only product), methods interleaved
-within every repetition (order rotated), median of ``--reps`` repetitions.
+within every repetition (order rotated), median of ``reps`` repetitions.
 Totals weight each shape by how many layers share it. Run for 1 and 2 torch
-threads unless ``--threads`` says otherwise.
+threads unless ``threads`` says otherwise. The report is printed and kept in
+``results/factor_kernels.txt``.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -95,12 +98,15 @@ def interleaved(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, fl
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def run(threads: int, batch: int, reps: int) -> dict[str, dict[str, float]]:
+def run(
+    threads: int, batch: int, reps: int, say: Callable[[str], object] = print
+) -> dict[str, dict[str, float]]:
+    """Time every layer shape with ``threads`` torch threads; ``say`` gets the report's lines."""
     torch.set_num_threads(threads)
     layers = layer_inputs(batch)
-    print(f"\n== {threads} thread(s), batch {batch}, float32, median of {reps} (ms) ==")
+    say(f"\n== {threads} thread(s), batch {batch}, float32, median of {reps} (ms) ==")
     head = "".join(f"{m:>11}" for m in A_METHODS) + "".join(f"{'G ' + m:>11}" for m in G_METHODS)
-    print(f"{'layer':<34}{'n':>3}{head}{'A unf/auto':>11}")
+    say(f"{'layer':<34}{'n':>3}{head}{'A unf/auto':>11}")
     totals = {f"A {m}": 0.0 for m in A_METHODS} | {f"G {m}": 0.0 for m in G_METHODS}
     for key, module, x, g, count in layers:
         with torch.no_grad():
@@ -112,29 +118,49 @@ def run(threads: int, batch: int, reps: int) -> dict[str, dict[str, float]]:
             totals[f"G {m}"] += count * tg[m]
         cells = "".join(f"{1e3 * ta[m]:>11.3f}" for m in A_METHODS)
         cells += "".join(f"{1e3 * tg[m]:>11.3f}" for m in G_METHODS)
-        print(f"{key:<34}{count:>3}{cells}{ta['unfold'] / ta['auto']:>11.2f}")
+        say(f"{key:<34}{count:>3}{cells}{ta['unfold'] / ta['auto']:>11.2f}")
     base = totals["A unfold"] + totals["G unfold"]
-    print("totals over all layers (ms):")
+    say("totals over all layers (ms):")
     for k, v in totals.items():
-        print(f"  {k:<16}{1e3 * v:>10.2f}")
+        say(f"  {k:<16}{1e3 * v:>10.2f}")
     for a_m in ("unfold+tri", "auto", "auto_bf16"):
         both = totals[f"A {a_m}"] + totals["G auto"]
-        print(
+        say(
             f"  A+G {a_m:<10} {1e3 * both:>9.2f} ms vs unfold {1e3 * base:.2f} ms: "
             f"ratio {both / base:.3f} (speed-up {base / both:.2f}x)"
         )
     return {"totals": totals}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--threads", type=int, nargs="*", default=[1, 2])
-    args = parser.parse_args(argv)
-    for threads in args.threads:
-        run(threads, args.batch, args.reps)
+def run_factor_kernels(
+    threads: Sequence[int] = (1, 2), batch: int = 32, reps: int = 7, out: Path | None = None
+) -> dict[str, Path]:
+    """:func:`run` for each thread count, printed and written to ``<out>/factor_kernels.txt``.
 
+    Args:
+        threads: Torch thread counts, one report each.
+        batch: Examples per batch.
+        reps: Repetitions (the median is reported).
+        out: The results folder; None: print only.
 
-if __name__ == "__main__":
-    main()
+    Returns:
+        The file written (``{"txt": ...}``), if any.
+    """
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        print(line)
+        lines.append(line)
+
+    previous = torch.get_num_threads()
+    try:
+        for count in threads:
+            run(int(count), int(batch), int(reps), say)
+    finally:
+        torch.set_num_threads(previous)
+    if out is None:
+        return {}
+    path = Path(out) / "factor_kernels.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines).lstrip("\n") + "\n")
+    return {"txt": path}

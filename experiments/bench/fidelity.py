@@ -1,27 +1,30 @@
-"""Curvature fidelity over short training runs: ``python -m experiments.bench.fidelity``.
+"""Curvature fidelity over short training runs: ``python -m experiments.bench table=fidelity``.
 
 DP-KFAC builds each layer's factors from its owner's local batch (1/P of the
 global one). The preconditioner's fidelity probe (``strategy.fidelity_every``,
 ``dpkfac/fidelity.py``) compares, on the owner, the averaged gradient
 preconditioned with those local factors against the one preconditioned with the
-factors averaged over all ranks. This script trains, through the training entry
-point (``torchrun -m experiments.train``, gloo on CPU), a short digits_cnn run
-and a short ResNet-20 run on fake CIFAR-10 images (random pixels), with the
-probe on, records what the trainer logs (``fidelity/<layer>/cosine`` and
-``.../rel_error``) through :class:`RecordingLogger`, and writes
+factors averaged over all ranks. :func:`run_fidelity` trains, through the
+training entry point (``torchrun -m experiments.train``, gloo on CPU), a short
+digits_cnn run and a short ResNet-20 run on fake CIFAR-10 images (random
+pixels), with the probe on, records what the trainer logs
+(``fidelity/<layer>/cosine`` and ``.../rel_error``) through
+:class:`RecordingLogger`, and writes
 
 * ``results/fidelity.csv``: ``run, world_size, strategy, step, layer, cosine, rel_error``
   (``step``: optimizer steps done, the W&B step the trainer logs at; the probe
   ran in the last of them);
 * ``results/fidelity.png``: cosine and relative error per layer over the steps.
 
-With one rank the comparison is trivially exact (cosine 1), so the default is
-two ranks. A few minutes on two CPU cores.
+The benchmark's ``table=fidelity`` preset (``task=fidelity``) calls it with the
+``fidelity`` node of ``conf/benchmark.yaml`` (which runs, their steps, the probe
+interval), the job's ``world_size`` (ranks per run), its strategy config and
+``results_dir``. With one rank the comparison is trivially exact (cosine 1), so
+the default is two ranks. A few minutes on two CPU cores.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import os
@@ -189,36 +192,45 @@ def plot(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nproc", type=int, default=2, help="ranks per run (default 2)")
-    parser.add_argument("--strategy", default="dp_kfac", help="strategy config (default dp_kfac)")
-    parser.add_argument("--every", type=int, default=2, help="probe interval (default 2)")
-    parser.add_argument("--digits-steps", type=int, default=200)
-    parser.add_argument("--resnet-steps", type=int, default=60)
-    parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated run names")
-    parser.add_argument("--out", type=Path, default=REPO / "results")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
-    args = parser.parse_args(argv)
-    steps = {"digits_cnn": args.digits_steps, "resnet20_fake_cifar": args.resnet_steps}
+def run_fidelity(
+    runs: Sequence[str],
+    steps: Mapping[str, int],
+    *,
+    nproc: int = 2,
+    every: int = 2,
+    strategy: str = "dp_kfac",
+    out: Path = REPO / "results",
+    timeout: float = 600.0,
+) -> dict[str, Path]:
+    """Train the probed ``runs`` and write ``<out>/fidelity.{csv,png}``.
+
+    Args:
+        runs: Names of :data:`RUNS` to train, in order.
+        steps: Optimizer steps of each run, by name.
+        nproc: Ranks per run.
+        every: The probe's interval (``strategy.fidelity_every``).
+        strategy: The strategy config the runs train with.
+        out: The results folder.
+        timeout: Seconds per run.
+
+    Returns:
+        The files written: ``{"csv": ..., "png": ...}``.
+    """
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="dpkfac-fidelity-") as tmp:
-        for name in args.runs.split(","):
+        for name in runs:
             rows += train_run(
                 name,
                 RUNS[name],
-                nproc=args.nproc,
-                steps=steps[name],
-                every=args.every,
-                strategy=args.strategy,
+                nproc=nproc,
+                steps=int(steps[name]),
+                every=every,
+                strategy=strategy,
                 out=Path(tmp) / name,
-                timeout=args.timeout,
+                timeout=timeout,
             )
-    write_csv(rows, args.out / "fidelity.csv")
-    plot(rows, args.out / "fidelity.png")
-    print(f"wrote {args.out / 'fidelity.csv'} ({len(rows)} rows) and {args.out / 'fidelity.png'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    paths = {"csv": out / "fidelity.csv", "png": out / "fidelity.png"}
+    write_csv(rows, paths["csv"])
+    plot(rows, paths["png"])
+    print(f"wrote {paths['csv']} ({len(rows)} rows) and {paths['png']}")
+    return paths

@@ -25,6 +25,15 @@ sizes without a shell loop::
 Under ``torchrun --nproc_per_node=N -m experiments.bench world_size=N``
 every rank measures itself and rank 0 writes the row. ``task=convergence``
 trains with the training entry point instead (:mod:`experiments.bench.convergence`).
+
+Two table presets are single jobs that write their table themselves rather than
+rows for a callback: ``table=fidelity`` (``task=fidelity``:
+:func:`experiments.bench.fidelity.run_fidelity`) and ``table=factor_kernels``
+(``task=factor_kernels``: :func:`experiments.bench.factor_kernels.run_factor_kernels`),
+each with its node of ``conf/benchmark.yaml`` (:func:`run_table_task`)::
+
+    python -m experiments.bench table=fidelity
+    python -m experiments.bench table=factor_kernels
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from experiments.bench.aggregate import aggregate, kind_weights
 from experiments.bench.measure import step_kinds
 from experiments.config import (
     CONF_DIR,
+    TABLE_TASKS,
     ExperimentError,
     validate,
     validate_benchmark,
@@ -193,6 +203,10 @@ def job_spec(
         ExperimentError: a value the checks reject (naming key and value).
     """
     validate_benchmark(cfg)
+    if cfg.task in TABLE_TASKS:
+        raise ExperimentError(
+            f"task={cfg.task} writes its table itself and has no job spec (run_table_task)"
+        )
     members = member_configs(cfg, overrides)
     batch = _plain(cfg.workload.batch)
     spec: dict[str, Any] = {
@@ -385,6 +399,48 @@ def run(
     return make_rows(spec, results)
 
 
+def run_table_task(cfg: DictConfig) -> dict[str, Path]:
+    """Run a job of ``task=fidelity`` or ``task=factor_kernels``; returns the files it wrote.
+
+    ``fidelity``: the ``fidelity`` node's runs and steps, probing every
+    ``fidelity.every`` steps, with ``world_size`` ranks per run and this job's
+    strategy config. ``factor_kernels``: the ``factor_kernels`` node's batch,
+    repetitions and thread counts. Both write to ``results_dir``.
+
+    Raises:
+        ExperimentError: a value the checks reject, or ranks started by torchrun
+            (these jobs start their own processes, if any).
+    """
+    validate_benchmark(cfg)
+    if cfg.task not in TABLE_TASKS:
+        raise ExperimentError(f"invalid value task={cfg.task!r}: expected one of {TABLE_TASKS}")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ExperimentError(
+            f"task={cfg.task} is one process that starts its own ranks: run it without torchrun"
+        )
+    out = Path(str(cfg.results_dir))
+    if cfg.task == "fidelity":
+        from experiments.bench.fidelity import run_fidelity
+
+        node = cfg.fidelity
+        log.info("fidelity: runs %s on %s rank(s)", list(node.runs), cfg.world_size)
+        return run_fidelity(
+            list(node.runs),
+            {str(k): int(v) for k, v in node.steps.items()},
+            nproc=int(cfg.world_size),
+            every=int(node.every),
+            strategy=strategy_name(cfg.strategy),
+            out=out,
+            timeout=float(node.timeout_s),
+        )
+    from experiments.bench.factor_kernels import run_factor_kernels
+
+    node = cfg.factor_kernels
+    return run_factor_kernels(
+        [int(t) for t in node.threads], int(node.batch), int(node.reps), out=out
+    )
+
+
 def write_rows(rows: list[dict[str, Any]], out_dir: Path, extra_csv: str | None = None) -> None:
     """``rows.json`` in the job folder, and optionally more lines of a CSV."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -421,11 +477,20 @@ def main(cfg: DictConfig) -> None:
     training. A job that fails while measuring (a rank crashing, a timeout)
     writes a row whose ``error`` column says why, so the rest of the sweep and
     the table still come out; the table writers list failed rows instead of
-    dropping them.
+    dropping them. A ``task=fidelity`` or ``task=factor_kernels`` job writes
+    its table instead (:func:`run_table_task`) and fails as a whole.
     """
     from hydra.core.hydra_config import HydraConfig
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    if cfg.task in TABLE_TASKS:  # a job that writes its table itself; failures are fatal
+        try:
+            paths = run_table_task(cfg)
+        except ExperimentError as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
+        log.info("table %s: %s", cfg.table_name, ", ".join(str(p) for p in paths.values()))
+        return
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     try:
