@@ -21,9 +21,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from experiments.preconditioning import node_options, uses_preconditioner
+from experiments.preconditioning import UPDATE_INTERVALS, node_options, uses_preconditioner
 from experiments.schedules import build_step_schedules
 
 
@@ -98,8 +98,8 @@ _BENCHMARK: Checks = {
     "threads": (_positive_int, "a positive integer"),
     "timeout_s": (_positive, "a positive number of seconds"),
     "lr": (_positive, "a positive number"),
-    "setting.factor_every": (_positive_int, "a positive integer"),
-    "setting.inv_every": (_positive_int, "a positive integer"),
+    "setting.factor_update_steps": (_positive_int, "a positive integer"),
+    "setting.inv_update_steps": (_positive_int, "a positive integer"),
     "fidelity.every": (_positive_int, "a positive integer"),
     "fidelity.timeout_s": (_positive, "a positive number of seconds"),
     "factor_kernels.batch": (_positive_int, "a positive integer"),
@@ -215,8 +215,6 @@ def known_keys(group: str) -> set[str]:
     A group's options may define different keys (the datasets do): a key is
     known if any option of the group defines it.
     """
-    from omegaconf import OmegaConf
-
     keys: set[str] = set()
     for path in sorted((CONF_DIR / group).glob("*.yaml")):
         node = OmegaConf.load(path)
@@ -277,7 +275,9 @@ def validate_benchmark(cfg: DictConfig) -> None:
         cfg: The composed configuration of ``python -m experiments.bench``.
 
     Raises:
-        ExperimentError: Naming the first offending key, its value and what is allowed.
+        ExperimentError: Naming the first offending key, its value and what is allowed;
+            also a strategy's update interval that contradicts the setting's
+            (:func:`check_update_intervals`).
     """
     _check_values(cfg, _BENCHMARK)
     strategies = cfg.get("strategies")
@@ -294,6 +294,47 @@ def validate_benchmark(cfg: DictConfig) -> None:
     if cfg.task == "fidelity":
         _check_fidelity_runs(cfg.fidelity)
     validate_strategy(cfg.strategy)
+    if cfg.task == "timing":
+        check_update_intervals(cfg.strategy, cfg.setting)
+
+
+def check_update_intervals(
+    strategy: DictConfig, setting: DictConfig, prefix: str = "strategy"
+) -> None:
+    """Refuse update intervals of a strategy config that the benchmark's setting contradicts.
+
+    The benchmark's update intervals are its ``setting``'s
+    (``setting.factor_update_steps``, ``setting.inv_update_steps``). A strategy
+    node leaves them null (``conf/kfac/common.yaml``): not set, the setting
+    decides. A value set by a strategy config, by the common K-FAC config or on
+    the command line is explicit: equal to the setting's it is accepted,
+    different it is refused rather than silently replaced.
+
+    Args:
+        strategy: The strategy config node.
+        setting: The setting node.
+        prefix: The strategy node's key, for messages.
+
+    Raises:
+        ExperimentError: Naming both values and the ways out.
+    """
+    for key in UPDATE_INTERVALS:
+        value = strategy.get(key)
+        if value is None:
+            continue
+        wanted = setting.get(key)
+        if _is_int(value) and value == wanted:
+            continue
+        shown = OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
+        through = "setting=<name> of conf/setting/" + (
+            f" or setting.{key}={value}" if _positive_int(value) else ""
+        )
+        raise ExperimentError(
+            f"invalid value {prefix}.{key}={shown!r}: the benchmark takes its update intervals "
+            f"from setting={setting.get('name')}, where setting.{key}={wanted!r}; drop the "
+            f"strategy's value (leave it null) or ask for that interval through the setting "
+            f"({through})"
+        )
 
 
 def _check_fidelity_runs(node: DictConfig) -> None:

@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 NODE_KEYS = ("_target_", "name", "algorithm")
 #: Options given as dtype names in a config ("float32") and as torch dtypes to the library.
 DTYPE_OPTIONS = ("factor_dtype", "decomposition_dtype")
+#: The update intervals: null in a strategy node means not set there, and is not passed on,
+#: so the entry point decides (training: the library's default or the experiment preset's
+#: value; the benchmark: its setting's, see :func:`experiments.config.check_update_intervals`).
+UPDATE_INTERVALS = ("factor_update_steps", "inv_update_steps")
 
 
 def uses_preconditioner(node: Mapping[str, Any] | DictConfig) -> bool:
@@ -54,13 +58,14 @@ def node_options(node: Mapping[str, Any] | DictConfig) -> dict[str, Any]:
     """The node's preconditioner arguments as plain values, without ``strategy``.
 
     Schedules (``_target_`` nodes under e.g. ``damping``) are kept as config
-    nodes: they are instantiated by whoever builds the preconditioner.
+    nodes: they are instantiated by whoever builds the preconditioner. Update
+    intervals left null (:data:`UPDATE_INTERVALS`) are not arguments.
     """
     options: dict[str, Any] = {}
     for key in node:
         key = str(key)
         value = node[key]
-        if key in NODE_KEYS:
+        if key in NODE_KEYS or (key in UPDATE_INTERVALS and value is None):
             continue
         if isinstance(value, DictConfig | Mapping) and "_target_" in value:
             options[key] = value
@@ -91,10 +96,15 @@ def build_preconditioner(
         model: The network to precondition.
         algorithm: The distribution scheme (``dp_kfac``, ``d_kfac``, ``spd_kfac``).
         name: The config's name; a label for runs and rows, not an argument.
-        **kwargs: Every other preconditioner argument (dtype names are accepted).
+        **kwargs: Every other preconditioner argument (dtype names are accepted;
+            an update interval left null is not passed, the library's default applies).
     """
     from dpkfac import KFACPreconditioner
 
     del name  # a label: the preconditioner knows the scheme, not the config
-    kwargs = {key: to_dtype(key, value) for key, value in kwargs.items()}
+    kwargs = {
+        key: to_dtype(key, value)
+        for key, value in kwargs.items()
+        if not (key in UPDATE_INTERVALS and value is None)
+    }
     return KFACPreconditioner(model, strategy=algorithm, **kwargs)

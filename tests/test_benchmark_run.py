@@ -144,7 +144,7 @@ def test_ablation_preset_states_every_switch() -> None:
     ) == (1, 1.0)
     assert kfac["grouped_auto"]["factor_group_size"] == "auto"
     assert spec["interleaved"] and spec["isolate_comm"] and spec["world_size"] == 2
-    assert (spec["factor_every"], spec["inv_every"]) == (10, 100)
+    assert (spec["factor_update_steps"], spec["inv_update_steps"]) == (10, 100)
 
 
 def test_workload_sets_what_k_fac_sees() -> None:
@@ -164,7 +164,7 @@ def test_practical_setting_measures_whole_cycles(strategy: str) -> None:
     cycle = 3 if spec["strategies"][0]["kfac"] is not None else 1
     assert spec["steps"] % cycle == 0 and spec["steps"] >= 4
     assert spec["warmup"] % cycle == 0 and spec["warmup"] >= 2
-    assert (spec["factor_every"], spec["inv_every"]) == (10, 100)
+    assert (spec["factor_update_steps"], spec["inv_update_steps"]) == (10, 100)
 
 
 @pytest.mark.parametrize(
@@ -198,6 +198,65 @@ def test_bad_fidelity_runs_are_named(overrides: list[str], named: str) -> None:
 
     with pytest.raises(ExperimentError, match=f"^invalid value {re.escape(named)}"):
         run_table_task(_compose("table=fidelity", *overrides))
+
+
+def test_update_intervals_come_from_the_setting() -> None:
+    """Strategy configs leave the intervals null; an explicit one must agree with the setting."""
+    for name in _options("strategy"):
+        node = _compose(f"strategy={name}").strategy
+        assert node.get("factor_update_steps") is None, name
+        assert node.get("inv_update_steps") is None, name
+    spec = _spec(
+        "setting=practical", "strategy.factor_update_steps=10", "strategy.inv_update_steps=100"
+    )
+    assert (spec["factor_update_steps"], spec["inv_update_steps"]) == (10, 100)
+    assert "inv_update_steps" not in spec["strategies"][0]["kfac"]  # the setting's, as schedules
+    assert _spec("setting=paper", "strategy.factor_update_steps=1")["factor_update_steps"] == 1
+    # The training default (every step) set explicitly, as a common config would: refused.
+    with pytest.raises(
+        ExperimentError,
+        match=re.escape(
+            "invalid value strategy.factor_update_steps=1: the benchmark takes its update "
+            "intervals from setting=practical, where setting.factor_update_steps=10; drop the "
+            "strategy's value (leave it null) or ask for that interval through the setting "
+            "(setting=<name> of conf/setting/ or setting.factor_update_steps=1)"
+        ),
+    ):
+        _spec("setting=practical", "strategy.factor_update_steps=1")
+    with pytest.raises(ExperimentError, match=r"^invalid value strategy\.inv_update_steps=5: "):
+        _spec("strategies=[dp_kfac,d_kfac]", "strategy.inv_update_steps=5")
+    # Asking through the setting instead works.
+    spec = _spec("setting.inv_update_steps=5")
+    assert (spec["factor_update_steps"], spec["inv_update_steps"]) == (1, 5)
+    # Only timing jobs take the setting's intervals.
+    _spec("task=convergence", "setting=practical", "strategy.factor_update_steps=1")
+
+
+def test_an_interval_schedule_contradicts_the_setting_too() -> None:
+    from omegaconf import OmegaConf
+
+    from experiments.config import check_update_intervals
+
+    setting = OmegaConf.create({"name": "paper", "factor_update_steps": 1, "inv_update_steps": 1})
+    schedule = {"_target_": "experiments.schedules.kfac_schedule", "base": 5, "gamma": 2}
+    strategy = OmegaConf.create({"name": "x", "inv_update_steps": schedule})
+    with pytest.raises(ExperimentError, match=r"strategy\.inv_update_steps=\{'_target_'"):
+        check_update_intervals(strategy, setting)
+    check_update_intervals(OmegaConf.create({"name": "x", "inv_update_steps": 1}), setting)
+
+
+def test_cli_refuses_an_interval_the_setting_contradicts(tmp_path: Path) -> None:
+    proc = _cli(
+        "model=mlp",
+        "setting=practical",
+        "strategy.inv_update_steps=1",
+        f"hydra.run.dir={tmp_path}",
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: invalid value strategy.inv_update_steps=1: ")
+    assert "setting=practical, where setting.inv_update_steps=100" in line
+    assert not (tmp_path / "rows.json").exists()
 
 
 def test_interleaved_strategies_come_from_the_strategy_group() -> None:

@@ -121,8 +121,8 @@ def fake_row(
         "strategy": strategy,
         "world_size": p,
         "setting": setting,
-        "factor_every": 1,
-        "inv_every": 1,
+        "factor_update_steps": 1,
+        "inv_update_steps": 1,
         "iteration_s": 0.010 + 0.010 * k,
         "fwd_bwd_s": 0.004,
         "optimizer_s": 0.001,
@@ -402,7 +402,13 @@ def ablation_rows() -> pd.DataFrame:
         for strategy in ABLATION_ORDER:
             scale = 2.0 if strategy == "d_kfac_eager" else 1.0
             rows.append(
-                fake_row(strategy, setting=setting, scale=scale, factor_every=f, inv_every=i)
+                fake_row(
+                    strategy,
+                    setting=setting,
+                    scale=scale,
+                    factor_update_steps=f,
+                    inv_update_steps=i,
+                )
             )
     failed = {"task": "timing", "model": "mlp", "strategy": "spd_kfac", "world_size": 2}
     return pd.DataFrame([*rows, {**failed, "setting": "paper", "error": "timeout"}])
@@ -507,6 +513,29 @@ def test_the_smoke_report_comes_from_the_makefile_not_the_benchmark() -> None:
     assert "tests/test_experiments_smoke.py::test_preset_runs_two_steps" in recipe
     assert f"--junitxml=results/{smoke.JUNIT.as_posix()}" in recipe
     assert "-m experiments.bench.tables convergence" in recipe
+
+
+def test_old_rows_read_in_present_terms(tmp_path: Path) -> None:
+    """Rows from before the renames: interval columns and the batch module, values kept."""
+    old = fake_row("dp_kfac", factor_update_steps=10, inv_update_steps=100)
+    old["factor_every"], old["inv_every"] = (
+        old.pop("factor_update_steps"),
+        old.pop("inv_update_steps"),
+    )
+    earlier = "experiments.bench.earlier_name.VectorBatches"
+    old["model_batch"] = json.dumps({**json.loads(old["model_batch"]), "_target_": earlier})
+    pd.DataFrame([old]).to_csv(tmp_path / "old.csv", index=False)
+    columns = list(pd.read_csv(tmp_path / "old.csv").columns)
+    rows = tables.load_rows([tmp_path / "old.csv"])
+    renamed = [tables.RENAMED_COLUMNS.get(c, c) for c in columns]
+    assert list(rows.columns) == renamed  # same place, new names
+    (row,) = rows.to_dict("records")
+    assert (row["factor_update_steps"], row["inv_update_steps"]) == (10, 100)
+    assert json.loads(row["model_batch"]) == json.loads(MLP_COLUMNS["model_batch"])
+    # Old and new rows together.
+    (tmp_path / "new.json").write_text(json.dumps([fake_row("none")]))
+    both = tables.load_rows([tmp_path / "old.csv", tmp_path / "new.json"])
+    assert "factor_every" not in both and list(both["inv_update_steps"]) == [100, 1]
 
 
 def test_load_rows_reads_sweep_folders_and_csv(tmp_path: Path) -> None:

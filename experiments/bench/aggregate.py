@@ -46,9 +46,9 @@ COMM_PHASES = ("factor_comm", "decomposition_comm", "precond_comm")
 SECOND_ORDER_CATEGORIES = ("factor_allreduce", "decomposition_broadcast", "precond_broadcast")
 
 
-def kind_weights(factor_every: int, inv_every: int) -> dict[str, float]:
+def kind_weights(factor_update_steps: int, inv_update_steps: int) -> dict[str, float]:
     """How often each step kind occurs at update intervals F and I."""
-    f, i = 1.0 / factor_every, 1.0 / inv_every
+    f, i = 1.0 / factor_update_steps, 1.0 / inv_update_steps
     weights = {"decomp": i, "factor": max(f - i, 0.0), "plain": 1.0 - f}
     return {k: w for k, w in weights.items() if w > 0}
 
@@ -100,14 +100,14 @@ def least_wait(results: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 
 def aggregate(
-    results: Sequence[dict[str, Any]], factor_every: int, inv_every: int
+    results: Sequence[dict[str, Any]], factor_update_steps: int, inv_update_steps: int
 ) -> dict[str, Any]:
     """Combine every rank's records into the row's measured columns.
 
     Args:
         results: one :func:`experiments.bench.measure.run_rank` result per rank.
-        factor_every: factor update interval F of the setting.
-        inv_every: decomposition interval I of the setting.
+        factor_update_steps: factor update interval F of the setting.
+        inv_update_steps: decomposition interval I of the setting.
 
     Returns:
         Flat columns: ``<part>_s`` seconds (amortised per step), bytes, calls
@@ -129,7 +129,7 @@ def aggregate(
                 memory_peak = {k: v for k, v in flat.items() if k.startswith("mem_")}
                 memory_peak["mem_rank"] = results[rank]["rank"]
 
-    weights = kind_weights(factor_every, inv_every)
+    weights = kind_weights(factor_update_steps, inv_update_steps)
     if set(weights) - set(per_step) and set(per_step) != {"decomp"}:
         missing = sorted(set(weights) - set(per_step))
         raise ValueError(f"step kinds {missing} were not measured; use more steps")

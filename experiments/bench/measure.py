@@ -38,18 +38,19 @@ import torch.distributed as dist
 STEP_KINDS = ("decomp", "factor", "plain")
 
 
-def step_kinds(factor_every: int, inv_every: int) -> list[str]:
+def step_kinds(factor_update_steps: int, inv_update_steps: int) -> list[str]:
     """The cycle of step kinds measured for update intervals F and I.
 
     A decomposition step is always also a factor step (the step loop folds
     fresh factors in before decomposing), as step 0 of a real schedule is.
     """
-    if factor_every < 1 or inv_every < 1:
-        raise ValueError(f"update intervals must be >= 1, got {factor_every}, {inv_every}")
+    f, i = factor_update_steps, inv_update_steps
+    if f < 1 or i < 1:
+        raise ValueError(f"update intervals must be >= 1, got {f}, {i}")
     kinds = ["decomp"]
-    if inv_every > factor_every:
+    if i > f:
         kinds.append("factor")
-    if factor_every > 1:
+    if f > 1:
         kinds.append("plain")
     return kinds
 
@@ -121,7 +122,7 @@ class _Stepper:
         self.batch = {k: v.to(device) for k, v in batch.items()}
         self.device = device
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=spec["lr"], momentum=0.9)
-        self.kinds = step_kinds(spec["factor_every"], spec["inv_every"])
+        self.kinds = step_kinds(spec["factor_update_steps"], spec["inv_update_steps"])
         self.pre = None
         if member["kfac"] is not None:
             # The strategy config's arguments (``strategy`` is its algorithm); schedules
@@ -135,9 +136,8 @@ class _Stepper:
             if "auto_intervals" in _option_names(kwargs.get("strategy")):
                 # A strategy that prices the schedule (grouped's "auto") is told the
                 # setting's intervals: the cycle of step kinds below is not the run's.
-                kwargs.setdefault(
-                    "auto_intervals", (int(spec["factor_every"]), int(spec["inv_every"]))
-                )
+                intervals = (int(spec["factor_update_steps"]), int(spec["inv_update_steps"]))
+                kwargs.setdefault("auto_intervals", intervals)
             self.pre = KFACPreconditioner(
                 self.model,
                 factor_update_steps=_schedule(self.kinds, ("decomp", "factor")),

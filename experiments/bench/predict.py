@@ -102,7 +102,7 @@ def _kfac_split(
     :class:`~dpkfac.options.KFACOptions` fields and the strategy's own
     options (Hydra's private keys, such as ``_target_``, are not options).
     Common options the row does not record come from its columns
-    (``compute_method``, ``factor_every``, ``inv_every``) or the defaults;
+    (``compute_method``, ``factor_update_steps``, ``inv_update_steps``) or the defaults;
     ``weight_sharing``, when given, is the model's and wins.
     """
     import torch
@@ -120,8 +120,8 @@ def _kfac_split(
         if isinstance(common.get(key), str):
             common[key] = getattr(torch, common[key].removeprefix("torch."))
     common.setdefault("compute_method", row.get("compute_method", "eigen"))
-    common.setdefault("factor_update_steps", int(row.get("factor_every", 1)))
-    common.setdefault("inv_update_steps", int(row.get("inv_every", 1)))
+    common.setdefault("factor_update_steps", int(row.get("factor_update_steps", 1)))
+    common.setdefault("inv_update_steps", int(row.get("inv_update_steps", 1)))
     if weight_sharing:
         common["weight_sharing"] = weight_sharing
     return name, KFACOptions(**common), values
@@ -202,7 +202,7 @@ def _weights(row: Mapping[str, Any]) -> dict[str, float]:
     """How often each step kind occurs at the row's update intervals."""
     from experiments.bench.aggregate import kind_weights
 
-    return kind_weights(int(row.get("factor_every", 1)), int(row.get("inv_every", 1)))
+    return kind_weights(int(row.get("factor_update_steps", 1)), int(row.get("inv_update_steps", 1)))
 
 
 def amortised_prediction(row: Mapping[str, Any], prediction: Prediction) -> dict[str, float]:

@@ -58,6 +58,7 @@ from experiments.config import (
     CONF_DIR,
     TABLE_TASKS,
     ExperimentError,
+    check_update_intervals,
     validate,
     validate_benchmark,
     validate_strategy,
@@ -71,8 +72,10 @@ from experiments.preconditioning import (
 
 log = logging.getLogger(__name__)
 
-#: Preconditioner arguments the benchmark decides itself (the setting's update
-#: intervals, its own learning rate), whatever the strategy config says.
+#: Preconditioner arguments the benchmark passes itself: its setting's update intervals
+#: (as schedules of the measured step kinds) and its own learning rate. A strategy config
+#: leaves the intervals null; one that sets them to other values than the setting's is
+#: refused (:func:`experiments.config.check_update_intervals`), never overridden silently.
 BENCHMARK_DECIDES = ("factor_update_steps", "inv_update_steps", "lr")
 #: K-FAC's view of the model, recorded for every row (first order too) for the cost model.
 VIEW_KEYS = ("compute_method", "skip_layers", "weight_sharing", "bucket_cap_mb")
@@ -114,8 +117,9 @@ def member_configs(cfg: DictConfig, overrides: Sequence[str] = ()) -> list[DictC
         overrides: The job's command-line overrides.
 
     Raises:
-        ExperimentError: an entry that is no strategy config, or that the
-            job's overrides do not fit.
+        ExperimentError: an entry that is no strategy config, that the
+            job's overrides do not fit, or whose update intervals contradict
+            the setting's.
     """
     from hydra.errors import HydraException
 
@@ -134,6 +138,7 @@ def member_configs(cfg: DictConfig, overrides: Sequence[str] = ()) -> list[DictC
                 f"with this job's overrides ({first})"
             ) from None
         validate_strategy(member.strategy)
+        check_update_intervals(member.strategy, member.setting)
         members.append(member)
     return members
 
@@ -234,13 +239,13 @@ def job_spec(
     spec["setting"] = _plain(cfg.setting)
     spec["strategies"] = [_member(m) for m in members]
     spec["interleaved"] = len(members) > 1
-    kinds = step_kinds(int(cfg.setting.factor_every), int(cfg.setting.inv_every))
+    intervals = int(cfg.setting.factor_update_steps), int(cfg.setting.inv_update_steps)
+    kinds = step_kinds(*intervals)
     cycle = len(kinds) if any(uses_preconditioner(m.strategy) for m in members) else 1
     # Whole cycles, so every step kind is measured equally often.
     spec["warmup"] = -(-int(cfg.warmup) // cycle) * cycle
     spec["steps"] = max(-(-int(cfg.steps) // cycle), 1) * cycle
-    spec["factor_every"] = int(cfg.setting.factor_every)
-    spec["inv_every"] = int(cfg.setting.inv_every)
+    spec["factor_update_steps"], spec["inv_update_steps"] = intervals
     if spec["task"] == "convergence":
         out = Path(output_dir) if output_dir is not None else Path(cfg.paths.log_dir) / "adhoc"
         train_cfg = training_config(cfg, out / "train")
@@ -259,8 +264,8 @@ def _identity(spec: dict[str, Any], member: dict[str, Any]) -> dict[str, Any]:
         "strategy": member["name"],
         "world_size": int(spec["world_size"]),
         "setting": spec["setting"]["name"],
-        "factor_every": spec["setting"]["factor_every"],
-        "inv_every": spec["setting"]["inv_every"],
+        "factor_update_steps": spec["setting"]["factor_update_steps"],
+        "inv_update_steps": spec["setting"]["inv_update_steps"],
         "batch_size": spec["model"]["batch"].get("batch_size"),
         "warmup": spec["warmup"],
         "steps": spec["steps"],
@@ -280,7 +285,7 @@ def kfac_options(spec: dict[str, Any], member: dict[str, Any]) -> dict[str, Any]
 
     Everything passed to ``KFACPreconditioner`` but the model and the update
     intervals (callables of the setting's step kinds; the row has
-    ``factor_every``/``inv_every``).
+    ``factor_update_steps``/``inv_update_steps``).
     """
     if member["kfac"] is None:
         return None
@@ -307,7 +312,8 @@ def _timing_row(
     mine = [
         {"rank": r["rank"], "records": r["strategies"][member["name"]]["records"]} for r in results
     ]
-    row.update(aggregate(mine, spec["factor_every"], spec["inv_every"]))
+    intervals = spec["factor_update_steps"], spec["inv_update_steps"]
+    row.update(aggregate(mine, *intervals))
     row.update(
         model_config=json.dumps(spec["model"]["config"]),
         model_batch=json.dumps(spec["model"]["batch"]),
@@ -324,7 +330,7 @@ def _timing_row(
     for key, value in list(row.items()):
         if isinstance(value, float) and key.startswith(("bytes_", "calls_", "wire_", "mem_")):
             row[key] = int(value) if value.is_integer() else value
-    row["kind_weights"] = json.dumps(kind_weights(spec["factor_every"], spec["inv_every"]))
+    row["kind_weights"] = json.dumps(kind_weights(*intervals))
     row["error"] = ""
     return row
 

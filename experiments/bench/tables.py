@@ -99,13 +99,28 @@ def load_rows(sources: Iterable[str | Path]) -> pd.DataFrame:
     return df
 
 
+#: Columns of rows written before the setting used the preconditioner's option names.
+RENAMED_COLUMNS = {"factor_every": "factor_update_steps", "inv_every": "inv_update_steps"}
+
+
 def upgrade_rows(df: pd.DataFrame) -> pd.DataFrame:
     """Rows written by earlier versions of the benchmark, in the present one's terms.
 
-    A row's ``model_batch`` names its batch class by the module it lives in now
+    The update intervals are ``factor_update_steps`` and ``inv_update_steps``
+    (:data:`RENAMED_COLUMNS`: older rows called them ``factor_every`` and
+    ``inv_every``; same place, same values), and a row's ``model_batch`` names its
+    batch class by the module it lives in now
     (:func:`experiments.bench.workloads.batch_target`). Values are otherwise
     untouched, so a table rewritten from old rows has the numbers it had.
     """
+    renamed = {old: new for old, new in RENAMED_COLUMNS.items() if old in df.columns}
+    if renamed:
+        if any(new in df.columns for new in renamed.values()):  # old and new rows together
+            for old, new in renamed.items():
+                df[new] = df[new].where(df[new].notna(), df[old]) if new in df else df[old]
+            df = df.drop(columns=list(renamed))
+        else:
+            df = df.rename(columns=renamed)
     if "model_batch" in df.columns:
         df["model_batch"] = [
             v if isinstance(v, float) else workloads.upgrade_batch(v) for v in df["model_batch"]
