@@ -28,6 +28,7 @@ train: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check dpkfac experiments tests
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 # The CUDA paths (skipped without a GPU): every strategy on a GPU, ranks sharing one, NCCL, AMP.
@@ -65,6 +66,7 @@ fuzz: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check dpkfac experiments tests
+	$(PY) -m mypy
 	$(PY) -m ruff format --check dpkfac experiments tests
 
 clean:

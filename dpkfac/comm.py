@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,8 @@ import torch.distributed as dist
 from dpkfac.device import DeviceMismatch, HostReader, TableCache, check_device
 from dpkfac.plan.fusion import size_cap_buckets
 from dpkfac.stats import PHASE_OF_CATEGORY, CommStats, PhaseTimer
+
+T = TypeVar("T")
 
 
 class CollectiveTimeout(RuntimeError):
@@ -224,6 +227,7 @@ class Communicator:
                 use_local_synchronization=False,
             )
             if self.rank in ranks:
+                assert isinstance(group, dist.ProcessGroup), "a member gets the group itself"
                 sub = self._sibling(group)
                 sub._parent = self
                 out[index] = sub
@@ -259,6 +263,7 @@ class Communicator:
             timeout=datetime.timedelta(seconds=self.timeout),
             use_local_synchronization=True,
         )
+        assert isinstance(group, dist.ProcessGroup), "every rank is a member of its duplicate"
         return self._sibling(group)
 
     def _solo(self) -> Communicator:
@@ -446,7 +451,7 @@ class Communicator:
             self.wait(handle)
         return handle
 
-    def gather_objects(self, obj: object, dst: int = 0) -> list[object] | None:
+    def gather_objects(self, obj: T, dst: int = 0) -> list[T] | None:
         """Pickle-gather ``obj`` from every rank onto group rank ``dst`` (checkpoints only).
 
         Returns:
@@ -455,7 +460,8 @@ class Communicator:
         if not self.active:
             return [obj]
         self._check_object_device()
-        out: list[object] | None = [None] * self.size if self.rank == dst else None
+        # Filled with every rank's ``obj`` (each rank sends one of the same kind).
+        out: list[Any] | None = [None] * self.size if self.rank == dst else None
         dist.gather_object(obj, out, dst=self.global_rank(dst), group=self.group)
         return out
 

@@ -284,7 +284,7 @@ class FidelityProbe:
                 if shadow is not None and shadow.has_pending(which):
                     local[which] = shadow.pending(which)
                 elif layer.has_pending(which):
-                    local[which] = layer.pending(which).clone()
+                    local[which] = layer.pending_factor(which).clone()
                 else:
                     local[which] = None
             self._local[name] = local
@@ -306,7 +306,7 @@ class FidelityProbe:
             for name in names:
                 layer = self.layers[name]
                 dtype = self.dtype_for(layer)
-                device = layer.module.weight.device
+                device = layer.helper.module.weight.device
                 got = self._local.get(name, {})
                 local[name] = {}
                 for which in FACTORS:
@@ -317,7 +317,7 @@ class FidelityProbe:
                     local[name][which] = factor
                     averaged.append(factor.clone())
         self.comm.allreduce_mean(averaged, CATEGORY)
-        first = self.layers[names[0]].module.weight
+        first = self.layers[names[0]].helper.module.weight
         values = torch.zeros(len(METRICS) * len(names), dtype=torch.float64, device=first.device)
         with self.timer.phase(PHASE):
             for i, name in enumerate(names):
@@ -331,14 +331,15 @@ class FidelityProbe:
                     continue
                 a_avg, g_avg = averaged[2 * i], averaged[2 * i + 1]
                 work = working_dtype(a_avg.dtype, self.decomposition_dtype)
-                common = {
-                    "method": self.method,
-                    "damping": damping,
-                    "dtype": work,
-                    "pi_damping": self.pi_damping,
-                }
-                mine = damped_update(grad, local[name]["A"], local[name]["G"], **common)
-                ref = damped_update(grad, a_avg, g_avg, **common)
+                update = partial(
+                    damped_update,
+                    method=self.method,
+                    damping=damping,
+                    dtype=work,
+                    pi_damping=self.pi_damping,
+                )
+                mine = update(grad, local[name]["A"], local[name]["G"])
+                ref = update(grad, a_avg, g_avg)
                 values[lo:hi] = compare(mine, ref).to(values.device)
         if self.comm.active:
             # Non-owners hold zeros: the mean times P is the owners' values on every rank.

@@ -196,6 +196,8 @@ class KFACPreconditioner:
             raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
         scheme, own_options = _scheme_and_options(strategy, strategy_options_kwargs)
         self.strategy_name = scheme.name
+        # skip_layers and fidelity_layers: KFACOptions converts a str or a list of them to
+        # the tuple its fields declare (a dataclass field cannot type its converter).
         settings = KFACOptions(
             compute_method=compute_method,
             damping=damping,
@@ -204,7 +206,7 @@ class KFACPreconditioner:
             lr=lr,
             factor_update_steps=factor_update_steps,
             inv_update_steps=inv_update_steps,
-            skip_layers=skip_layers,
+            skip_layers=skip_layers,  # type: ignore[arg-type]  # converted by KFACOptions
             weight_sharing=weight_sharing,
             factor_dtype=factor_dtype,
             factor_method=factor_method,
@@ -214,7 +216,7 @@ class KFACPreconditioner:
             collective_timeout=collective_timeout,
             accumulation_steps=accumulation_steps,
             fidelity_every=fidelity_every,
-            fidelity_layers=fidelity_layers,
+            fidelity_layers=fidelity_layers,  # type: ignore[arg-type]  # converted by KFACOptions
             timing=timing,
         )
         self.options = _common_options(options, settings)
@@ -223,7 +225,9 @@ class KFACPreconditioner:
         self.ddp = isinstance(model, DistributedDataParallel)
         check_grad_scaler(grad_scaler)
         self.grad_scaler = grad_scaler
-        self.module = model.module if self.ddp else model
+        self.module: nn.Module = (
+            model.module if isinstance(model, DistributedDataParallel) else model
+        )
         self.method = COMPUTE_METHODS[self.options.compute_method]
         self.steps = 0
 
@@ -475,7 +479,7 @@ class KFACPreconditioner:
         return step % self.options.at("inv_update_steps", step) == 0
 
     def _dtype_for(self, layer: KFACLayer) -> torch.dtype:
-        return self.options.factor_dtype or layer.module.weight.dtype
+        return self.options.factor_dtype or layer.helper.module.weight.dtype
 
     def _forward_hook(
         self,

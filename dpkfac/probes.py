@@ -79,7 +79,11 @@ def measure_in_group(comm: Communicator, base: Hardware, name: str = "measured")
     for d in EIGH_PROBE_DIMS:
         x = torch.randn(d, d, generator=gen).to(device)
         factor = x @ x.T / d + torch.eye(d, device=device)
-        seconds = median_time(synced(lambda f=factor: torch.linalg.eigh(f)), PROBE_REPEATS)
+
+        def decompose(f: torch.Tensor = factor) -> object:
+            return torch.linalg.eigh(f)
+
+        seconds = median_time(synced(decompose), PROBE_REPEATS)
         samples.append(Sample.compute("eigh", 9.0 * d**3, seconds))
     for numel in BROADCAST_PROBE_NUMELS:
         buf = torch.zeros(numel, dtype=torch.float32, device=comm.device)

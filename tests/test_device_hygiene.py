@@ -53,7 +53,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("costmodel/calibration.py", "measure_compute", "rand"): (
         "measure_compute calibrates this machine's CPU kernels: inputs from a seeded CPU generator"
     ),
-    ("costmodel/calibration.py", "measure_in_group", "randn"): (
+    ("probes.py", "measure_in_group", "randn"): (
         "seeded CPU generator for the same start-up eigh probe on every rank; moved to the "
         "run's device (.to(device)) before it is timed"
     ),

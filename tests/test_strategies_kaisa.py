@@ -10,8 +10,9 @@ from dist_utils import run_ranks
 from strategy_cases import batch, concat_batch, make_model, max_rel_err, run
 
 import dpkfac
+from dpkfac.plan import scheme_of
 from dpkfac.plan.assignment import grad_worker_grid, kaisa_assign
-from dpkfac.strategies import strategy_class, strategy_options
+from dpkfac.strategies import strategy_options
 
 STEPS = 3
 
@@ -45,7 +46,7 @@ def test_fraction_must_give_a_divisor_of_the_world_size() -> None:
         strategy_options("kaisa", {"grad_worker_fraction": 1.5})
     with pytest.raises(ValueError, match="unknown grad_worker_fraction 'half'"):
         strategy_options("kaisa", {"grad_worker_fraction": "half"})
-    cls = strategy_class("kaisa")
+    cls = scheme_of("kaisa")
     mem = strategy_options("kaisa", {"grad_worker_fraction": "mem_opt"})
     assert cls.preconditioners(2, 4, mem) == (2,)
     assert cls.preconditioners(2, 4, opts) == (0, 2)

@@ -28,7 +28,7 @@ from dpkfac.plan.hardware import Hardware, Sample, calibrate
 from dpkfac.probes import median_time
 
 if TYPE_CHECKING:
-    pass
+    from multiprocessing.queues import Queue
 
 __all__ = [
     "calibrate_local",
@@ -53,7 +53,14 @@ def _sync_time(op: Callable[[], object], repeats: int, inner: int = 5) -> float:
     return min(times[1:]) / inner
 
 
-def _rank(rank: int, world_size: int, port: int, sizes: Sequence[int], repeats: int, q) -> None:
+def _rank(
+    rank: int,
+    world_size: int,
+    port: int,
+    sizes: Sequence[int],
+    repeats: int,
+    q: Queue[tuple[int, bytes]],
+) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
@@ -131,7 +138,7 @@ def _factor_samples(gen: torch.Generator, repeats: int) -> list[Sample]:
     from dpkfac.curvature import KFACLayer, helper_for
     from dpkfac.plan.assignment import LayerShape
 
-    cases = []
+    cases: list[tuple[nn.Linear | nn.Conv2d, torch.Tensor, torch.Tensor, LayerShape]] = []
     for c_in, c_out, k, side, n in _CONVS:
         conv = nn.Conv2d(c_in, c_out, k, padding=k // 2, bias=False)
         x = torch.randn(n, c_in, side, side, generator=gen)
@@ -143,7 +150,9 @@ def _factor_samples(gen: torch.Generator, repeats: int) -> list[Sample]:
         cases.append((nn.Linear(d_in, d_out), x, go, shape))
     out = []
     for module, x, go, shape in cases:
-        layer = KFACLayer("layer", module, helper_for(module))
+        helper = helper_for(module)
+        assert helper is not None, "Linear and Conv2d have helpers"
+        layer = KFACLayer("layer", module, helper)
         for which, t in (("A", x), ("G", go)):
             capture = layer.accumulate_a if which == "A" else layer.accumulate_g
 
@@ -175,19 +184,24 @@ def measure_compute(threads: int = 1, repeats: int = 5) -> list[Sample]:
         for d in (32, 64, 128, 256, 512, 1024):
             x = torch.randn(d, 2 * d, generator=gen)
             factor = x @ x.t() / (2 * d)
-            t = median_time(
-                lambda f=factor: EigenDecomposition.compute(f, damping=1e-3, dtype=torch.float32),
-                max(3, repeats // (1 + d // 256)),
-            )
+
+            def eigen(f: torch.Tensor = factor) -> EigenDecomposition:
+                return EigenDecomposition.compute(f, damping=1e-3, dtype=torch.float32)
+
+            def inverse(f: torch.Tensor = factor) -> InverseDecomposition:
+                return InverseDecomposition.compute(f, damping=1e-3, dtype=torch.float32)
+
+            t = median_time(eigen, max(3, repeats // (1 + d // 256)))
             out.append(Sample.compute("eigh", 9.0 * d**3, t))
-            t = median_time(
-                lambda f=factor: InverseDecomposition.compute(f, damping=1e-3, dtype=torch.float32),
-                repeats,
-            )
+            t = median_time(inverse, repeats)
             out.append(Sample.compute("inverse", 2.0 * d**3, t))
         for d in (65, 145, 289, 577, 1025):
             packed = pack_triangle(torch.randn(d, d, generator=gen), tables)
-            t = median_time(lambda p=packed, d=d: unpack_triangle(p, d, tables), repeats)
+
+            def unpack(p: torch.Tensor = packed, d: int = d) -> torch.Tensor:
+                return unpack_triangle(p, d, tables)
+
+            t = median_time(unpack, repeats)
             out.append(Sample.compute("unpack", 4.0 * d * d, t))
         for g, a in ((16, 64), (64, 128), (128, 256), (256, 512), (512, 1024)):
             qa = EigenDecomposition(
@@ -197,9 +211,15 @@ def measure_compute(threads: int = 1, repeats: int = 5) -> list[Sample]:
                 torch.linalg.qr(torch.randn(g, g, generator=gen))[0], torch.rand(g)
             )
             grad = torch.randn(g, a, generator=gen)
-            t = median_time(
-                lambda grad=grad, qa=qa, qg=qg: precondition(grad, qa, qg, damping=1e-3), repeats
-            )
+
+            def apply(
+                grad: torch.Tensor = grad,
+                qa: EigenDecomposition = qa,
+                qg: EigenDecomposition = qg,
+            ) -> torch.Tensor:
+                return precondition(grad, qa, qg, damping=1e-3)
+
+            t = median_time(apply, repeats)
             out.append(Sample.compute("precondition", 4.0 * g * a * (g + a), t))
         for rows, d_in, d_out in (
             (256, 64, 64),

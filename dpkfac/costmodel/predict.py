@@ -80,12 +80,12 @@ class Prediction:
     @property
     def factor_update_steps(self) -> int:
         """Factor update interval the per-step averages assume."""
-        return int(self.kfac.factor_update_steps)  # an int: predict rejects schedules
+        return _interval("factor_update_steps", self.kfac.factor_update_steps)
 
     @property
     def inv_update_steps(self) -> int:
         """Decomposition interval the per-step averages assume."""
-        return int(self.kfac.inv_update_steps)
+        return _interval("inv_update_steps", self.kfac.inv_update_steps)
 
     @property
     def overlapped_phases(self) -> tuple[str, ...]:

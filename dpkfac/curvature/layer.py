@@ -238,6 +238,12 @@ class KFACLayer:
         """The batch factor waiting to be folded in, averaged over micro-batches."""
         return self.factors[which].pending()
 
+    def pending_factor(self, which: str) -> torch.Tensor:
+        """:meth:`pending` of a factor known to wait (:meth:`has_pending` holds)."""
+        factor = self.factors[which].pending()
+        assert factor is not None, f"no pending {which} factor of layer {self.name!r}"
+        return factor
+
     def set_pending(self, which: str, factor: torch.Tensor | None) -> None:
         """Replace the pending batch factor (a strategy's cross-rank average)."""
         self.factors[which].set_pending(factor)

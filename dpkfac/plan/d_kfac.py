@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from dpkfac.plan.assignment import LayerShape, Placement, assign_factors, round_robin_assign
 from dpkfac.plan.options import StrategyOptions, check_choice
@@ -62,7 +63,8 @@ class DKFACScheme(Scheme):
     """All-reduced factors, placed decompositions, local preconditioning everywhere."""
 
     name = "d_kfac"
-    Options = DKFACOptions
+    # The base's type: subclasses (kaisa, grouped) take options that need not be d_kfac's.
+    Options: ClassVar[type[StrategyOptions]] = DKFACOptions
 
     @classmethod
     def traits(cls, options: StrategyOptions) -> Traits:

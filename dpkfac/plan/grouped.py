@@ -250,6 +250,7 @@ class GroupedScheme(KAISAScheme):
 
     @classmethod
     def with_hardware(cls, options: StrategyOptions, hardware: Hardware) -> StrategyOptions:
+        assert isinstance(options, GroupedOptions)
         return replace(options, hardware=hardware) if cls.measures_hardware(options) else options
 
     @classmethod

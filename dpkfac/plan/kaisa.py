@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from dpkfac.plan.assignment import (
     LayerShape,
@@ -129,7 +129,8 @@ class KAISAScheme(DKFACScheme):
     """All-reduced factors, column-wise decompositions, row-wise gradient broadcasts."""
 
     name = "kaisa"
-    Options = KAISAOptions
+    # The base's type: grouped, a subclass, takes options that are not kaisa's.
+    Options: ClassVar[type[StrategyOptions]] = KAISAOptions
 
     @classmethod
     def traits(cls, options: StrategyOptions) -> Traits:

@@ -12,7 +12,10 @@ import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 __all__ = [
     "STEP_RULES",
@@ -44,7 +47,7 @@ def _decay(value: Any) -> bool:
 
 
 def _interval(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1
 
 
 #: What a callable option must return at every step: (test, what it must be).
@@ -108,7 +111,7 @@ class StrategyOptions:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-OptionsT = TypeVar("OptionsT")
+OptionsT = TypeVar("OptionsT", bound="DataclassInstance")
 
 
 def make_options(cls: type[OptionsT], values: Mapping[str, Any], owner: str) -> OptionsT:

@@ -161,4 +161,5 @@ class SPDKFACScheme(Scheme):
 
     @classmethod
     def with_hardware(cls, options: StrategyOptions, hardware: Hardware) -> StrategyOptions:
+        assert isinstance(options, SPDKFACOptions)
         return replace(options, hardware=hardware) if cls.measures_hardware(options) else options

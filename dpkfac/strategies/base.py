@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from dpkfac.curvature.decomposition import working_dtype
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.options import KFACOptions, StrategyOptions
 from dpkfac.plan import LayerShape, Placement, Plan, Scheme, Traits
+
+#: The options class of a strategy: its scheme's ``Options``.
+OptionsT = TypeVar("OptionsT", bound=StrategyOptions)
 
 
 @dataclass
@@ -78,7 +81,8 @@ def update_buffers(
         matrix = result.matrix.contiguous()
         meta = torch.stack([result.vg, flag_value])
     else:
-        grad = layer.module.weight.grad
+        grad = layer.helper.module.weight.grad
+        assert grad is not None, "only a layer with a gradient is sent"
         matrix = grad.new_empty(layer.helper.g_dim, layer.helper.a_dim)
         meta = matrix.new_zeros(2, dtype=torch.promote_types(matrix.dtype, torch.float32))
     return [matrix, meta] if with_kl else [matrix]
@@ -117,7 +121,7 @@ def layer_shape(layer: KFACLayer, batch_size: int, positions: int) -> LayerShape
     )
 
 
-class Strategy:
+class Strategy(Generic[OptionsT]):
     """Communication points of one distribution scheme, executing its plan.
 
     Args:
@@ -144,11 +148,12 @@ class Strategy:
         bucket_cap_mb: float = 25.0,
         kfac: KFACOptions | None = None,
     ) -> None:
-        options = self.scheme.check(options)
+        options = self._checked(options)
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.scheme.check_world_size(options, comm.size)
-        self.options = options
+        #: This strategy's own options (resolved by :meth:`configure`).
+        self.options: OptionsT = options
         self.comm = comm
         self.method = method
         self.decomposition_dtype = decomposition_dtype
@@ -173,6 +178,14 @@ class Strategy:
         super().__init_subclass__(**kwargs)
         cls.name = cls.scheme.name
 
+    def _checked(self, options: StrategyOptions | None) -> OptionsT:
+        """``options`` as the scheme checks them: an instance of ``scheme.Options``.
+
+        Each subclass names its scheme's ``Options`` as its ``OptionsT``; a
+        ClassVar cannot hold the type variable that would tie the two, hence the cast.
+        """
+        return cast(OptionsT, self.scheme.check(options))
+
     @property
     def rank(self) -> int:
         return self.comm.rank
@@ -195,13 +208,15 @@ class Strategy:
         "auto" at the first step. The groups depend on the world size and the
         options only, not on the shapes.
         """
-        self.options = self.scheme.check(options)
+        self.options = self._checked(options)
         p = self.world_size
         factor_groups = self.scheme.factor_groups(p, self.options)
         decomposition_groups = self.scheme.decomposition_groups(p, self.options)
         update_groups = self.scheme.update_groups(p, self.options)
         # Creating a process group is a collective: every rank makes all of them, in order.
-        self.factor_comm = self._own(factor_groups, self.comm.subgroups(factor_groups))
+        factor_comm = self._own(factor_groups, self.comm.subgroups(factor_groups))
+        assert factor_comm is not None, "the factor groups partition the ranks"
+        self.factor_comm = factor_comm
         self._decomposition_comm = self._own(
             decomposition_groups, self.comm.subgroups(decomposition_groups)
         )
@@ -349,7 +364,7 @@ class Strategy:
             return [
                 x
                 for x in layers
-                if plan.sends_update(src, x.name) and x.module.weight.grad is not None
+                if plan.sends_update(src, x.name) and x.helper.module.weight.grad is not None
             ]
 
         return self.broadcast_updates(self._update_comm, group, sent_by, results, with_kl=with_kl)
@@ -385,11 +400,13 @@ class Strategy:
             tensors: list[torch.Tensor] = []
             for layer, which in items:
                 if src == self.rank:
-                    tensors += layer.decomposition(which).tensors()
+                    decomposition = layer.decomposition(which)
+                    assert decomposition is not None, "a due decomposition is computed first"
+                    tensors += decomposition.tensors()
                 else:
                     # A receiver may hold no factor of the layer (grouped's
                     # gradient workers outside the owner's factor group).
-                    weight = layer.module.weight
+                    weight = layer.helper.module.weight
                     factor_dtype = self.kfac.factor_dtype or weight.dtype
                     dtype = working_dtype(factor_dtype, self.decomposition_dtype)
                     tensors += [

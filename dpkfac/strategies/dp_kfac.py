@@ -31,11 +31,10 @@ from dpkfac.strategies.base import Strategy
 __all__ = ["DPKFAC", "DPKFACOptions"]
 
 
-class DPKFAC(Strategy):
+class DPKFAC(Strategy[DPKFACOptions]):
     """Owner-only factors and preconditioning, broadcast of preconditioned gradients."""
 
     scheme = DPKFACScheme
-    options: DPKFACOptions
 
     def reduce_gradients(
         self, layers: Sequence[KFACLayer], other_params: Sequence[nn.Parameter]

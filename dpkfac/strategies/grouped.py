@@ -24,11 +24,10 @@ from dpkfac.strategies.d_kfac import DKFAC
 __all__ = ["GroupedKFAC", "GroupedOptions"]
 
 
-class GroupedKFAC(DKFAC):
+class GroupedKFAC(DKFAC[GroupedOptions]):
     """Factors averaged within groups of k ranks, preconditioning by W = f·P gradient workers."""
 
     scheme = GroupedScheme
-    options: GroupedOptions  # type: ignore[assignment]  # narrows DKFAC's: another scheme's options
 
     @property
     def factor_group_size(self) -> int | None:

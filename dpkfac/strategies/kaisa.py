@@ -18,11 +18,10 @@ from dpkfac.strategies.d_kfac import DKFAC
 __all__ = ["KAISA", "KAISAOptions"]
 
 
-class KAISA(DKFAC):
+class KAISA(DKFAC[KAISAOptions]):
     """All-reduced factors, column-wise decompositions, row-wise gradient broadcasts."""
 
     scheme = KAISAScheme
-    options: KAISAOptions  # type: ignore[assignment]  # narrows DKFAC's: kaisa's options extend them
 
     @property
     def grad_workers(self) -> int:

@@ -40,11 +40,10 @@ __all__ = ["SPDKFAC", "SPDKFACOptions"]
 Key = tuple[str, str]
 
 
-class SPDKFAC(DKFAC):
+class SPDKFAC(DKFAC[SPDKFACOptions]):
     """Pipelined, fused, triangle-packed factor all-reduces and thresholded placement."""
 
-    scheme = SPDKFACScheme  # type: ignore[assignment]  # not DKFAC's scheme: its own plan
-    options: SPDKFACOptions  # type: ignore[assignment]  # narrows DKFAC's: another scheme's options
+    scheme = SPDKFACScheme
 
     def sync_factors(self, layers: Sequence[KFACLayer]) -> None:
         """Batch factors are already averaged by the pipeline: nothing to sync."""
@@ -94,6 +93,7 @@ class SPDKFAC(DKFAC):
             return
         ready = self._ready.setdefault(bucket, [])
         ready.append(key)
+        assert self.fusion_plan is not None, "buckets exist once the fusion plan does"
         if len(ready) == len(self.fusion_plan[bucket]):
             self._launch_keys(self.fusion_plan[bucket])
 
@@ -101,7 +101,7 @@ class SPDKFAC(DKFAC):
         self._launch([(self._layers[name], which) for name, which in keys])
 
     def _launch(self, items: list[tuple[KFACLayer, str]]) -> None:
-        tensors = [layer.pending(which).clone() for layer, which in items]
+        tensors = [layer.pending_factor(which).clone() for layer, which in items]
         handle = self.comm.allreduce_mean(
             tensors, "factor_allreduce", triangle=True, async_op=True, overlapped=True
         )
@@ -116,6 +116,7 @@ class SPDKFAC(DKFAC):
         # usage must match across ranks) still go, in plan order.
         for bucket in sorted(self._ready):
             keys = self._ready[bucket]
+            assert self.fusion_plan is not None, "buckets exist once the fusion plan does"
             if len(keys) < len(self.fusion_plan[bucket]):
                 order = [k for k in self.fusion_plan[bucket] if k in keys]
                 self._launch_keys(order)
@@ -132,7 +133,7 @@ class SPDKFAC(DKFAC):
             and ((layer.name, w) in self._stale or (layer.name, w) not in self._launched)
         ]
         if redo:
-            tensors = [layer.pending(w) for layer, w in redo]
+            tensors = [layer.pending_factor(w) for layer, w in redo]
             self.comm.allreduce_mean(tensors, "factor_allreduce", triangle=True)
             for (layer, which), tensor in zip(redo, tensors, strict=True):
                 layer.set_pending(which, tensor)
@@ -161,11 +162,11 @@ class SPDKFAC(DKFAC):
         self.comm_model = CommModel(agreed[-2], agreed[-1])
         order = sorted(range(len(seen)), key=lambda i: (times_l[i], i))
         by_name = {layer.name: layer for layer in layers}
-        sizes = []
+        sizes: list[int] = []
         for i in order:
             name, which = seen[i]
             dim = by_name[name].dim(which)
-            dtype = by_name[name].module.weight.dtype
+            dtype = by_name[name].helper.module.weight.dtype
             sizes.append(triangle_numel(dim) * dtype.itemsize)
         ready = [times_l[i] for i in order]
         if self.options.fusion == "dynamic":
