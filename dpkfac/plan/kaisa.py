@@ -77,8 +77,11 @@ def check_fraction(fraction: object, extra: tuple[str, ...] = ()) -> None:
     if isinstance(fraction, str):
         check_choice("grad_worker_fraction", fraction, names)
     else:
-        number = isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
-        if not number or not 0 < fraction <= 1:  # type: ignore[operator]  # number: a real
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, (int, float))
+            or not 0 < fraction <= 1
+        ):
             raise ValueError(_fraction_message(fraction, names))
 
 
