@@ -195,10 +195,10 @@ class OverlapEngine:
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._hook)
 
-    def _owner(self, layer: KFACLayer) -> int:
+    def _plan(self) -> Plan:
         plan = self.ctx.flags.plan
         assert plan is not None, "the overlapped mode runs with a final plan only"
-        return plan.owner(layer.name)
+        return plan
 
     # ------------------------------------------------------------------ hooks
     def _begin(self) -> None:
@@ -230,7 +230,7 @@ class OverlapEngine:
         st.left[self.bucket_of[key]] -= 1
         for layer in self.layers_of.get(key, ()):
             st.layer_left[layer.name] -= 1
-            if st.layer_left[layer.name] == 0 and self._owner(layer) == self.comm.rank:
+            if st.layer_left[layer.name] == 0 and self._plan().captures(self.comm.rank, layer.name):
                 self._prepare(layer)
         self._launch(ready_only=True)
         self._poll(block=False)
@@ -310,7 +310,7 @@ class OverlapEngine:
                 x
                 for x in self.layers
                 if self.last_bucket[x.name] == bucket
-                and self._owner(x) == owner
+                and self._plan().sends_update(owner, x.name)
                 and x.module.weight.grad is not None
             ]
             if not sent:
@@ -349,7 +349,7 @@ class OverlapEngine:
         self.state = st
         try:
             for layer in self.layers:
-                if self._owner(layer) == self.comm.rank:
+                if self._plan().captures(self.comm.rank, layer.name):
                     self._prepare(layer)  # layers without gradients still fold their factors
             self._launch(ready_only=False)
             self._poll(block=True)

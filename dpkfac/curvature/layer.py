@@ -84,6 +84,11 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+def _fold(running: torch.Tensor, batch: torch.Tensor, decay: float) -> torch.Tensor:
+    """``decay·F + (1 - decay)·F_batch``: the running-average update, in one place."""
+    return running.mul(decay).add_(batch.to(running.dtype), alpha=1.0 - decay)
+
+
 def warn_non_finite(layer: str, which: str, *, stacklevel: int = 3) -> None:
     """The warning of a batch factor rejected for NaN/Inf (its update is skipped)."""
     warnings.warn(
@@ -294,12 +299,9 @@ class KFACLayer:
             if not finite[which]:
                 warn_non_finite(self.name, which, stacklevel=4)
                 continue
-            if state.running is None:
-                state.running = batch.clone()
-            else:
-                state.running = state.running.mul(decay).add_(
-                    batch.to(state.running.dtype), alpha=1.0 - decay
-                )
+            state.running = (
+                batch.clone() if state.running is None else _fold(state.running, batch, decay)
+            )
             updated.append(which)
         self.clear_pending()
         return updated
@@ -324,8 +326,7 @@ class KFACLayer:
             running = state.running
             records.append(MaskedFold(which, finite, running is not None, state.decomposition))
             if running is not None:
-                new = running.mul(decay).add_(batch.to(running.dtype), alpha=1.0 - decay)
-                state.running = torch.where(finite, new, running)
+                state.running = torch.where(finite, _fold(running, batch, decay), running)
             else:
                 state.running = torch.where(finite, batch, torch.zeros_like(batch))
         self.clear_pending()

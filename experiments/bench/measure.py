@@ -61,7 +61,7 @@ def _option_names(strategy: str | None) -> set[str]:
 
     from dpkfac.strategies import strategy_class
 
-    return {f.name for f in fields(strategy_class(strategy).Options)} if strategy else set()
+    return {f.name for f in fields(strategy_class(strategy).scheme.Options)} if strategy else set()
 
 
 def _schedule(kinds: list[str], due: tuple[str, ...]) -> Callable[[int], int]:
@@ -284,7 +284,7 @@ def _configuration(pre: Any) -> str:
     """What the strategy chose for this run (grouped's k and f), "" when nothing."""
     if pre is None:
         return ""
-    return type(pre.strategy).describe(pre.strategy.options)
+    return pre.strategy.scheme.describe(pre.strategy.options)
 
 
 def _measured_hardware(pre: Any) -> str | None:

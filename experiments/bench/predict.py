@@ -40,7 +40,8 @@ import pandas as pd
 from dpkfac.costmodel import PRESETS, Hardware, Measurement, ModelShapes, Prediction
 from dpkfac.costmodel import fitting as fitting_lib
 from dpkfac.options import KFACOptions
-from dpkfac.strategies import canonical_name, strategy_class, strategy_options
+from dpkfac.plan import scheme_of
+from dpkfac.strategies import canonical_name, strategy_options
 
 COMPUTE = ("factor_compute", "decomposition", "precondition")
 COMM = ("grad_comm", "factor_comm", "decomposition_comm", "precond_comm")
@@ -265,7 +266,7 @@ def paper_predictions(
         shapes, sharing = shapes_of[str(r["model"])]
         m = measurement(r, shapes=shapes, weight_sharing=sharing)
         pred = fitting_lib.predict_measurement(m, hardware, world_size=world_size)
-        chosen = strategy_class(pred.strategy).describe(pred.options) if pred.strategy else ""
+        chosen = scheme_of(pred.strategy).describe(pred.options) if pred.strategy else ""
         out.append({**amortised_prediction(r, pred), "configuration": chosen})
     return out
 
