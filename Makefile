@@ -51,7 +51,7 @@ smoke-report: $(STAMP)
 # The long profile of the property-based differential test (tests/test_differential.py):
 # random examples, FUZZ_EXAMPLES per strategy kind and world size per round, rounds with a new
 # seed until FUZZ_SECONDS have passed; stops at the first failure, which hypothesis prints as a
-# minimal example with the @reproduce_failure line that replays it (README, "Fuzzing").
+# minimal example with the @reproduce_failure line that replays it (docs/reproduction.md, "Fuzzing").
 FUZZ_SECONDS ?= 600
 FUZZ_EXAMPLES ?= 40
 fuzz: $(STAMP)

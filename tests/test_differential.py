@@ -27,7 +27,7 @@ For every example it asserts:
 Profiles: ``fast`` (default, ``derandomize``: the same examples every run, in
 ``make test``) and ``long`` (``make fuzz``, random, as many examples as
 ``DPKFAC_FUZZ_EXAMPLES`` says). A failure prints the minimal example and the
-``@reproduce_failure`` line that replays it; see the README.
+``@reproduce_failure`` line that replays it; see docs/reproduction.md, "Fuzzing".
 """
 
 from __future__ import annotations

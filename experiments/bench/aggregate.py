@@ -1,6 +1,6 @@
 """Per-rank step records to one benchmark row.
 
-Conventions (also in the README, "Reproducing the tables"):
+Conventions (also in docs/reproduction.md, "How numbers are measured"):
 
 * **Busiest rank.** For every measured step each quantity is the maximum
   over ranks (the step waits for the slowest rank); the row then holds the

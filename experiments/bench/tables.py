@@ -8,7 +8,7 @@ redrawn from saved rows without measuring again::
     python -m experiments.bench.tables second_order_update              # from results/raw
     python -m experiments.bench.tables scaling --rows multirun/benchmark/scaling/<stamp>
 
-Tables (see the README, "Reproducing the tables", for what each column means):
+Tables (see docs/reproduction.md, "One command per table", for what each column means):
 
 * ``second_order_update``: computation, communication (seconds and bytes)
   and K-FAC memory of one second-order update, every baseline relative
