@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from dpkfac.device import DeviceMismatch, HostReader, TableCache, check_device
-from dpkfac.plan.fusion import size_cap_buckets
+from dpkfac.plan.fusion import shard_rounds, size_cap_buckets
+from dpkfac.plan.hardware import uneven_all_gather
 from dpkfac.stats import PHASE_OF_CATEGORY, CommStats, PhaseTimer
 
 T = TypeVar("T")
@@ -167,8 +168,10 @@ class Communicator:
         self.timeout = timeout
         # NCCL only moves CUDA tensors: small control tensors (placement
         # statistics, calibration buffers) are made on this device.
+        backend = dist.get_backend(self.group) if self.enabled else "none"
+        #: The torch.distributed backend ("none" without a process group).
+        self.backend = str(backend)
         if device is None:
-            backend = dist.get_backend(self.group) if self.enabled else "none"
             device = (
                 torch.device("cuda", torch.cuda.current_device())
                 if backend == "nccl"
@@ -280,13 +283,18 @@ class Communicator:
 
     # ----------------------------------------------------------------- helpers
     def wire_bytes(self, kind: str, nbytes: int) -> int:
-        """Bytes one rank sends for a collective under the bandwidth-optimal algorithm."""
+        """Bytes one rank sends for a collective under the bandwidth-optimal algorithm.
+
+        ``nbytes`` is the whole buffer: a reduce-scatter's input or an all-gather's
+        output (``P`` shards), of which a ring sends ``(P - 1) / P``.
+        """
         p = self.size
         factor = 2 if kind == "allreduce" else 1
         return factor * nbytes * (p - 1) // p
 
     def record(self, category: str, kind: str, nbytes: int) -> None:
-        """Account one collective of ``kind`` ("allreduce" or "rooted") over ``nbytes``."""
+        """Account one collective of ``kind`` ("allreduce", "rooted", "reduce_scatter" or
+        "all_gather") over ``nbytes``."""
         self.stats.record(category, nbytes, self.wire_bytes(kind, nbytes))
 
     def _launch(
@@ -300,13 +308,19 @@ class Communicator:
         check_device(flat, self.device, handle.category)
         kind = "allreduce" if fn is dist.all_reduce else "rooted"
         self.record(handle.category, kind, flat.numel() * flat.element_size())
-        # In-flight handles are tracked only when isolating: nothing extra per
-        # collective in training runs.
+        self._isolated(handle)
+        handle.works.append(fn(flat, group=self.group, async_op=True, **kwargs))
+
+    def _isolated(self, handle: Handle) -> None:
+        """Meet every rank first when isolating and nothing else is in flight (see ``isolate``).
+
+        In-flight handles are tracked only when isolating: nothing extra per
+        collective in training runs.
+        """
         if self.isolate and not handle.overlapped:
             if not self._in_flight:
                 self._barrier()
             self._in_flight.add(id(handle))
-        handle.works.append(fn(flat, group=self.group, async_op=True, **kwargs))
 
     def _barrier(self) -> None:
         """Meet every rank (timed as ``comm_sync``), with the collective timeout."""
@@ -430,11 +444,16 @@ class Communicator:
         category: str,
         cap_bytes: int | None,
         async_op: bool,
+        into: Handle | None = None,
     ) -> Handle:
-        """A broadcast or reduce with one root: only the side that receives unpacks."""
-        handle = Handle(category)
+        """A broadcast or reduce with one root: only the side that receives unpacks.
+
+        ``into``: launch into this handle (several roots, one wait) instead of a new one.
+        """
+        handle = Handle(category) if into is None else into
         if not self.active or not tensors:
-            handle.done = True
+            if into is None:  # a shared handle is settled by its caller
+                handle.done = True
             return handle
         tensors = list(tensors)
         is_reduce = fn is dist.reduce
@@ -450,6 +469,120 @@ class Communicator:
         if not async_op:
             self.wait(handle)
         return handle
+
+    def reduce_scatter_mean(
+        self,
+        shards: Sequence[Sequence[torch.Tensor]],
+        category: str,
+        *,
+        cap_bytes: int | None = None,
+        async_op: bool = False,
+    ) -> Handle:
+        """Average owner-contiguous tensors onto their owners: one reduce-scatter per round.
+
+        ``shards[r]`` are the tensors group rank ``r`` owns (one dtype), the same
+        list on every rank. Each round (:func:`~dpkfac.plan.fusion.shard_rounds`)
+        hands every rank's next run, flattened, to one ``reduce_scatter`` of
+        shards of different sizes (no padding: each owner's shard is as large as
+        its tensors), which leaves each owner the average of its own; other
+        ranks' copies are left as they are.
+        """
+        return self._sharded(shards, category, cap_bytes, async_op, gather=False)
+
+    def all_gather(
+        self,
+        shards: Sequence[Sequence[torch.Tensor]],
+        category: str,
+        *,
+        cap_bytes: int | None = None,
+        async_op: bool = False,
+    ) -> Handle:
+        """Every rank's own tensors to every rank: one all-gather of uneven shards per round.
+
+        ``shards[r]`` are the tensors group rank ``r`` sends (filled on ``r``) and
+        every other rank receives into (same shapes, one dtype), in the rounds of
+        :meth:`reduce_scatter_mean`. A backend without an all-gather of uneven
+        shards (gloo: :func:`~dpkfac.plan.hardware.uneven_all_gather`) broadcasts
+        each rank's tensors from it instead, one capped bucket per rank.
+        """
+        if self.active and not uneven_all_gather(self.backend):
+            handle = Handle(category)
+            for src, tensors in enumerate(shards):
+                self._rooted(dist.broadcast, tensors, src, category, cap_bytes, True, handle)
+            handle.done = not handle.works
+            if not async_op:
+                self.wait(handle)
+            return handle
+        return self._sharded(shards, category, cap_bytes, async_op, gather=True)
+
+    def _sharded(
+        self,
+        shards: Sequence[Sequence[torch.Tensor]],
+        category: str,
+        cap_bytes: int | None,
+        async_op: bool,
+        *,
+        gather: bool,
+    ) -> Handle:
+        handle = Handle(category)
+        if not self.active or not any(shards):
+            handle.done = True
+            return handle
+        if len(shards) != self.size:
+            raise ValueError(f"{len(shards)} shards for a group of {self.size} ranks")
+        dtypes = {t.dtype for ts in shards for t in ts}
+        if len(dtypes) != 1:
+            raise ValueError(f"one dtype per sharded collective, got {sorted(map(str, dtypes))}")
+        like = next(t for ts in shards for t in ts)
+        sizes = [[t.numel() * t.element_size() for t in ts] for ts in shards]
+        kind = "all_gather" if gather else "reduce_scatter"
+        for round_ in shard_rounds(sizes, cap_bytes):
+            parts = [[shards[r][i] for i in idx] for r, idx in enumerate(round_)]
+            flats = [
+                torch.cat([t.reshape(-1) for t in ts]) if ts else like.new_empty(0) for ts in parts
+            ]
+            for flat in flats:
+                check_device(flat, self.device, category)
+            self.record(category, kind, sum(f.numel() for f in flats) * like.element_size())
+            self._isolated(handle)
+            mine = flats[self.rank]
+            if gather:  # the others' flats are receive buffers
+                work = dist.all_gather(flats, mine, group=self.group, async_op=True)
+                handle.finish.append(self._spread(flats, parts, skip=self.rank))
+            else:
+                out = torch.empty_like(mine)
+                work = dist.reduce_scatter(out, flats, group=self.group, async_op=True)
+                out_list = [out if r == self.rank else f for r, f in enumerate(flats)]
+                handle.finish.append(self._spread(out_list, parts, only=self.rank, scale=True))
+            handle.works.append(work)
+        if not async_op:
+            self.wait(handle)
+        return handle
+
+    def _spread(
+        self,
+        flats: list[torch.Tensor],
+        parts: list[list[torch.Tensor]],
+        *,
+        skip: int | None = None,
+        only: int | None = None,
+        scale: bool = False,
+    ) -> Callable[[], None]:
+        """Copy received flat shards back into their tensors (averaged with ``scale``)."""
+        size = self.size
+
+        def finish() -> None:
+            for r, (flat, ts) in enumerate(zip(flats, parts, strict=True)):
+                if r == skip or (only is not None and r != only):
+                    continue
+                if scale:
+                    flat.div_(size)
+                offset = 0
+                for t in ts:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+        return finish
 
     def gather_objects(self, obj: T, dst: int = 0) -> list[T] | None:
         """Pickle-gather ``obj`` from every rank onto group rank ``dst`` (checkpoints only).

@@ -474,6 +474,7 @@ def _check_prediction(run: RunSpec, world_size: int, results: list[dict[str, Any
         kfac=kfac,
         options=options,
         param_itemsize=8,
+        backend="gloo",  # the runs' backend
     )
     for rank, result in enumerate(results):
         assert result["stats"][last] == pred.update.comm_of(rank), (rank, run)

@@ -19,6 +19,7 @@ import pickle
 import socket
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,14 +76,20 @@ def _rank(
         barrier = _sync_time(lambda: None, 3 * repeats, inner=1)
         for n in sizes:
             buf = torch.zeros(n)
-            ops = {
-                "allreduce": lambda b=buf: dist.all_reduce(b),
-                "broadcast": lambda b=buf: dist.broadcast(b, src=0),
-                "reduce": lambda b=buf: dist.reduce(b, dst=0),
+            # Sharded kinds over the same buffer: a shard of n / P elements per rank.
+            shard = torch.zeros(n // world_size)
+            whole = buf[: shard.numel() * world_size]
+            ops: dict[str, Callable[[], object]] = {
+                "allreduce": partial(dist.all_reduce, buf),
+                "broadcast": partial(dist.broadcast, buf, src=0),
+                "reduce": partial(dist.reduce, buf, dst=0),
+                "reduce_scatter": partial(dist.reduce_scatter_single, shard, whole),
+                "all_gather": partial(dist.all_gather_single, whole, shard),
             }
             for kind, op in ops.items():
                 secs = _sync_time(op, repeats) - barrier / 5
-                out.append((kind, n * 4, secs))
+                nbytes = whole.numel() * 4 if kind in ("reduce_scatter", "all_gather") else n * 4
+                out.append((kind, nbytes, secs))
         q.put((rank, pickle.dumps(out)))
     finally:
         if dist.is_initialized():
@@ -255,4 +262,6 @@ def calibrate_local(
     # Micro-benchmarks cannot observe overlap: take the value fitted for CPU
     # ranks with a core each (see the cpu_gloo_local preset); refit it from
     # measured runs with dpkfac.costmodel.fitting.fit_overlap.
-    return Hardware(hw.name, hw.links, hw.engines, (source, *hw.sources), overlap=0.9)
+    return Hardware(
+        hw.name, hw.links, hw.engines, (source, *hw.sources), overlap=0.9, backend="gloo"
+    )

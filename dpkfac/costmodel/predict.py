@@ -258,6 +258,7 @@ def predict(
     ddp: bool = False,
     bias: Sequence[bool] | None = None,
     other_params: int | Sequence[int] = 0,
+    backend: str | None = None,
 ) -> Prediction:
     """Predict one strategy's traffic, phase times and memory from the preconditioner's options.
 
@@ -284,6 +285,9 @@ def predict(
         ready_times: measured factor ready times to plan from.
         ddp: the model is DDP-wrapped (gradients are not counted by K-FAC).
         bias / other_params: see :func:`as_model_shapes` (plain shapes only).
+        backend: the run's torch.distributed backend, where it is not the
+            hardware's (``Hardware.backend``): it decides which collectives
+            the run may use.
 
     Raises:
         ValueError: an unknown strategy or option, a bad option value, a
@@ -344,6 +348,7 @@ def predict(
                 itemsize=param_itemsize,
                 cap_bytes=cap,
                 kl_clip=kfac.kl_clip is not None,
+                backend=hw.backend if backend is None else backend,
             )
             for r in range(p)
         ]

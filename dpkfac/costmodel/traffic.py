@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from dpkfac.comm import triangle_numel
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.plan.assignment import Placement
-from dpkfac.plan.fusion import size_cap_buckets
-from dpkfac.plan.hardware import wire_bytes
+from dpkfac.plan.fusion import shard_rounds, size_cap_buckets
+from dpkfac.plan.hardware import uneven_all_gather, wire_bytes
 from dpkfac.plan.roles import Plan
 from dpkfac.plan.traits import Traits
 from dpkfac.stats import COMM_CATEGORIES
@@ -44,6 +44,7 @@ __all__ = [
     "grad_collectives",
     "memory_per_rank",
     "precond_collectives",
+    "sharded_collectives",
 ]
 
 Key = tuple[str, str]
@@ -84,6 +85,19 @@ def _collectives(
     return [Collective(category, kind, n, p) for n in bucket_bytes(sizes, cap)]
 
 
+def sharded_collectives(
+    category: str, kind: str, sizes: Sequence[Sequence[int]], cap_bytes: int | None
+) -> list[Collective]:
+    """A reduce-scatter or all-gather of owner-contiguous shards of ``sizes[r]`` bytes, round
+    by round (:func:`dpkfac.plan.fusion.shard_rounds`); shards of different sizes, unpadded."""
+    p = len(sizes)
+    out = []
+    for round_ in shard_rounds(sizes, cap_bytes):
+        total = sum(sizes[r][i] for r, idx in enumerate(round_) for i in idx)
+        out.append(Collective(category, kind, total, p))
+    return out
+
+
 def grad_collectives(
     model: ModelShapes,
     world_size: int,
@@ -92,10 +106,11 @@ def grad_collectives(
     cap_bytes: int,
     owners: Sequence[int] | None = None,
 ) -> list[Collective]:
-    """Gradient averaging: one capped all-reduce, or (owners given) reduces to owners.
+    """Gradient averaging: one capped all-reduce, or (owners given) a reduce-scatter onto them.
 
-    With ``owners`` (``Traits.owner_grad_reduction``), each rank's K-FAC
-    layer gradients are reduced onto it, then the other parameters are
+    With ``owners`` (``Traits.owner_grad_reduction``), the K-FAC layers'
+    gradients are reduce-scattered in owner-contiguous shards (each owner's
+    layers in module order, weight then bias), then the other parameters are
     all-reduced.
     """
     cat = "grad_allreduce"
@@ -104,11 +119,12 @@ def grad_collectives(
     if owners is None:
         flat = [n for sizes in layer_sizes for n in sizes] + others
         return _collectives(cat, "allreduce", flat, cap_bytes, world_size)
-    out: list[Collective] = []
-    for r in range(world_size):
-        owned = [n for i, sizes in enumerate(layer_sizes) if owners[i] == r for n in sizes]
-        out += _collectives(cat, "reduce", owned, cap_bytes, world_size)
-    return out + _collectives(cat, "allreduce", others, cap_bytes, world_size)
+    sizes = [
+        [n for i, layer in enumerate(layer_sizes) if owners[i] == r for n in layer]
+        for r in range(world_size)
+    ]
+    shards = sharded_collectives(cat, "reduce_scatter", sizes, cap_bytes)
+    return shards + _collectives(cat, "allreduce", others, cap_bytes, world_size)
 
 
 def precond_collectives(
@@ -119,22 +135,31 @@ def precond_collectives(
     itemsize: int,
     cap_bytes: int,
     kl_clip: bool,
+    backend: str = "nccl",
 ) -> list[Collective]:
-    """The update broadcasts ``rank`` takes part in: per sender of its group, one capped bucket.
+    """The update exchange ``rank`` takes part in.
 
+    Per sender of its update group, one capped broadcast bucket; under owner
+    reduction (``Traits.owner_grad_reduction``), where the ``backend`` gathers
+    uneven shards, one all-gather of the owners' updates per round instead.
     Each layer's update matrix travels with its two KL scalars when the clip is on.
     """
     group = plan.update_group(rank)
     if group is None:
         return []
+    sent = [
+        [
+            n * itemsize
+            for i, s in enumerate(model)
+            if plan.sends_update(src, i)
+            for n in ((s.g_dim * s.a_dim, 2) if kl_clip else (s.g_dim * s.a_dim,))
+        ]
+        for src in group
+    ]
+    if plan.traits.owner_grad_reduction and uneven_all_gather(backend):
+        return sharded_collectives("precond_broadcast", "all_gather", sent, cap_bytes)
     out: list[Collective] = []
-    for src in group:
-        sizes: list[int] = []
-        for i, s in enumerate(model):
-            if plan.sends_update(src, i):
-                sizes.append(s.g_dim * s.a_dim * itemsize)
-                if kl_clip:
-                    sizes.append(2 * itemsize)
+    for sizes in sent:
         out += _collectives("precond_broadcast", "broadcast", sizes, cap_bytes, len(group))
     return out
 

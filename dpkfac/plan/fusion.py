@@ -26,6 +26,7 @@ __all__ = [
     "fit_comm_model",
     "optimal_buckets",
     "plan_buckets",
+    "shard_rounds",
     "simulate",
     "size_cap_buckets",
 ]
@@ -267,3 +268,30 @@ def size_cap_buckets(sizes_bytes: Sequence[int], cap_bytes: int) -> list[list[in
     if current:
         buckets.append(current)
     return buckets
+
+
+def shard_rounds(
+    sizes_bytes: Sequence[Sequence[int]], cap_bytes: int | None
+) -> list[list[list[int]]]:
+    """Owner-contiguous rounds of a reduce-scatter or an all-gather, under a byte cap.
+
+    ``sizes_bytes[r]`` are the bytes of the tensors rank ``r`` owns, in order. A
+    round takes from every rank its next run of consecutive tensors within
+    ``cap_bytes / P`` (:func:`size_cap_buckets`), so that the round's buffers
+    stay within the cap. A rank with nothing left contributes an empty shard.
+
+    Returns:
+        Per round, per rank, the indices of that rank's tensors in the round.
+    """
+    world = len(sizes_bytes)
+    if world == 0:
+        return []
+    runs = [
+        [list(range(len(sizes)))]
+        if cap_bytes is None
+        else size_cap_buckets(sizes, max(1, cap_bytes // world))
+        for sizes in sizes_bytes
+    ]
+    runs = [[run for run in r if run] for r in runs]
+    rounds = max((len(r) for r in runs), default=0)
+    return [[r[j] if j < len(r) else [] for r in runs] for j in range(rounds)]

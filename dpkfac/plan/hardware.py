@@ -43,11 +43,13 @@ __all__ = [
     "calibrate",
     "nnls",
     "scaled",
+    "uneven_all_gather",
     "wire_bytes",
 ]
 
-#: Collective kinds; "reduce" falls back to "broadcast" when not given.
-COLLECTIVE_KINDS = ("allreduce", "broadcast", "reduce")
+#: Collective kinds; "reduce", "reduce_scatter" and "all_gather" fall back to "broadcast"
+#: when not given.
+COLLECTIVE_KINDS = ("allreduce", "broadcast", "reduce", "reduce_scatter", "all_gather")
 #: Compute kinds; all but eigh and inverse fall back to "matmul".
 COMPUTE_KINDS = (
     "matmul",
@@ -131,6 +133,8 @@ class Hardware:
         links: alpha-beta model per collective kind (at least "allreduce").
         engines: compute model per kind (at least "matmul", "eigh", "inverse").
         sources: where the numbers come from (citations or a calibration run).
+        backend: the torch.distributed backend ("nccl", "gloo"): what decides which
+            collectives a run may use (gloo has no all-gather of uneven shards).
         overlap: fraction of a collective launched during the forward/backward
             pass that runs concurrently with it (spd_kfac's pipelined factor
             all-reduces). 1 on GPUs, whose copy engines and NCCL kernels run
@@ -143,6 +147,7 @@ class Hardware:
     engines: Mapping[str, Engine]
     sources: tuple[str, ...] = field(default=())
     overlap: float = 1.0
+    backend: str = "nccl"
 
     def __post_init__(self) -> None:
         if "allreduce" not in self.links:
@@ -154,8 +159,14 @@ class Hardware:
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap}")
 
     def link(self, kind: str) -> Link:
-        """The model of collective ``kind`` (reduce -> broadcast -> allreduce fallback)."""
-        chain = {"reduce": ("reduce", "broadcast"), "broadcast": ("broadcast",)}
+        """The model of collective ``kind`` (reduce, reduce_scatter, all_gather -> broadcast ->
+        allreduce fallback)."""
+        chain = {
+            "reduce": ("reduce", "broadcast"),
+            "reduce_scatter": ("reduce_scatter", "broadcast"),
+            "all_gather": ("all_gather", "broadcast"),
+            "broadcast": ("broadcast",),
+        }
         for k in (*chain.get(kind, (kind,)), "allreduce"):
             if k in self.links:
                 return self.links[k]
@@ -192,6 +203,7 @@ class Hardware:
                 "engines": {k: asdict(v) for k, v in self.engines.items()},
                 "sources": list(self.sources),
                 "overlap": self.overlap,
+                "backend": self.backend,
             },
             indent=2,
         )
@@ -212,6 +224,7 @@ class Hardware:
             engines={k: Engine(**v) for k, v in data["engines"].items()},
             sources=tuple(data.get("sources", ())),
             overlap=float(data.get("overlap", 1.0)),
+            backend=str(data.get("backend", "nccl")),
         )
 
 
@@ -377,7 +390,10 @@ def calibrate(
         raise ValueError(f"no samples for {sorted(missing)} and no base hardware model")
     sources = (f"calibrated from {len(samples)} samples of {', '.join(kinds)}",)
     overlap = base.overlap if base else 1.0
-    return Hardware(name, links, engines, sources + (base.sources if base else ()), overlap)
+    backend = base.backend if base else "nccl"
+    return Hardware(
+        name, links, engines, sources + (base.sources if base else ()), overlap, backend
+    )
 
 
 def scaled(hardware: Hardware, *, network: float = 1.0, compute: float = 1.0) -> Hardware:
@@ -392,3 +408,8 @@ def scaled(hardware: Hardware, *, network: float = 1.0, compute: float = 1.0) ->
             k: Engine(v.rate * compute, v.latency / compute) for k, v in hardware.engines.items()
         },
     )
+
+
+def uneven_all_gather(backend: str) -> bool:
+    """Whether ``backend`` gathers shards of different sizes in one call (gloo does not)."""
+    return backend != "gloo"

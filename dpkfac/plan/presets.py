@@ -61,6 +61,10 @@ V100_IB100 = Hardware(
         "allreduce": Link(alpha=15e-6, beta=_IB_BETA, alpha_log2p=6e-6),
         "broadcast": Link(alpha=10e-6, beta=_IB_BETA, alpha_log2p=6e-6),
         "reduce": Link(alpha=10e-6, beta=_IB_BETA, alpha_log2p=6e-6),
+        # Ring reduce-scatter and all-gather: each half of a ring all-reduce, priced per wire
+        # byte like the rooted kinds (estimates, as the other links).
+        "reduce_scatter": Link(alpha=10e-6, beta=_IB_BETA, alpha_log2p=6e-6),
+        "all_gather": Link(alpha=10e-6, beta=_IB_BETA, alpha_log2p=6e-6),
     },
     engines={
         "matmul": Engine(rate=10e12, latency=10e-6),
@@ -87,6 +91,10 @@ CPU_GLOO_LOCAL = Hardware(
         "allreduce": Link(alpha=0.00028, beta=5.63e-10),
         "broadcast": Link(alpha=9.63e-05, beta=6.3e-10),
         "reduce": Link(alpha=0.000205, beta=1.03e-09),
+        # measure_collectives(2) on this VM, 2026-12-01 (gloo's reduce-scatter and
+        # all-gather, fitted alone with the other links fixed).
+        "reduce_scatter": Link(alpha=0.000214, beta=1.22e-09),
+        "all_gather": Link(alpha=0.000138, beta=7.25e-10),
     },
     engines={
         "eigh": Engine(rate=3.24e10, latency=0.000171),
@@ -107,6 +115,7 @@ CPU_GLOO_LOCAL = Hardware(
     # Micro-benchmarks cannot observe overlap: fitted (dpkfac.costmodel.fitting.
     # fit_overlap) to spd_kfac's factor wait in the scaling table's 2-rank rows.
     overlap=0.9,
+    backend="gloo",
 )
 
 #: Hardware presets by name.

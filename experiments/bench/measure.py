@@ -276,7 +276,7 @@ def _placement(pre: Any) -> dict[str, list[Any]]:
 
 def _fusion_plan(pre: Any) -> list[list[list[str]]] | None:
     """spd_kfac's fusion buckets as fixed after profiling (the cost model replays them)."""
-    plan = getattr(getattr(pre, "strategy", None), "plan", None)
+    plan = getattr(getattr(pre, "strategy", None), "fusion_plan", None)
     return [[list(key) for key in bucket] for bucket in plan] if plan else None
 
 
