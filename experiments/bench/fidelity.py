@@ -150,46 +150,51 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
 def figure(rows: Sequence[Mapping[str, Any]]) -> Any:
     """Cosine and relative error per layer over steps, one row of panels per run.
 
+    Lines are layers, coloured by depth (``plasma``, input to output, in the
+    order the probe first reports them), not by strategy config: the run's
+    strategy is in the titles. Each run's layers are listed once, right of its row.
+
     Args:
         rows: CSV rows (``FIELDS``), e.g. ``pandas.read_csv(...).to_dict("records")``.
 
     Returns:
         The matplotlib figure.
     """
-    import matplotlib.pyplot as plt
+    import matplotlib
+    from matplotlib.figure import Figure
 
     runs = list(dict.fromkeys(r["run"] for r in rows))
-    fig, axes = plt.subplots(len(runs), 2, figsize=(12, 3.6 * len(runs)), squeeze=False)
+    fig = Figure(figsize=(13, 3.6 * len(runs)), layout="constrained")
+    axes = fig.subplots(len(runs), 2, squeeze=False)
+    depth = matplotlib.colormaps["plasma"]
     for (ax_cos, ax_err), run in zip(axes, runs, strict=True):
         mine = [r for r in rows if r["run"] == run]
-        for layer in dict.fromkeys(r["layer"] for r in mine):
+        layers = list(dict.fromkeys(r["layer"] for r in mine))
+        for k, layer in enumerate(layers):
             points = sorted((int(r["step"]), r) for r in mine if r["layer"] == layer)
             steps = [s for s, _ in points]
-            ax_cos.plot(steps, [float(r["cosine"]) for _, r in points], marker=".", label=layer)
-            ax_err.plot(steps, [float(r["rel_error"]) for _, r in points], marker=".", label=layer)
-        p = mine[0]["world_size"]
-        ax_cos.set_title(f"{run} (P={p}): cosine(local, all-ranks update)")
-        ax_err.set_title(f"{run} (P={p}): ‖local − all‖ / ‖all‖")
+            color = depth(0.85 * k / max(len(layers) - 1, 1))
+            style = {"marker": ".", "color": color, "label": layer}
+            ax_cos.plot(steps, [float(r["cosine"]) for _, r in points], **style)
+            ax_err.plot(steps, [float(r["rel_error"]) for _, r in points], **style)
+        p, strategy = mine[0]["world_size"], mine[0]["strategy"]
+        ax_cos.set_title(f"{run} ({strategy}, P={p}): cosine(local, all-ranks update)")
+        ax_err.set_title(f"{run} ({strategy}, P={p}): ‖local − all‖ / ‖all‖")
         ax_err.set_yscale("log")
         for ax in (ax_cos, ax_err):
             ax.set_xlabel("optimizer step")
             ax.grid(alpha=0.3)
-        ax_cos.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
+        ax_err.legend(
+            fontsize=8, title=f"{run} layer", loc="upper left", bbox_to_anchor=(1.02, 1.0)
+        )
     return fig
 
 
 def plot(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
     """Write :func:`figure` to ``path``."""
-    import matplotlib
+    from experiments.bench import plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig = figure(rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save(figure(rows), path)
 
 
 def run_fidelity(

@@ -6,17 +6,28 @@ exactly what ``results/*.png`` shows. Figures are built with the
 object-oriented API (``matplotlib.figure.Figure``), never through pyplot, so
 no GUI backend is selected and nothing depends on a display or on the
 thread a Hydra callback runs in.
+
+A strategy config has one colour in every figure (:data:`STRATEGY_COLORS`,
+:func:`strategy_color`); figures that colour something else (the phases of
+an iteration) draw no strategy colour. Each figure has one legend of
+strategies (and, where a line's style means something, one key of styles),
+outside its panels.
 """
 
 from __future__ import annotations
 
 import io
 import math
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import pandas as pd
+from matplotlib import colors as mcolors
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import FuncFormatter
 
 #: Strategy configs in the papers' order (tables and figures sort rows by it).
 STRATEGY_ORDER = [
@@ -53,6 +64,81 @@ PART_LABELS = {
 }
 
 
+#: Where the strategy configs live: ``conf/strategy/<name>.yaml``.
+STRATEGY_CONF = Path(__file__).resolve().parents[2] / "conf" / "strategy"
+
+#: Colour families of the strategy configs, by name: a config named like the family
+#: (``dp_kfac``) or starting with it and ``_`` (``dp_kfac_owner``) takes the family's
+#: shades; the family's own config takes the first, the others the next unused ones in
+#: :func:`strategy_configs` order. Families: first-order SGD black, DP-KFAC greens,
+#: D-KFAC blues, SPD-KFAC browns, KAISA oranges and reds, grouped purples.
+STRATEGY_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("none", ("#000000",)),
+    ("dp_kfac", ("#2ca02c", "#005a32", "#8fd16f", "#41ab5d", "#c2e699")),
+    ("d_kfac", ("#1f77b4", "#08306b", "#17becf", "#7fb2e5", "#4a6fe3")),
+    ("spd_kfac", ("#8c564b", "#c49c94", "#5a3825")),
+    ("kaisa", ("#ff7f0e", "#d62728", "#fdae6b", "#7f0000")),
+    ("grouped", ("#9467bd", "#e377c2", "#5e3c99", "#c5b0d5")),
+)
+#: Colours of configs outside every family, or past their family's shades, in order.
+SPARE_COLORS = ("#7f7f7f", "#bcbd22", "#17a589", "#b8860b", "#ff1493", "#4b0082")
+
+
+def strategy_configs(conf: Path = STRATEGY_CONF) -> list[str]:
+    """Every strategy config: :data:`STRATEGY_ORDER`, then the others in ``conf`` by name."""
+    found = sorted(p.stem for p in conf.glob("*.yaml")) if conf.is_dir() else []
+    return [*STRATEGY_ORDER, *(name for name in found if name not in STRATEGY_ORDER)]
+
+
+def _family(name: str) -> tuple[str, tuple[str, ...]] | None:
+    return next(
+        ((f, shades) for f, shades in STRATEGY_FAMILIES if name == f or name.startswith(f + "_")),
+        None,
+    )
+
+
+def strategy_palette(names: list[str]) -> dict[str, str]:
+    """A distinct colour per strategy config name, deterministic in ``names``' order.
+
+    Family heads (a config named like its family) are coloured first, so
+    ``dp_kfac`` keeps its green whatever other configs exist; every other name
+    takes its family's next unused shade, else the next unused
+    :data:`SPARE_COLORS`, else a colour of ``tab20`` or the hue circle no
+    name has; adding a name at the end never changes the others' colours.
+    """
+    used: set[str] = set()
+    colors: dict[str, str] = {}
+    spare = [
+        *SPARE_COLORS,
+        *(mcolors.to_hex(c) for c in matplotlib.colormaps["tab20"].colors),
+    ]
+    heads = [n for n in names if (fam := _family(n)) is not None and fam[0] == n]
+    for name in dict.fromkeys([*heads, *names]):
+        fam = _family(name)
+        shades = fam[1] if fam is not None else ()
+        color = next((c for c in (*shades, *spare) if c not in used), None)
+        k = 0
+        while color is None or color in used:  # past every list: golden-ratio hues
+            hue = (0.13 + 0.618034 * k) % 1.0
+            color = mcolors.to_hex(mcolors.hsv_to_rgb((hue, 0.75, 0.8)))
+            k += 1
+        colors[name] = color
+        used.add(color)
+    return {name: colors[name] for name in names}
+
+
+#: The one colour of each strategy config, in every figure (see :func:`strategy_color`).
+STRATEGY_COLORS: dict[str, str] = strategy_palette(strategy_configs())
+
+
+def strategy_color(name: str) -> str:
+    """The colour of a strategy config in every figure; a name no config has gets the next
+    free one (extending :data:`STRATEGY_COLORS`, so it keeps it for the rest of the run)."""
+    if name not in STRATEGY_COLORS:
+        STRATEGY_COLORS.update(strategy_palette([*STRATEGY_COLORS, name]))
+    return STRATEGY_COLORS[name]
+
+
 def ordered(strategies: pd.Series | list[str]) -> list[str]:
     """Strategies in the papers' order (unknown ones last, alphabetically)."""
     present = list(dict.fromkeys(strategies))
@@ -74,16 +160,31 @@ def png_bytes(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
-def _figure(rows: int, cols: int, size: tuple[float, float]) -> tuple[Figure, object]:
-    fig = Figure(figsize=size)
-    return fig, fig.subplots(rows, cols, squeeze=False)
+def _figure(rows: int, cols: int, size: tuple[float, float], **kwargs: Any) -> tuple[Figure, Any]:
+    """A figure with constrained layout, so legends placed ``outside`` get their own room."""
+    fig = Figure(figsize=size, layout="constrained")
+    return fig, fig.subplots(rows, cols, squeeze=False, **kwargs)
+
+
+def strategy_handles(strategies: Iterable[str], labels: Iterable[str] | None = None) -> list:
+    """Legend entries of strategy configs: a thick line in each one's colour."""
+    names = list(strategies)
+    return [
+        Line2D([], [], color=strategy_color(s), linewidth=4, label=label)
+        for s, label in zip(names, labels if labels is not None else names, strict=True)
+    ]
+
+
+def _strategy_legend(fig: Figure, handles: list, title: str = "strategy config") -> None:
+    """The figure's one strategy legend, right of every panel (never over data)."""
+    fig.legend(handles=handles, loc="outside right upper", fontsize=8, title=title)
 
 
 def ratio_bars(headline: pd.DataFrame) -> Figure:
     """Computation, communication and memory of each strategy relative to dp_kfac, per model."""
     metrics = [("compute", "computation"), ("comm", "communication"), ("memory", "memory")]
     strategies = [s for s in COMPARED if f"compute_{s}/dp" in headline.columns]
-    fig, grid = _figure(1, 3, (13, 3.6))
+    fig, grid = _figure(1, 3, (14, 3.8))
     axes = grid[0]
     labels = headline["model"].tolist()
     width = 0.8 / max(len(strategies), 1)
@@ -91,18 +192,27 @@ def ratio_bars(headline: pd.DataFrame) -> Figure:
         for i, strategy in enumerate(strategies):
             values = headline[f"{key}_{strategy}/dp"].tolist()
             xs = [j + (i - (len(strategies) - 1) / 2) * width for j in range(len(labels))]
-            ax.bar(xs, values, width, label=f"{strategy} / {REFERENCE}")
+            ax.bar(
+                xs, values, width, label=f"{strategy} / {REFERENCE}", color=strategy_color(strategy)
+            )
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
         ax.set_title(f"{title} (x {REFERENCE})")
-    axes[0].legend(fontsize=8)
+    _strategy_legend(
+        fig,
+        strategy_handles(strategies, [f"{s} / {REFERENCE}" for s in strategies]),
+        title="cost relative to",
+    )
     fig.suptitle("Cost of one second-order update relative to DP-KFAC (>1: DP-KFAC is cheaper)")
-    fig.tight_layout()
     return fig
 
 
 def stacked_breakdown(wide: pd.DataFrame, parts: list[str]) -> Figure:
-    """Stacked per-phase bars per strategy, one panel per (setting, model)."""
+    """Stacked per-phase bars per strategy, one panel per (setting, model).
+
+    Colours are phases here (``tab10`` by position in ``parts``), not strategy
+    configs: the strategies are the bars' labels, and no strategy colour is drawn.
+    """
     panels = list(wide.groupby(["setting", "model"], sort=False))
     cols = 2 if len(panels) in (2, 4) else min(len(panels), 3)
     rows = math.ceil(len(panels) / cols) if panels else 1
@@ -127,68 +237,156 @@ def stacked_breakdown(wide: pd.DataFrame, parts: list[str]) -> Figure:
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=5, fontsize=8, bbox_to_anchor=(0.5, 1.06))
-    fig.tight_layout()
+    fig.legend(handles, labels, loc="outside upper center", ncol=5, fontsize=8)
     return fig
+
+
+#: How the scaling figure draws each kind of source: measured solid with filled
+#: circles, the cost model's predictions dashed with hollow markers (a prediction
+#: at a single P, where ranks share cores, is a hollow diamond without a line).
+SOURCE_STYLES: dict[str, dict[str, Any]] = {
+    "measured": {"linestyle": "-", "marker": "o", "fillstyle": "full"},
+    "predicted": {"linestyle": "--", "marker": "o", "fillstyle": "none"},
+    "shared cores": {"linestyle": "none", "marker": "D", "fillstyle": "none"},
+}
+#: The style key's entries.
+SOURCE_KEY = {
+    "measured": "measured here",
+    "predicted": "predicted (cost model)",
+    "shared cores": "predicted, ranks sharing cores",
+}
+
+
+def source_kind(source: str) -> str:
+    """Which :data:`SOURCE_STYLES` a scaling row's ``source`` is drawn with."""
+    if source == "measured":
+        return "measured"
+    return "shared cores" if "shared cores" in source else "predicted"
+
+
+def _here(source: str) -> bool:
+    """Whether a scaling source is this machine's (measured or calibrated on it)."""
+    return source == "measured" or source.startswith("calibrated")
+
+
+def _plain(value: float, _: Any = None) -> str:
+    """A log axis' tick as a plain number (``200``, not ``2 x 10^2``), at 1, 2, 3 and 5 x 10^k."""
+    if value <= 0:
+        return ""
+    mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
+    return f"{value:g}" if round(mantissa, 6) in (1.0, 2.0, 3.0, 5.0) else ""
 
 
 def scaling_lines(frame: pd.DataFrame) -> Figure:
-    """Iteration time against P: measured points, predicted lines, one panel per model."""
+    """Iteration time against P, one column per model.
+
+    Top row: this machine, measured and predicted by the calibrated cost
+    model; one more row per other cluster's prediction (``v100_ib100``), on
+    its own scale. Colour is the strategy config, line and marker the kind
+    of source (:data:`SOURCE_STYLES`); one legend for each, right of and
+    below the panels. Strategies earlier in the papers' order are drawn
+    wider, so one whose times equal a later one's (grouped_auto choosing
+    dp_kfac's layout) shows as a rim around it instead of vanishing.
+    """
     models = list(dict.fromkeys(frame["model"]))
-    fig, axes = _figure(1, len(models), (5.5 * len(models) + 2.5, 4))
-    styles = {
-        "measured": ("o", "-"),
-        "calibrated": ("", "--"),
-        "calibrated, shared cores": ("x", "none"),
+    elsewhere = [s for s in dict.fromkeys(frame["source"]) if not _here(s)]
+    rows = [None, *elsewhere]  # None: this machine
+    strategies = ordered(frame["strategy"])
+    rim = {
+        s: (len(strategies) - 1 - k) / max(len(strategies) - 1, 1) for k, s in enumerate(strategies)
     }
-    colors = dict(zip(STRATEGY_ORDER, matplotlib.colormaps["tab10"].colors, strict=False))
-    for ax, model in zip(axes.flat, models, strict=True):
+    fig, axes = _figure(len(rows), len(models), (5.0 * len(models), 3.6 * len(rows)), sharex=True)
+    sizes = frame["world_size"]
+    ticks = [
+        2**k for k in range(int(math.log2(sizes.min())), math.ceil(math.log2(sizes.max())) + 1)
+    ]
+    kinds: list[str] = []
+    for j, model in enumerate(models):
         sub = frame[frame["model"] == model]
-        for (strategy, source), line in sub.groupby(["strategy", "source"], sort=False):
-            marker, style = styles.get(source, ("", ":"))
-            line = line.sort_values("world_size")
-            ax.plot(
-                line["world_size"],
-                line["iteration_ms"],
-                marker=marker,
-                linestyle=style,
-                color=colors.get(strategy),
-                label=f"{strategy} ({source})",
-            )
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("ranks P")
-        ax.set_ylabel("ms per iteration")
-        ax.set_title(model)
-    axes.flat[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    fig.tight_layout()
+        for i, row in enumerate(rows):
+            ax = axes[i][j]
+            mine = sub[sub["source"].map(_here)] if row is None else sub[sub["source"] == row]
+            for strategy in ordered(mine["strategy"]):
+                for source, line in mine[mine["strategy"] == strategy].groupby(
+                    "source", sort=False
+                ):
+                    kind = source_kind(source)
+                    kinds.append(kind)
+                    line = line.sort_values("world_size")
+                    ax.plot(
+                        line["world_size"],
+                        line["iteration_ms"],
+                        color=strategy_color(strategy),
+                        label=f"{strategy} ({source})",
+                        linewidth=1.3 + 1.2 * rim[strategy],
+                        markersize=(6.0 if kind == "shared cores" else 4.0) + 3.0 * rim[strategy],
+                        **SOURCE_STYLES[kind],
+                    )
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.yaxis.set_major_formatter(FuncFormatter(_plain))
+            ax.yaxis.set_minor_formatter(FuncFormatter(_plain))
+            ax.tick_params(axis="y", which="minor", labelsize=8)
+            ax.set_ylabel("ms per iteration")
+            ax.grid(alpha=0.3, which="major")
+            if row is None:
+                ax.set_title(f"{model}: this machine, measured and predicted", fontsize=10)
+            else:
+                ax.set_title(f"{model}: predicted for {row}", fontsize=10)
+            if i == len(rows) - 1:
+                ax.set_xlabel("ranks P")
+    _strategy_legend(fig, strategy_handles(strategies))
+    key = [k for k in SOURCE_STYLES if k in kinds]
+    fig.legend(
+        handles=[
+            Line2D([], [], color="dimgray", label=SOURCE_KEY[k], markersize=6, **SOURCE_STYLES[k])
+            for k in key
+        ],
+        loc="outside lower center",
+        ncol=len(key),
+        fontsize=8,
+    )
     return fig
+
+
+#: Markers and dashes of the convergence curves, per strategy config (by position):
+#: strategies with identical maths overlap exactly (all K-FAC at P=1, dp_kfac with
+#: either gradient reduction), and these keep every one visible.
+CURVE_MARKERS = "osv^Dp<>h*"
 
 
 def accuracy_curves(curves: pd.DataFrame) -> Figure:
     """Test accuracy per epoch, one panel per world size, one line per strategy."""
     sizes = sorted(curves["world_size"].unique())
     fig, axes = _figure(1, max(len(sizes), 1), (4.5 * max(len(sizes), 1), 3.5))
+    strategies = ordered(curves["strategy"])
+    looks = {
+        s: {
+            "marker": CURVE_MARKERS[k % len(CURVE_MARKERS)],
+            "linestyle": "--" if k % 2 else "-",
+            "markersize": max(7 - k, 3),
+        }
+        for k, s in enumerate(strategies)
+    }
     for ax, p in zip(axes.flat, sizes, strict=False):
         sub = curves[curves["world_size"] == p]
-        for k, strategy in enumerate(ordered(sub["strategy"])):
+        for strategy in ordered(sub["strategy"]):
             line = sub[sub["strategy"] == strategy].sort_values("epoch")
-            # Strategies with identical maths overlap exactly (all K-FAC at P=1,
-            # dp_kfac with either gradient reduction): markers and dashes keep them visible.
             ax.plot(
                 line["epoch"],
                 line["test_acc"],
-                marker="osv^D"[k % 5],
-                linestyle="--" if k % 2 else "-",
-                markersize=7 - k,
+                color=strategy_color(strategy),
                 label=strategy,
+                **looks[strategy],
             )
         ax.set_title(f"P={p}")
         ax.set_xlabel("epoch")
         ax.set_ylabel("test accuracy")
         ax.set_ylim(0.5, 1.0)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+    _strategy_legend(
+        fig, [Line2D([], [], color=strategy_color(s), label=s, **looks[s]) for s in strategies]
+    )
     return fig
 
 
@@ -207,7 +405,8 @@ def ablation_bars(frame: pd.DataFrame) -> Figure:
     and, when the frame has them, the cost model's ``pred_*`` columns at
     their P (bottom), each on its own scale. Bars are K-FAC computation,
     K-FAC communication, gradient communication and the rest of the
-    iteration (forward/backward, optimizer, other work, barriers).
+    iteration (forward/backward, optimizer, other work, barriers); colours
+    are these parts, not strategy configs (the strategies are the bars' labels).
     """
     panels = list(frame.groupby(["model", "setting", "P"], sort=False))
     sources = [("", "measured at P={p}")]
@@ -236,6 +435,5 @@ def ablation_bars(frame: pd.DataFrame) -> Figure:
             ax.set_ylabel("ms per iteration")
             ax.set_title(f"{model}, {setting}: {title.format(p=p)}", fontsize=9)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.tight_layout()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, bbox_to_anchor=(0.5, 1.0))
+    fig.legend(handles, labels, loc="outside upper center", ncol=4, fontsize=8)
     return fig
