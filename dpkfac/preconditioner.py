@@ -245,19 +245,7 @@ class KFACPreconditioner:
             device=self.device,
             host=self.host,
         )
-        # The options the run was given decide its one-time setup; a hardware model the
-        # scheme places work by is measured now, on this group (a collective).
-        self._given_options = own_options
-        if scheme.measures_hardware(own_options):
-            own_options = scheme.with_hardware(own_options, start_up_hardware(self.comm))
-        self.strategy: Strategy = strategy_class(self.strategy_name)(
-            self.comm,
-            self.method,
-            own_options,
-            decomposition_dtype=self.options.decomposition_dtype,
-            bucket_cap_mb=self.options.bucket_cap_mb,
-            kfac=self.options,
-        )
+        self.strategy: Strategy = self._build_strategy(scheme, own_options)
         #: Every candidate "auto" priced at the first step (empty when nothing was "auto").
         self.choice: list[Candidate] = []
         if grad_scaler is not None and self.comm.active and not self.ddp:
@@ -267,14 +255,7 @@ class KFACPreconditioner:
                 "must already be averaged across ranks or the ranks would disagree"
             )
         self.layers: dict[str, KFACLayer] = self._register()
-        # The model's parameters, listed once: the step loop checks their trainability.
-        self._params = list(self.module.parameters())
-        self._kfac_params = {
-            id(p) for layer in self.layers.values() for p in layer.helper.parameters()
-        }
-        self._other_params = self._trainable_others()
-        # Trainable parameters the strategy was set up with (those unfrozen later are new).
-        self._planned_params = {id(p) for p in self._other_params} | self._kfac_params
+        self._track_parameters()
         self._layer_list = list(self.layers.values())
         self._skipped = skipped_modules(self.module, self.layers, self._skip)
         self._report_construction()
@@ -371,6 +352,35 @@ class KFACPreconditioner:
     def _note_buffers(self, nbytes: int) -> None:
         """Record the bytes of batch factors awaiting their fold (the peak is reported)."""
         self._buffer_peak = max(self._buffer_peak, nbytes)
+
+    def _build_strategy(self, scheme: type[Scheme], options: StrategyOptions) -> Strategy:
+        """The runtime strategy, once the start-up measurement its options ask for is done.
+
+        The options the run was given decide its one-time setup (kept in
+        ``_given_options``); a hardware model the scheme places work by is
+        measured now, on this group (a collective).
+        """
+        self._given_options = options
+        if scheme.measures_hardware(options):
+            options = scheme.with_hardware(options, start_up_hardware(self.comm))
+        return strategy_class(scheme.name)(
+            self.comm,
+            self.method,
+            options,
+            decomposition_dtype=self.options.decomposition_dtype,
+            bucket_cap_mb=self.options.bucket_cap_mb,
+            kfac=self.options,
+        )
+
+    def _track_parameters(self) -> None:
+        """The model's parameters, listed once: the step loop checks their trainability."""
+        self._params = list(self.module.parameters())
+        self._kfac_params = {
+            id(p) for layer in self.layers.values() for p in layer.helper.parameters()
+        }
+        self._other_params = self._trainable_others()
+        # Trainable parameters the strategy was set up with (those unfrozen later are new).
+        self._planned_params = {id(p) for p in self._other_params} | self._kfac_params
 
     # ------------------------------------------------------------ registration
     def _register(self) -> dict[str, KFACLayer]:
