@@ -283,24 +283,35 @@ class KFACPreconditioner:
                 timer=self._timer,
                 grad_scaler=grad_scaler,
             )
-        #: The overlapped execution mode, where the plan's traits ask for it.
+        #: The overlapped execution mode, where the options ask for it or "auto" may.
         self._overlap: OverlapEngine | None = None
-        if self.strategy.traits.overlapped_precondition:
+        if self._can_overlap(explicit=self.strategy.traits.overlapped_precondition):
             self._overlap = self._install_overlap()
         self._arm(0)
 
-    def _install_overlap(self) -> OverlapEngine:
-        """The overlapped mode's gradient hooks, with the narrow view of the run it needs."""
+    def _can_overlap(self, *, explicit: bool) -> bool:
+        """Whether to install the overlapped mode: where the options ask for it (then a DDP
+        model or a loss scaler is an error) or "auto" may choose it (then they rule it out)."""
+        if not self.strategy.scheme.may_overlap(self.strategy.options):
+            return False
         if self.ddp:
+            if not explicit:
+                return False
             raise ValueError(
                 "overlap=True with a DistributedDataParallel model: the overlap reduces the "
                 "gradients itself; pass the unwrapped module"
             )
         if self.grad_scaler is not None:
+            if not explicit:
+                return False
             raise ValueError(
                 f"overlap=True does not support grad_scaler={self.grad_scaler!r}: the overflow "
                 "check would need the gradients before the hooks reduce them"
             )
+        return True
+
+    def _install_overlap(self) -> OverlapEngine:
+        """The overlapped mode's gradient hooks, with the narrow view of the run it needs."""
         reduced = self._kfac_params | {id(p) for p in self._other_params}
         seen: set[int] = set()
         params = []
@@ -341,7 +352,8 @@ class KFACPreconditioner:
         flags.capture = self._capture
         flags.decompose = self._is_inv_step(step)
         flags.overlapped = (
-            self.strategy.placed
+            self.strategy.traits.overlapped_precondition
+            and self.strategy.placed
             and not self._decompose_next
             and not (self._fidelity is not None and bool(self._fidelity.active))
         )
@@ -459,7 +471,9 @@ class KFACPreconditioner:
         if not new:
             return
         self._planned_params |= {id(p) for p in others}
-        if self._overlap is not None:
+        if self._overlap is not None and (
+            self.strategy.traits.overlapped_precondition or not self.strategy.configured
+        ):
             raise ValueError(
                 f"dpkfac: parameters {new} were frozen when the preconditioner was built and are "
                 "trainable now; overlap=True reduces gradients from hooks registered at "
@@ -577,12 +591,20 @@ class KFACPreconditioner:
             for i, x in enumerate(self._layer_list)
         ]
         if not strategy.configured:
+            scheme = strategy.scheme
+
+            def runnable(c: StrategyOptions) -> bool:  # overlapped only with the hooks in place
+                return self._overlap is not None or not scheme.traits(c).overlapped_precondition
+
             chosen, self.choice = resolve(
-                strategy.scheme,
+                scheme,
                 strategy.options,
                 shapes=shapes,
                 world_size=self.comm.size,
                 kfac=self.options,
+                allow=lambda c: (
+                    self._overlap is not None or not scheme.traits(c).overlapped_precondition
+                ),
             )
             strategy.configure(chosen)
             log_choice(strategy.scheme, self.comm.size, chosen, self.choice)

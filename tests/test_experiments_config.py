@@ -44,6 +44,7 @@ def test_all_groups_and_presets_exist():
         assert options(group), group
     assert set(options("strategy")) == {
         "dp_kfac",
+        "dp_kfac_auto",
         "dp_kfac_overlap",
         "dp_kfac_owner",
         "d_kfac",

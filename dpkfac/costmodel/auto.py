@@ -51,12 +51,14 @@ class Candidate:
         label: what they chose, in a few words (``k=2, f=1/2``).
         iteration: predicted seconds per step, averaged over the schedule.
         comm_bytes: predicted bytes handed to collectives per step and rank.
+        wire_bytes: predicted bytes on the wire per step and rank.
     """
 
     options: StrategyOptions
     label: str
     iteration: float
     comm_bytes: float
+    wire_bytes: float = 0.0
 
 
 def resolve(
@@ -67,6 +69,7 @@ def resolve(
     world_size: int,
     kfac: KFACOptions | None = None,
     hardware: Hardware | None = None,
+    allow: Callable[[StrategyOptions], bool] | None = None,
 ) -> tuple[StrategyOptions, list[Candidate]]:
     """The options a run ends up with, and every candidate priced on the way.
 
@@ -79,11 +82,14 @@ def resolve(
         hardware: the hardware a prediction assumes: where the run would
             measure its model at start-up, this stands for the measurement.
             None at run time (the options hold what was measured).
+        allow: which candidates the run can take (None: all); the preconditioner
+            leaves out the overlapped ones where it cannot overlap (a DDP model,
+            a loss scaler).
 
     Among the candidates within the scheme's tolerance
     (:meth:`~dpkfac.plan.Scheme.tuning`) of the lowest predicted iteration
-    time, the one with the fewest bytes per step wins, then the scheme's
-    preference.
+    time, the one handing the fewest bytes to collectives per step wins, then
+    the one sending the fewest on the wire, then the scheme's preference.
     """
     kfac = KFACOptions() if kfac is None else kfac
     if hardware is not None and scheme.measures_hardware(options):
@@ -104,8 +110,11 @@ def resolve(
     from dpkfac.costmodel.predict import predict
 
     candidates = []
-    for opts in scheme.candidates(options, world_size):
-        label = scheme.describe(opts)
+    offered = [c for c in scheme.candidates(options, world_size) if allow is None or allow(c)]
+    if not offered:
+        raise ValueError(f"strategy {scheme.name!r}: no candidate of {options!r} can run here")
+    for opts in offered:
+        label = scheme.describe(opts) or "as published"
         if world_size == 1:
             candidates.append(Candidate(opts, label, 0.0, 0.0))
             continue
@@ -117,10 +126,14 @@ def resolve(
             kfac=fixed,
             options=opts,
         )
-        candidates.append(Candidate(opts, label, pred.iteration_avg, pred.bytes_per_step))
+        candidates.append(
+            Candidate(
+                opts, label, pred.iteration_avg, pred.bytes_per_step, pred.wire_bytes_per_step
+            )
+        )
     fastest = min(c.iteration for c in candidates)
     near = [c for c in candidates if c.iteration <= fastest * (1 + tuning.tolerance)]
-    best = min(near, key=lambda c: (c.comm_bytes, scheme.preference(c.options)))
+    best = min(near, key=lambda c: (c.comm_bytes, c.wire_bytes, scheme.preference(c.options)))
     return best.options, candidates
 
 
@@ -133,7 +146,7 @@ def log_choice(
     log.info(
         "%s: chose %s at P=%d (predicted %.2f ms/step; candidates: %s)",
         scheme.name,
-        scheme.describe(chosen),
+        scheme.describe(chosen) or "as published",
         world_size,
         1e3 * min(c.iteration for c in candidates),
         ", ".join(f"{c.label}: {1e3 * c.iteration:.2f} ms" for c in candidates),

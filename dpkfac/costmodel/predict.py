@@ -173,6 +173,18 @@ class Prediction:
 
         return self._average(mean_bytes)
 
+    @property
+    def wire_bytes_per_step(self) -> float:
+        """Bytes sent on the wire per step and rank (mean over ranks), averaged like
+        :attr:`iteration_avg`."""
+
+        def mean_wire(step: StepPrediction) -> float:
+            ranks = range(self.world_size)
+            total = sum(c["wire_bytes"] for r in ranks for c in step.comm_of(r).values())
+            return total / self.world_size
+
+        return self._average(mean_wire)
+
     def samples(
         self,
         timings: Sequence[Mapping[str, float]],

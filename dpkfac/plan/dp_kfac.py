@@ -9,16 +9,19 @@ broadcasts the update to every rank. Placement: layers to owners by
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dpkfac.plan.assignment import ASSIGNMENTS, COSTS, CostFn, LayerShape, Placement, assign_layers
+from dpkfac.plan.hardware import Hardware
 from dpkfac.plan.options import StrategyOptions, check_choice
-from dpkfac.plan.scheme import Scheme
+from dpkfac.plan.probes import MEASURE_COLLECTIVES
+from dpkfac.plan.scheme import Scheme, Tuning, check_tuning
 from dpkfac.plan.traits import Traits
 
-__all__ = ["GRAD_REDUCTIONS", "DPKFACOptions", "DPKFACScheme"]
+__all__ = ["AUTO", "GRAD_REDUCTIONS", "DPKFACOptions", "DPKFACScheme"]
 
 GRAD_REDUCTIONS = ("allreduce", "owner")
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -26,8 +29,9 @@ class DPKFACOptions(StrategyOptions):
     """Options of dp_kfac.
 
     Attributes:
-        grad_reduction: "allreduce" (the published scheme) or "owner" (K-FAC
-            layers' gradients reduced onto their owners).
+        grad_reduction: "allreduce" (the published scheme), "owner" (K-FAC
+            layers' gradients reduce-scattered onto their owners, the updates
+            all-gathered) or "auto" (chosen at the first step by the cost model).
         assignment: "lpt" (load balanced by ``assignment_cost``),
             "round_robin" (module order, as the released DP-KFAC code) or
             "best" (whichever of the two has the lower busiest-rank cost).
@@ -38,19 +42,26 @@ class DPKFACOptions(StrategyOptions):
             layer as soon as its averaged gradient is there, during the
             backward pass (:mod:`dpkfac.overlap`). Needs
             ``grad_reduction="allreduce"``, a model not wrapped in DDP and no
-            ``grad_scaler``.
+            ``grad_scaler``. "auto": chosen at the first step by the cost model.
+        hardware / auto_tolerance / auto_intervals: how "auto" prices the
+            candidates, as grouped's (:class:`~dpkfac.plan.grouped.GroupedOptions`).
+            Every candidate gives the same update: "auto" only chooses how it
+            travels.
     """
 
     grad_reduction: str = "allreduce"
     assignment: str = "lpt"
     assignment_cost: str | CostFn = "compute"
-    overlap: bool = False
+    overlap: bool | str = False
+    hardware: str | Hardware | None = None
+    auto_tolerance: float = 0.05
+    auto_intervals: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        check_choice("grad_reduction", self.grad_reduction, GRAD_REDUCTIONS)
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"overlap must be a bool, got {self.overlap!r}")
-        if self.overlap and self.grad_reduction != "allreduce":
+        check_choice("grad_reduction", self.grad_reduction, (*GRAD_REDUCTIONS, AUTO))
+        if not isinstance(self.overlap, bool) and self.overlap != AUTO:
+            raise ValueError(f"overlap must be a bool or 'auto', got {self.overlap!r}")
+        if self.overlap is True and self.grad_reduction != "allreduce":
             raise ValueError(
                 f"overlap=True does not support grad_reduction={self.grad_reduction!r}; "
                 "use grad_reduction='allreduce'"
@@ -58,6 +69,12 @@ class DPKFACOptions(StrategyOptions):
         check_choice("assignment", self.assignment, ASSIGNMENTS)
         if not callable(self.assignment_cost):
             check_choice("assignment_cost", self.assignment_cost, tuple(COSTS))
+        check_tuning(self)
+
+    @property
+    def resolved(self) -> bool:
+        """Whether neither lever is left to "auto"."""
+        return AUTO not in (self.grad_reduction, self.overlap)
 
 
 class DPKFACScheme(Scheme):
@@ -76,7 +93,7 @@ class DPKFACScheme(Scheme):
             decomposition_broadcast=False,
             preconditions_all=False,
             owner_grad_reduction=options.grad_reduction == "owner",
-            overlapped_precondition=options.overlap,
+            overlapped_precondition=options.overlap is True,
         )
 
     @classmethod
@@ -95,3 +112,69 @@ class DPKFACScheme(Scheme):
         # which differ between ranks; round robin looks at the order only.
         assert isinstance(options, DPKFACOptions)
         return options.assignment != "round_robin"
+
+    @classmethod
+    def describe(cls, options: StrategyOptions) -> str:
+        """The levers a run departs from the published scheme by ("" for none)."""
+        assert isinstance(options, DPKFACOptions)
+        if not options.resolved:
+            return ""
+        owner = options.grad_reduction == "owner"
+        return ", ".join(
+            name for name, on in (("owner", owner), ("overlap", options.overlap)) if on
+        )
+
+    # ------------------------------------------------ start-up and tuning
+    @classmethod
+    def resolved(cls, options: StrategyOptions) -> bool:
+        assert isinstance(options, DPKFACOptions)
+        return options.resolved
+
+    @classmethod
+    def measures_hardware(cls, options: StrategyOptions) -> bool:
+        assert isinstance(options, DPKFACOptions)
+        return not options.resolved and options.hardware is None
+
+    @classmethod
+    def with_hardware(cls, options: StrategyOptions, hardware: Hardware) -> StrategyOptions:
+        assert isinstance(options, DPKFACOptions)
+        return replace(options, hardware=hardware) if cls.measures_hardware(options) else options
+
+    @classmethod
+    def setup_collectives(cls, options: StrategyOptions, num_factors: int) -> list[tuple[str, int]]:
+        return list(MEASURE_COLLECTIVES) if cls.measures_hardware(options) else []
+
+    @classmethod
+    def may_overlap(cls, options: StrategyOptions) -> bool:
+        assert isinstance(options, DPKFACOptions)
+        return options.overlap is True or (
+            options.overlap == AUTO and options.grad_reduction in ("allreduce", AUTO)
+        )
+
+    @classmethod
+    def candidates(cls, options: StrategyOptions, world_size: int) -> list[StrategyOptions]:
+        """Every (gradient reduction, overlap) pair the options leave open; overlap only with
+        the all-reduce. All give the same update."""
+        assert isinstance(options, DPKFACOptions)
+        reductions = (
+            GRAD_REDUCTIONS if options.grad_reduction == AUTO else (options.grad_reduction,)
+        )
+        overlaps = (False, True) if options.overlap == AUTO else (options.overlap,)
+        return [
+            replace(options, grad_reduction=r, overlap=o)
+            for r in reductions
+            for o in overlaps
+            if not (o and r != "allreduce")
+        ]
+
+    @classmethod
+    def preference(cls, options: StrategyOptions) -> tuple[float, ...]:
+        """Among candidates priced alike: the owner reduction (SGD's wire), then no overlap
+        (fewer moving parts)."""
+        assert isinstance(options, DPKFACOptions)
+        return (float(options.grad_reduction != "owner"), float(options.overlap is True))
+
+    @classmethod
+    def tuning(cls, options: StrategyOptions) -> Tuning:
+        assert isinstance(options, DPKFACOptions)
+        return Tuning(options.hardware, options.auto_tolerance, options.auto_intervals)

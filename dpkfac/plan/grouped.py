@@ -61,9 +61,8 @@ from dpkfac.plan.kaisa import (
     preconditions_all,
 )
 from dpkfac.plan.options import StrategyOptions, check_choice
-from dpkfac.plan.presets import check_hardware_option
 from dpkfac.plan.probes import MEASURE_COLLECTIVES
-from dpkfac.plan.scheme import Tuning
+from dpkfac.plan.scheme import Tuning, check_tuning
 from dpkfac.plan.traits import Traits
 
 __all__ = ["AUTO", "GroupedOptions", "GroupedScheme", "divisors", "factor_groups_of"]
@@ -122,22 +121,7 @@ class GroupedOptions(StrategyOptions):
     auto_intervals: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        if self.auto_intervals is not None:
-            pair = tuple(self.auto_intervals)
-            if len(pair) != 2 or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in pair
-            ):
-                raise ValueError(
-                    f"auto_intervals must be two ints >= 1 (factor, decomposition), "
-                    f"got {self.auto_intervals!r}"
-                )
-            object.__setattr__(self, "auto_intervals", pair)
-        if (
-            isinstance(self.auto_tolerance, bool)
-            or not isinstance(self.auto_tolerance, (int, float))
-            or not 0 <= self.auto_tolerance < 1
-        ):
-            raise ValueError(f"auto_tolerance must be in [0, 1), got {self.auto_tolerance!r}")
+        check_tuning(self)
         k = self.factor_group_size
         if k != AUTO and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"factor_group_size must be an int >= 1 or 'auto', got {k!r}")
@@ -146,7 +130,6 @@ class GroupedOptions(StrategyOptions):
         check_choice("assignment", self.assignment, ASSIGNMENTS)
         if not callable(self.assignment_cost):
             check_choice("assignment_cost", self.assignment_cost, tuple(COSTS))
-        check_hardware_option(self.hardware)
 
     @property
     def resolved(self) -> bool:

@@ -19,10 +19,11 @@ from typing import ClassVar
 from dpkfac.plan.assignment import LayerShape, Placement
 from dpkfac.plan.hardware import Hardware
 from dpkfac.plan.options import StrategyOptions
+from dpkfac.plan.presets import check_hardware_option
 from dpkfac.plan.roles import Group, Plan
 from dpkfac.plan.traits import Traits
 
-__all__ = ["Scheme", "Tuning"]
+__all__ = ["Scheme", "Tuning", "check_tuning"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,29 @@ class Tuning:
     hardware: str | Hardware | None = None
     tolerance: float = 0.05
     intervals: tuple[int, int] | None = None
+
+
+def check_tuning(options: object) -> None:
+    """Validate the "auto" options ``hardware``, ``auto_tolerance`` and ``auto_intervals``
+    (normalising the intervals to a tuple) of a scheme that can choose."""
+    intervals = getattr(options, "auto_intervals", None)
+    if intervals is not None:
+        pair = tuple(intervals)
+        if len(pair) != 2 or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in pair
+        ):
+            raise ValueError(
+                f"auto_intervals must be two ints >= 1 (factor, decomposition), got {intervals!r}"
+            )
+        object.__setattr__(options, "auto_intervals", pair)
+    tolerance = getattr(options, "auto_tolerance", 0.05)
+    if (
+        isinstance(tolerance, bool)
+        or not isinstance(tolerance, (int, float))
+        or not 0 <= tolerance < 1
+    ):
+        raise ValueError(f"auto_tolerance must be in [0, 1), got {tolerance!r}")
+    check_hardware_option(getattr(options, "hardware", None))
 
 
 class Scheme(ABC):
@@ -152,6 +176,12 @@ class Scheme(ABC):
     @classmethod
     def check_world_size(cls, options: StrategyOptions, world_size: int) -> None:
         """Refuse fixed choices that cannot fit ``world_size`` (ValueError)."""
+
+    @classmethod
+    def may_overlap(cls, options: StrategyOptions) -> bool:
+        """Whether a run with these (possibly unresolved) options may run overlapped with the
+        backward pass (the preconditioner installs the overlapped mode's hooks then)."""
+        return cls.traits(options).overlapped_precondition
 
     @classmethod
     def candidates(cls, options: StrategyOptions, world_size: int) -> list[StrategyOptions]:

@@ -1,0 +1,135 @@
+"""dp_kfac's "auto": the cost model chooses how the update travels, never what it is.
+
+``grad_reduction="auto"`` and ``overlap="auto"`` leave to the first step the
+gradient reduction (all-reduce, or reduce-scatter onto the owners with the
+updates all-gathered) and the overlap with the backward pass. Every candidate
+gives dp_kfac's update; the choice follows the tolerance rule, is the same on
+every rank, and leaves out what the run cannot do (overlap with DDP or a loss
+scaler).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from strategy_cases import batch, make_model, max_rel_err, run
+
+import dpkfac
+from dpkfac.costmodel import PRESETS, predict, resolve, zoo
+from dpkfac.options import KFACOptions
+from dpkfac.plan import DPKFACOptions, scheme_of
+
+KW: dict[str, Any] = {"kl_clip": 0.01, "damping": 0.01, "collective_timeout": 60.0}
+
+
+def test_the_candidates_are_every_exact_pair_of_levers() -> None:
+    scheme = scheme_of("dp_kfac")
+    auto = DPKFACOptions(grad_reduction="auto", overlap="auto")
+    pairs = {(c.grad_reduction, c.overlap) for c in scheme.candidates(auto, 4)}
+    assert pairs == {("allreduce", False), ("allreduce", True), ("owner", False)}
+    assert not scheme.resolved(auto) and scheme.may_overlap(auto)
+    fixed = DPKFACOptions(grad_reduction="owner", overlap="auto")
+    assert [(c.grad_reduction, c.overlap) for c in scheme.candidates(fixed, 4)] == [
+        ("owner", False)
+    ]
+    assert not scheme.may_overlap(fixed)
+    with pytest.raises(ValueError, match="overlap must be a bool or 'auto', got 'yes'"):
+        DPKFACOptions(overlap="yes")
+    with pytest.raises(ValueError, match="unknown grad_reduction 'some'"):
+        DPKFACOptions(grad_reduction="some")
+
+
+@pytest.mark.parametrize("intervals", [(1, 1), (10, 100)])
+def test_auto_follows_the_tolerance_rule_at_scale(intervals: tuple[int, int]) -> None:
+    """ResNet-32 at P=64 on the V100 preset: the fastest within 5%, fewest bytes among those."""
+    shapes, base = zoo.ZOO["resnet32"]
+    kfac = KFACOptions(
+        factor_update_steps=intervals[0], inv_update_steps=intervals[1], kl_clip=base.kl_clip
+    )
+    auto = DPKFACOptions(grad_reduction="auto", overlap="auto", hardware="v100_ib100")
+    chosen, candidates = resolve(
+        scheme_of("dp_kfac"), auto, shapes=shapes, world_size=64, kfac=kfac
+    )
+    assert len(candidates) == 3
+    fastest = min(c.iteration for c in candidates)
+    near = [c for c in candidates if c.iteration <= 1.05 * fastest]
+    best = min(near, key=lambda c: (c.comm_bytes, c.wire_bytes))
+    assert (chosen.grad_reduction, chosen.overlap) == (
+        best.options.grad_reduction,
+        best.options.overlap,
+    )
+    # The owner reduction is predicted no slower than the all-reduce without overlap.
+    by = {(c.options.grad_reduction, c.options.overlap): c.iteration for c in candidates}
+    assert by[("owner", False)] <= by[("allreduce", False)]
+    # predict() resolves "auto" the same way.
+    pred = predict(
+        shapes,
+        strategy="dp_kfac",
+        world_size=64,
+        hardware=PRESETS["v100_ib100"],
+        kfac=kfac,
+        options=auto,
+    )
+    assert pred.options == chosen
+
+
+def _train(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = make_model().double()
+    pre = dpkfac.KFACPreconditioner(
+        model, strategy="dp_kfac", factor_dtype=torch.float64, **KW, **options
+    )
+    batches = [
+        tuple(t.double() if t.is_floating_point() else t for t in batch(s, rank)) for s in range(4)
+    ]
+    out = run(model, pre, batches)
+    opts = pre.strategy.options
+    return {
+        "params": out["params"],
+        "choice": (opts.grad_reduction, opts.overlap),
+        "candidates": len(pre.choice),
+        "overlap_installed": pre.overlap is not None,
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("hardware", ["cpu_gloo_local", "v100_ib100"])
+def test_every_choice_gives_dp_kfacs_update_identically_on_every_rank(
+    world_size: int, hardware: str
+) -> None:
+    auto = {"grad_reduction": "auto", "overlap": "auto", "hardware": hardware}
+    chosen = run_ranks(_train, world_size, auto)
+    plain = run_ranks(_train, world_size, {})
+    assert len({out["choice"] for out in chosen}) == 1
+    assert chosen[0]["candidates"] == 3 and chosen[0]["overlap_installed"]
+    for got, want in zip(chosen, plain, strict=True):
+        for a, b in zip(got["params"], want["params"], strict=True):
+            assert max_rel_err(a, b) < 1e-10
+    for a, b in zip(
+        chosen[0]["params"][-1].values(), chosen[-1]["params"][-1].values(), strict=True
+    ):
+        assert torch.equal(a, b)  # replicas bitwise identical
+
+
+def test_overlap_is_left_out_where_the_run_cannot_overlap() -> None:
+    """A loss scaler rules the overlapped mode out: "auto" chooses among the others."""
+    model = make_model()
+    scaler = torch.amp.GradScaler("cpu")
+    pre = dpkfac.KFACPreconditioner(
+        model,
+        strategy="dp_kfac",
+        grad_reduction="auto",
+        overlap="auto",
+        hardware="cpu_gloo_local",
+        grad_scaler=scaler,
+        **KW,
+    )
+    assert pre.overlap is None
+    run(model, pre, [batch(0, 0)])
+    assert len(pre.choice) == 2 and all(c.options.overlap is False for c in pre.choice)
+    with pytest.raises(ValueError, match="does not support grad_scaler"):
+        dpkfac.KFACPreconditioner(model, strategy="dp_kfac", overlap=True, grad_scaler=scaler)
