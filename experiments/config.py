@@ -59,6 +59,16 @@ def _non_negative(value: Any) -> bool:
     return _is_number(value) and value >= 0
 
 
+def _rank_spec(value: Any) -> bool:
+    return _is_int(value) or value == "middle"
+
+
+def _factor_methods() -> tuple[str, ...]:
+    from dpkfac.curvature.kernels import FACTOR_METHODS
+
+    return tuple(FACTOR_METHODS)
+
+
 #: key -> (check, what a valid value is)
 Checks = dict[str, tuple[Callable[[Any], bool], str]]
 
@@ -82,9 +92,9 @@ _TRAINING: Checks = {
 
 #: What a benchmark job does: the first two write benchmark rows (a table preset's callback
 #: turns a sweep's rows into its table); the others are the jobs of table presets that
-#: write their own files (conf/table/fidelity.yaml, conf/table/factor_kernels.yaml).
+#: write their own files (conf/table/fidelity.yaml, factor_kernels.yaml, scale_sim.yaml).
 ROW_TASKS = ("timing", "convergence")
-TABLE_TASKS = ("fidelity", "factor_kernels")
+TABLE_TASKS = ("fidelity", "factor_kernels", "scale_sim")
 TASKS = (*ROW_TASKS, *TABLE_TASKS)
 #: Values of ``trainer.precision`` (Hydra reads a bare 32 as an int).
 PRECISIONS = (32, "32", "bf16", "fp16")
@@ -107,6 +117,19 @@ _BENCHMARK: Checks = {
     "factor_kernels.threads": (
         lambda v: isinstance(v, ListConfig) and len(v) > 0 and all(_positive_int(t) for t in v),
         "a non-empty list of positive integers",
+    ),
+    "scale_sim.world_sizes": (
+        lambda v: isinstance(v, ListConfig) and len(v) > 0 and all(_positive_int(p) for p in v),
+        "a non-empty list of positive integers",
+    ),
+    "scale_sim.ranks": (
+        lambda v: isinstance(v, ListConfig) and len(v) > 0 and all(_rank_spec(r) for r in v),
+        'a non-empty list of ranks: integers (negative: from the end) or "middle"',
+    ),
+    "scale_sim.paper": (lambda v: isinstance(v, bool), "true or false"),
+    "scale_sim.factor_method": (
+        lambda v: v is None or v in _factor_methods(),
+        "null or a factor_method of dpkfac (dpkfac.curvature.kernels.FACTOR_METHODS)",
     ),
 }
 
@@ -293,6 +316,8 @@ def validate_benchmark(cfg: DictConfig) -> None:
             )
     if cfg.task == "fidelity":
         _check_fidelity_runs(cfg.fidelity)
+    if cfg.task == "scale_sim":
+        _check_scale_sim(cfg.scale_sim)
     validate_strategy(cfg.strategy)
     if cfg.task == "timing":
         check_update_intervals(cfg.strategy, cfg.setting)
@@ -335,6 +360,65 @@ def check_update_intervals(
             f"strategy's value (leave it null) or ask for that interval through the setting "
             f"({through})"
         )
+
+
+def _check_scale_sim(node: DictConfig) -> None:
+    """``scale_sim``: known workloads, strategy configs and hardware preset; valid limits."""
+    from dpkfac.plan.presets import PRESETS
+
+    def names(group: str) -> list[str]:
+        return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+    def listed(key: str, allowed: list[str], value: Any, empty: bool = False) -> list[str]:
+        if (
+            not isinstance(value, ListConfig)
+            or (not value and not empty)
+            or not all(v in allowed for v in value)
+        ):
+            shown = list(value) if isinstance(value, ListConfig) else value
+            raise ExperimentError(
+                f"invalid value scale_sim.{key}={shown!r}: expected a "
+                f"{'' if empty else 'non-empty '}list of {allowed}"
+            )
+        return [str(v) for v in value]
+
+    listed("models", names("workload"), node.get("models"))
+    strategies = names("strategy")
+    if node.get("strategies") is not None:
+        listed("strategies", strategies, node.get("strategies"))
+    if node.get("hardware") not in PRESETS:
+        raise ExperimentError(
+            f"invalid value scale_sim.hardware={node.get('hardware')!r}: expected one of "
+            f"{sorted(PRESETS)}"
+        )
+    limits = node.get("limits")
+    if not isinstance(limits, ListConfig):
+        raise ExperimentError(f"invalid value scale_sim.limits={limits!r}: expected a list")
+    for i, limit in enumerate(limits):
+        key = f"limits[{i}]"
+        keys = {"world_size", "strategies", "exclude", "ranks"}
+        if not isinstance(limit, DictConfig) or not set(limit) <= keys or "world_size" not in limit:
+            raise ExperimentError(
+                f"invalid value scale_sim.{key}={limit!r}: expected "
+                "{world_size: P, strategies: [...] or null, exclude: [...], ranks: [...] or null}"
+            )
+        if not _positive_int(limit.world_size):
+            raise ExperimentError(
+                f"invalid value scale_sim.{key}.world_size={limit.world_size!r}: "
+                "expected a positive integer"
+            )
+        if limit.get("strategies") is not None:
+            listed(f"{key}.strategies", strategies, limit.strategies, empty=True)
+        if limit.get("exclude") is not None:
+            listed(f"{key}.exclude", strategies, limit.exclude, empty=True)
+        ranks = limit.get("ranks")
+        if ranks is not None and not (
+            isinstance(ranks, ListConfig) and all(_rank_spec(r) for r in ranks)
+        ):
+            raise ExperimentError(
+                f"invalid value scale_sim.{key}.ranks={ranks!r}: expected a list of ranks "
+                '(integers, negative from the end, or "middle") or null'
+            )
 
 
 def _check_fidelity_runs(node: DictConfig) -> None:

@@ -1,149 +1,47 @@
-"""The fake-CUDA harness: the GPU path of a step, run on this CPU.
+"""The fake-CUDA harness of the tests: the GPU path of a step, run on this CPU.
 
-``FakeTensorMode`` tensors carry a shape, a dtype and a device but no values,
-and an operation that mixes a CPU tensor with a CUDA one raises
-``FakeTensorDeviceMismatchError``, as CUDA itself would. A model built under
-the mode with ``torch.device("cuda")`` is a CUDA model as far as every library
-code path can tell, so a tensor that the library makes on the CPU and feeds to
-layer data fails here, on a machine without a GPU.
-
-What the mode cannot run, and how the harness gets past it:
-
-* the autograd engine asks for a CUDA context on backward, so
-  :func:`drive_backward` calls the output-gradient hooks the preconditioner
-  registered with a fake gradient, and gives every parameter a fake ``.grad``;
-* host reads have no value to read: the library's own seam,
-  :class:`dpkfac.device.DryRunReader`, answers them as a healthy run would;
-* CUDA-event timing needs a context: the library's ``timing="off"`` seam;
-* collectives go to torch's fake process group (:func:`fake_process_group`),
-  which accepts them on fake CUDA tensors at any world size in one process
-  and returns no real values; the communicator's device check still sees
-  every tensor handed to it.
+The harness itself (fake mode, fake CUDA models, the driven backward, the
+dry-run preconditioner, torch's fake process group) is product code shared
+with the scale simulation: :mod:`experiments.bench.fake_cuda`, whose
+docstring says what the mode cannot run and how the harness gets past it.
+This module re-exports it for the tests and adds what only the tests use: a
+loss-scaler stand-in and a walk over every tensor a preconditioner holds.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dpkfac
-from dpkfac.device import DryRunReader
+from experiments.bench.fake_cuda import (
+    DEVICE,
+    Outputs,
+    drive_backward,
+    dry_run_preconditioner,
+    fake_forward_backward,
+    fake_mode,
+    fake_process_group,
+    fake_step,
+    on_fake_cuda,
+)
 from experiments.models.harness import ResNetLike
 
-__all__ = ["ResNetLike"]
-
-DEVICE = torch.device("cuda", 0)
-
-
-def fake_mode() -> FakeTensorMode:
-    """A strict fake mode: real tensors may not enter it (a CPU constant would raise)."""
-    return FakeTensorMode(allow_non_fake_inputs=False)
-
-
-def on_fake_cuda(
-    mode: FakeTensorMode, build: Callable[[], nn.Module], dtype: torch.dtype | None = None
-) -> nn.Module:
-    """``build()`` with every parameter a fake CUDA tensor (of ``dtype``, default float32).
-
-    Built in place: ``module.to()`` cannot swap fake parameters.
-    """
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype or default)
-    try:
-        with mode, torch.device("cuda"):
-            return build()
-    finally:
-        torch.set_default_dtype(default)
-
-
-class Outputs:
-    """Records each module's output in forward order (to drive their hooks in backward order)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.tensors: list[tuple[nn.Module, torch.Tensor]] = []
-        self._handles = [m.register_forward_hook(self._keep) for m in model.modules()]
-
-    def _keep(self, module: nn.Module, args: Any, output: Any) -> None:
-        # A container returns its last child's output: keep each tensor once, with the
-        # innermost module that produced it (hooks of children fire first).
-        if isinstance(output, torch.Tensor) and all(output is not t for _, t in self.tensors):
-            self.tensors.append((module, output))
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
-def _accumulate(param: nn.Parameter) -> None:
-    """Give ``param`` a fake gradient and run its post-accumulate-grad hooks, as autograd would.
-
-    ``Tensor.register_post_accumulate_grad_hook`` keeps hooks in
-    ``_post_accumulate_grad_hooks`` (dp_kfac's overlap registers them).
-    """
-    param.grad = torch.randn_like(param)
-    for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
-        hook(param)
-
-
-def drive_backward(model: nn.Module, outputs: Outputs) -> int:
-    """Stand in for ``loss.backward()`` on fake CUDA tensors.
-
-    In backward order, module by module: calls the gradient hooks registered
-    on the module's output (the preconditioner's G hooks) with a fake output
-    gradient, then gives the module's own trainable parameters a fake
-    ``.grad`` and runs their post-accumulate-grad hooks; parameters of no
-    recorded module come last. Hooks are read from the tensor's
-    ``_backward_hooks``, where ``Tensor.register_hook`` keeps them.
-
-    Returns:
-        How many output-gradient hooks were called.
-    """
-    called = 0
-    done: set[int] = set()
-    for module, out in reversed(outputs.tensors):
-        for hook in list((getattr(out, "_backward_hooks", None) or {}).values()):
-            hook(torch.randn_like(out))
-            called += 1
-        for p in module.parameters(recurse=False):
-            if p.requires_grad and id(p) not in done:
-                _accumulate(p)
-                done.add(id(p))
-    outputs.tensors.clear()
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in done:
-            _accumulate(p)
-    return called
-
-
-def fake_step(
-    model: nn.Module, pre: dpkfac.KFACPreconditioner, batch: int = 3, side: int = 8
-) -> int:
-    """One training step on fake CUDA: forward, hooks driven as in backward, ``pre.step()``.
-
-    Returns:
-        How many output-gradient hooks fired.
-    """
-    outputs = Outputs(model)
-    try:
-        model(torch.randn(batch, 3, side, side, device="cuda"))
-    finally:
-        outputs.remove()
-    called = drive_backward(model, outputs)
-    pre.step()
-    return called
-
-
-def dry_run_preconditioner(model: nn.Module, **kwargs: Any) -> dpkfac.KFACPreconditioner:
-    """A preconditioner with the dry-run seams: no timing, host reads answered."""
-    kwargs.setdefault("timing", "off")
-    kwargs.setdefault("host_reader", DryRunReader())
-    return dpkfac.KFACPreconditioner(model, **kwargs)
+__all__ = [
+    "DEVICE",
+    "FakeLossScaler",
+    "Outputs",
+    "ResNetLike",
+    "drive_backward",
+    "dry_run_preconditioner",
+    "fake_forward_backward",
+    "fake_mode",
+    "fake_process_group",
+    "fake_step",
+    "on_fake_cuda",
+    "tensors_of",
+]
 
 
 class FakeLossScaler:
@@ -165,27 +63,6 @@ class FakeLossScaler:
 
     def _get_scale_async(self) -> torch.Tensor:
         return self._scale
-
-
-@contextlib.contextmanager
-def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
-    """Rank ``rank`` of a ``world_size`` job in this process, on torch's fake backend.
-
-    Collectives complete at once and move nothing. torch's broadcast asks the
-    device for its compute capability, which needs a driver: the answer of an
-    H100 is given instead, for the duration of the block.
-    """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    assert not dist.is_initialized(), "a process group is already initialised"
-    capability = torch.cuda.get_device_capability
-    torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        torch.cuda.get_device_capability = capability
 
 
 def tensors_of(pre: dpkfac.KFACPreconditioner) -> Iterator[tuple[str, torch.Tensor]]:

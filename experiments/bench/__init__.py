@@ -10,7 +10,10 @@ config into a benchmark model, and rebuilding a row's model),
 :mod:`~experiments.bench.convergence` (training runs through ``experiments.train``),
 :mod:`~experiments.bench.fidelity` (the curvature-fidelity runs, ``table=fidelity``),
 :mod:`~experiments.bench.factor_kernels` (the factor kernels' timings,
-``table=factor_kernels``), :mod:`~experiments.bench.launch` (local ranks through
+``table=factor_kernels``), :mod:`~experiments.bench.scale_sim` (ranks of jobs of
+up to thousands of ranks simulated in one process against the cost model,
+``table=scale_sim``), :mod:`~experiments.bench.fake_cuda` (the fake-CUDA harness
+it and the tests run on), :mod:`~experiments.bench.launch` (local ranks through
 torch's elastic launcher), :mod:`~experiments.bench.aggregate` (per-rank records
 to one row), :mod:`~experiments.bench.predict` (rows against
 :mod:`dpkfac.costmodel`), :mod:`~experiments.bench.plots` (figures),

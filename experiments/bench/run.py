@@ -26,14 +26,18 @@ Under ``torchrun --nproc_per_node=N -m experiments.bench world_size=N``
 every rank measures itself and rank 0 writes the row. ``task=convergence``
 trains with the training entry point instead (:mod:`experiments.bench.convergence`).
 
-Two table presets are single jobs that write their table themselves rather than
+Three table presets are single jobs that write their table themselves rather than
 rows for a callback: ``table=fidelity`` (``task=fidelity``:
-:func:`experiments.bench.fidelity.run_fidelity`) and ``table=factor_kernels``
-(``task=factor_kernels``: :func:`experiments.bench.factor_kernels.run_factor_kernels`),
-each with its node of ``conf/benchmark.yaml`` (:func:`run_table_task`)::
+:func:`experiments.bench.fidelity.run_fidelity`), ``table=factor_kernels``
+(``task=factor_kernels``: :func:`experiments.bench.factor_kernels.run_factor_kernels`)
+and ``table=scale_sim`` (``task=scale_sim``:
+:func:`experiments.bench.scale_sim.run_scale_sim`, ranks of jobs of up to
+thousands of ranks simulated in this process), each with its node of
+``conf/benchmark.yaml`` (:func:`run_table_task`)::
 
     python -m experiments.bench table=fidelity
     python -m experiments.bench table=factor_kernels
+    python -m experiments.bench table=scale_sim
 """
 
 from __future__ import annotations
@@ -406,12 +410,14 @@ def run(
 
 
 def run_table_task(cfg: DictConfig) -> dict[str, Path]:
-    """Run a job of ``task=fidelity`` or ``task=factor_kernels``; returns the files it wrote.
+    """Run a job of ``task=fidelity``, ``factor_kernels`` or ``scale_sim``; returns its files.
 
     ``fidelity``: the ``fidelity`` node's runs and steps, probing every
     ``fidelity.every`` steps, with ``world_size`` ranks per run and this job's
     strategy config. ``factor_kernels``: the ``factor_kernels`` node's batch,
-    repetitions and thread counts. Both write to ``results_dir``.
+    repetitions and thread counts. ``scale_sim``: the ``scale_sim`` node's
+    models, world sizes, ranks, strategy configs and limits, simulated in this
+    process. All write to ``results_dir``.
 
     Raises:
         ExperimentError: a value the checks reject, or ranks started by torchrun
@@ -438,6 +444,29 @@ def run_table_task(cfg: DictConfig) -> dict[str, Path]:
             strategy=strategy_name(cfg.strategy),
             out=out,
             timeout=float(node.timeout_s),
+        )
+    if cfg.task == "scale_sim":
+        from experiments.bench.scale_sim import Limit, run_scale_sim
+
+        node = cfg.scale_sim
+        plain = OmegaConf.to_container(node, resolve=True)
+        assert isinstance(plain, dict)
+        log.info(
+            "scale_sim: %s at P=%s, ranks %s",
+            ", ".join(plain["models"]),
+            plain["world_sizes"],
+            plain["ranks"],
+        )
+        return run_scale_sim(
+            plain["models"],
+            [int(p) for p in plain["world_sizes"]],
+            plain["ranks"],
+            plain["strategies"],
+            limits=[Limit.parse(limit) for limit in plain["limits"]],
+            hardware=str(plain["hardware"]),
+            paper=bool(plain["paper"]),
+            factor_method=plain["factor_method"],
+            out=out,
         )
     from experiments.bench.factor_kernels import run_factor_kernels
 
@@ -483,8 +512,8 @@ def main(cfg: DictConfig) -> None:
     training. A job that fails while measuring (a rank crashing, a timeout)
     writes a row whose ``error`` column says why, so the rest of the sweep and
     the table still come out; the table writers list failed rows instead of
-    dropping them. A ``task=fidelity`` or ``task=factor_kernels`` job writes
-    its table instead (:func:`run_table_task`) and fails as a whole.
+    dropping them. A ``task=fidelity``, ``factor_kernels`` or ``scale_sim`` job
+    writes its table instead (:func:`run_table_task`) and fails as a whole.
     """
     from hydra.core.hydra_config import HydraConfig
     from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -129,6 +129,46 @@ def convergence(final: pd.DataFrame) -> list[str]:
     ]
 
 
+def scale_sim(rows: pd.DataFrame, startup: pd.DataFrame) -> list[str]:
+    """How many simulated ranks match the cost model exactly, and where start-up grows."""
+    if rows.empty:
+        return []
+
+    def yes(column: str) -> pd.Series:
+        return rows[column].astype(str).isin(["True", "true", "1"])
+
+    ran = rows["match"].astype(str) != ""
+    exact, calls = yes("match"), yes("match") & yes("calls_match")
+    skipped = int((~ran).sum())
+    off = rows[exact & ~calls]
+    where = "; ".join(
+        f"{m}: {', '.join(dict.fromkeys(g['strategy']))}"
+        for m, g in off.groupby("model", sort=False)
+    )
+    lines = [
+        f"**Takeaway.** Simulated one rank at a time on the fake process group, {int(exact.sum())} "
+        f"of {int(ran.sum())} (model, strategy, P, rank) runs hand collectives exactly the bytes "
+        f"per category the cost model predicts and hold exactly its K-FAC memory "
+        f"({_models(rows)}, P={_span(rows['world_size'], 0)}"
+        + (f"; {skipped} did not run, the reason in their note" if skipped else "")
+        + f"), {int(calls.sum())} also with exactly its calls"
+        + (f" (not: {where})" if where else "")
+        + "."
+    ]
+    if not startup.empty:
+        p = int(startup["world_size"].max())
+        top = startup[startup["world_size"] == p]
+        total = top["pg_s"] + top["construct_s"] + top["first_step_s"]
+        first = startup.loc[startup["first_step_s"].idxmax()]
+        lines.append(
+            f"Start-up of one rank (host seconds, median over ranks): {_span(total)} s to the end "
+            f"of the first step at P={p}, where the cost model's prediction of one rank takes "
+            f"{_span(top['predict_s'], 1)} s; the slowest first step is {first['strategy']}'s on "
+            f"{first['model']} at P={int(first['world_size'])}, {first['first_step_s']:.1f} s."
+        )
+    return lines
+
+
 # --------------------------------------------------------------------- README
 def headline(results: Path) -> list[str]:
     """3–5 bullets for the README's first screen, from ``results/*.csv``."""

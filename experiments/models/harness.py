@@ -1,7 +1,8 @@
 """A small ResNet-like network with every convolution geometry the factor kernels dispatch on.
 
-The model of the fake-CUDA harness (``tests/fake_cuda.py``), which runs its
-hooks and steps on fake CUDA tensors in ``make test``, and of the GPU report
+The model of the fake-CUDA harness (:mod:`experiments.bench.fake_cuda`, used by
+``tests/fake_cuda.py``), which runs its hooks and steps on fake CUDA tensors in
+``make test``, and of the GPU report
 (:mod:`experiments.bench.gpu_report`), which runs the same model on a real GPU.
 """
 
