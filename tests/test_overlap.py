@@ -218,7 +218,7 @@ def test_non_finite_factors_are_skipped_with_a_warning_as_without_overlap() -> N
 def test_overlap_refuses_owner_reduction_and_non_bools() -> None:
     with pytest.raises(ValueError, match="grad_reduction='owner'"):
         DPKFACOptions(overlap=True, grad_reduction="owner")
-    with pytest.raises(ValueError, match="overlap must be a bool, got 'yes'"):
+    with pytest.raises(ValueError, match="overlap must be a bool or 'auto', got 'yes'"):
         DPKFACOptions(overlap="yes")  # type: ignore[arg-type]
 
 
