@@ -90,6 +90,12 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"grad_reduction": "owner", "kl_clip": 0.001, "bucket_cap_mb": 30 * ITEM / 2**20},
     ),
     "dp-best": ("tiny", "dp_kfac", {"assignment": "best"}),
+    # Overlapped: gradient buckets in backward order, one broadcast per bucket and owner.
+    "dp-overlap-kl-capped": (
+        "tiny",
+        "dp_kfac",
+        {"overlap": True, "kl_clip": 0.001, "bucket_cap_mb": 30 * ITEM / 2**20},
+    ),
     "dp-attn": ("attn", "dp_kfac", {}),
     "d-eigen": ("tiny", "d_kfac", {}),
     "d-inverse-capped": (
@@ -233,6 +239,8 @@ def test_predicted_bytes_and_memory_equal_measured(world_size: int) -> None:
     # Capped: more than one all-gather round (owner reduction gathers the updates, one
     # collective per round whatever the world size).
     assert tiny["dp-owner-kl-capped"][0][2]["precond_broadcast"]["calls"] > 1
+    overlap = tiny["dp-overlap-kl-capped"][0][2]
+    assert overlap["grad_allreduce"]["calls"] > 1  # several backward buckets
     assert tiny["spd-measured"][0][2]["decomposition_broadcast"]["calls"] == 0  # all local
     # On V100s an eigh takes ~1 ms and a broadcast ~10 µs: nothing is decomposed locally.
     assert tiny["spd-hardware-preset"][0][2]["decomposition_broadcast"]["calls"] == world_size
@@ -289,7 +297,13 @@ def _check_cases(
             assert stats[2] == pred.update.comm_of(rank), (name, rank)
             assert stats[3] == pred.plain.comm_of(rank), (name, rank)
             assert memory == pred.memory[rank], (name, rank)
-            if not pipelined:
+            if pred.traits is not None and pred.traits.overlapped_precondition:
+                # step 0 places the layers: the ordinary step, not yet overlapped
+                plain = predict(
+                    shapes, strategy=strategy, options={**options, "overlap": False}, **common
+                )
+                first = _add(plain.update.comm_of(rank), pred.setup_comm)
+            elif not pipelined:
                 first = _add(pred.update.comm_of(rank), pred.setup_comm)
             else:  # step 0 profiles: every factor alone, then the plan is fixed
                 alone = predict(

@@ -348,22 +348,38 @@ def predict(
     decomp_colls: list[list[tr.Collective]] = [[] for _ in range(p)]
     if roles is not None and traits is not None and opts is not None:
         placement = roles.placement
+        shared: list[tr.Collective] | None = None
+        if traits.overlapped_precondition and active and not ddp:
+            every, shared = tr.overlap_collectives(
+                model,
+                roles,
+                itemsize=param_itemsize,
+                cap_bytes=cap,
+                kl_clip=kfac.kl_clip is not None,
+            )
         if traits.owner_grad_reduction and active and not ddp:
             every = tr.grad_collectives(
                 model, p, itemsize=param_itemsize, cap_bytes=cap, owners=placement.owner
             )
-        updates = [
-            tr.precond_collectives(
-                model,
-                roles,
-                r,
-                itemsize=param_itemsize,
-                cap_bytes=cap,
-                kl_clip=kfac.kl_clip is not None,
-                backend=hw.backend if backend is None else backend,
-            )
-            for r in range(p)
-        ]
+        # The ranks of one update group exchange the same collectives: priced once per group.
+        per_group: dict[tuple[int, ...] | None, list[tr.Collective]] = {}
+        for r in range(p):
+            group = roles.update_group(r)
+            if group not in per_group:
+                per_group[group] = (
+                    shared
+                    if shared is not None
+                    else tr.precond_collectives(
+                        model,
+                        roles,
+                        r,
+                        itemsize=param_itemsize,
+                        cap_bytes=cap,
+                        kl_clip=kfac.kl_clip is not None,
+                        backend=hw.backend if backend is None else backend,
+                    )
+                )
+            updates[r] = per_group[group]
         setup = [tr.Collective("setup", kind, nbytes, p) for kind, nbytes in roles.setup]
         if traits.factor_comm == "pipelined":
             fusion, comm = _fusion_comm(opts, hw, p)
@@ -372,23 +388,28 @@ def predict(
             else:
                 ready = ready_times or timeline(model, hw, sharing, fi)[0]
                 plan = pipelined_plan(model, ready, comm, fi, fusion, traits.triangle)
+        # Like the updates, factor and decomposition traffic is the same within a group.
+        by_factor_group: dict[tuple[int, ...], list[tr.Collective]] = {}
+        by_decomposition_group: dict[tuple[int, ...] | None, list[tr.Collective]] = {}
         for r in range(p):
             group = roles.factor_group(r)
-            factor_colls[r] = tr.factor_collectives(
-                model,
-                len(group),
-                traits,
-                itemsize=fi,
-                cap_bytes=cap,
-                plan=plan,
-                include=[roles.captures(r, i) for i in range(len(model))],
-            )
-        decomp_colls = [
-            tr.decomposition_collectives(
-                model, roles, r, compute_method=method, itemsize=di, cap_bytes=cap
-            )
-            for r in range(p)
-        ]
+            if group not in by_factor_group:
+                by_factor_group[group] = tr.factor_collectives(
+                    model,
+                    len(group),
+                    traits,
+                    itemsize=fi,
+                    cap_bytes=cap,
+                    plan=plan,
+                    include=[roles.captures(r, i) for i in range(len(model))],
+                )
+            factor_colls[r] = by_factor_group[group]
+            dgroup = roles.decomposition_group(r)
+            if dgroup not in by_decomposition_group:
+                by_decomposition_group[dgroup] = tr.decomposition_collectives(
+                    model, roles, r, compute_method=method, itemsize=di, cap_bytes=cap
+                )
+            decomp_colls[r] = by_decomposition_group[dgroup]
     ddp_grad = sgd_grad_comm if ddp else 0.0  # DDP all-reduces, whatever the traits say
     # Lazy synchronisation sends the running factors before each decomposition
     # instead of the batch factors of each factor update.

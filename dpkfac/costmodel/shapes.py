@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
 from dpkfac.plan.assignment import LayerShape
@@ -40,12 +40,19 @@ class ModelShapes(Sequence[LayerShape]):
         bias: whether each layer has a bias (the last column of its A factor).
         captured: whether each layer's hooks fire (it has factors).
         other_params: element counts of the other trainable parameters.
+        order: every trainable parameter in ``model.parameters()`` order, as
+            (its K-FAC layer's index, or -1 for another parameter; elements).
+            Empty: the layers' parameters in layer order, then the others
+            (:meth:`param_order`). The overlapped mode's backward buckets
+            follow this order. Not compared: two models with the same layers
+            and parameters are the same shapes (the analytic zoo has no order).
     """
 
     layers: tuple[LayerShape, ...]
     bias: tuple[bool, ...]
     captured: tuple[bool, ...]
     other_params: tuple[int, ...] = ()
+    order: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.layers)
@@ -71,6 +78,13 @@ class ModelShapes(Sequence[LayerShape]):
         if self.bias[i]:
             return [s.g_dim * (s.a_dim - 1), s.g_dim]
         return [s.g_dim * s.a_dim]
+
+    def param_order(self) -> tuple[tuple[int, int], ...]:
+        """(layer index or -1, elements) of every trainable parameter, in model order."""
+        if self.order:
+            return self.order
+        kfac = [(i, n) for i in range(len(self)) for n in self.param_numels(i)]
+        return (*kfac, *((-1, n) for n in self.other_params))
 
     @property
     def num_params(self) -> int:
@@ -193,6 +207,8 @@ def shapes_from_model(
         layers.append(LayerShape(name, kind, helper.a_dim, helper.g_dim, t, n))
         bias.append(helper.has_bias)
         captured.append(name in seen)
-    kfac = {id(p) for h in selected.values() for p in h.parameters()}
-    others = tuple(p.numel() for p in inner.parameters() if p.requires_grad and id(p) not in kfac)
-    return ModelShapes(tuple(layers), tuple(bias), tuple(captured), others)
+    layer_of = {id(p): i for i, h in enumerate(selected.values()) for p in h.parameters()}
+    trainable = [p for p in inner.parameters() if p.requires_grad]
+    others = tuple(p.numel() for p in trainable if id(p) not in layer_of)
+    order = tuple((layer_of.get(id(p), -1), p.numel()) for p in trainable)
+    return ModelShapes(tuple(layers), tuple(bias), tuple(captured), others, order)

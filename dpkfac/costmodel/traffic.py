@@ -43,6 +43,7 @@ __all__ = [
     "factor_keys",
     "grad_collectives",
     "memory_per_rank",
+    "overlap_collectives",
     "precond_collectives",
     "sharded_collectives",
 ]
@@ -319,3 +320,45 @@ def memory_per_rank(
             {"factors_bytes": factors, "decompositions_bytes": decomps, "buffers_bytes": buffers}
         )
     return out
+
+
+def overlap_collectives(
+    model: ModelShapes,
+    plan: Plan,
+    *,
+    itemsize: int,
+    cap_bytes: int,
+    kl_clip: bool,
+) -> tuple[list[Collective], list[Collective]]:
+    """The overlapped mode's gradient all-reduces and update broadcasts (one rank's view).
+
+    The parameters, in reverse model order (the order a sequential backward
+    produces them), are cut into buckets under the cap
+    (:func:`dpkfac.overlap.backward_buckets`, one dtype); each bucket is one
+    all-reduce. A layer is sent once the last bucket holding one of its
+    parameters is reduced: per bucket and owner, one capped broadcast of those
+    layers' updates (with their two KL scalars when the clip is on).
+    """
+    p = plan.world_size
+    params = list(model.param_order())[::-1]
+    buckets = size_cap_buckets([n * itemsize for _, n in params], cap_bytes)
+    grads = [
+        Collective("grad_allreduce", "allreduce", sum(params[i][1] for i in b) * itemsize, p)
+        for b in buckets
+    ]
+    last: dict[int, int] = {}
+    for b, bucket in enumerate(buckets):
+        for i in bucket:
+            if params[i][0] >= 0:
+                last[params[i][0]] = b
+    updates: list[Collective] = []
+    for b in range(len(buckets)):
+        for owner in range(p):
+            sizes = [
+                n * itemsize
+                for i, s in enumerate(model)
+                if last.get(i) == b and plan.sends_update(owner, i)
+                for n in ((s.g_dim * s.a_dim, 2) if kl_clip else (s.g_dim * s.a_dim,))
+            ]
+            updates += _collectives("precond_broadcast", "broadcast", sizes, cap_bytes, p)
+    return grads, updates
