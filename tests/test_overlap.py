@@ -306,7 +306,13 @@ def test_cost_model_overlap_is_no_slower_and_moves_the_same_bytes(
     assert over.traits is not None and over.traits.overlapped_precondition
     assert set(over.overlapped_phases) == {"grad_comm", "precond_comm"}
     for key, step in over.steps.items():
-        assert step.comm == plain.steps[key].comm  # bytes, calls, wire bytes
+        for category, counts in step.comm.items():
+            want = plain.steps[key].comm[category]
+            # The same bytes (on the wire up to a byte's floor per buffer); calls per backward
+            # bucket and owner instead of per owner.
+            assert counts["bytes"] == want["bytes"], category
+            floors = counts["calls"] + want["calls"]
+            assert abs(counts["wire_bytes"] - want["wire_bytes"]) <= floors, category
         assert step.iteration <= plain.steps[key].iteration + 1e-12
         # Compute is not hidden: only the communication waits shrink.
         for phase in ("forward_backward", "factor_compute", "decomposition", "precondition"):
@@ -328,4 +334,10 @@ def test_cost_model_overlap_is_no_slower_and_moves_the_same_bytes(
     base = predict(
         shapes, strategy="dp_kfac", world_size=world_size, hardware=replace(hw, overlap=0.0)
     )
-    assert serial.update.iteration == pytest.approx(base.update.iteration)
+    # Serial, the overlap costs what the plain step does plus the start-up of its extra calls.
+    extra = sum(
+        (serial.update.comm[c]["calls"] - base.update.comm[c]["calls"])
+        * hw.link(kind).latency(world_size)
+        for c, kind in (("grad_allreduce", "allreduce"), ("precond_broadcast", "broadcast"))
+    )
+    assert serial.update.iteration == pytest.approx(base.update.iteration + extra)
