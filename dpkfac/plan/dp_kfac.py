@@ -76,6 +76,11 @@ class DPKFACOptions(StrategyOptions):
         """Whether neither lever is left to "auto"."""
         return AUTO not in (self.grad_reduction, self.overlap)
 
+    @property
+    def measures_hardware(self) -> bool:
+        """Whether the run measures its hardware model at start-up (for "auto")."""
+        return not self.resolved and self.hardware is None
+
 
 class DPKFACScheme(Scheme):
     """Owner-only factors and preconditioning, broadcast of preconditioned gradients."""
@@ -129,16 +134,6 @@ class DPKFACScheme(Scheme):
     def resolved(cls, options: StrategyOptions) -> bool:
         assert isinstance(options, DPKFACOptions)
         return options.resolved
-
-    @classmethod
-    def measures_hardware(cls, options: StrategyOptions) -> bool:
-        assert isinstance(options, DPKFACOptions)
-        return not options.resolved and options.hardware is None
-
-    @classmethod
-    def with_hardware(cls, options: StrategyOptions, hardware: Hardware) -> StrategyOptions:
-        assert isinstance(options, DPKFACOptions)
-        return replace(options, hardware=hardware) if cls.measures_hardware(options) else options
 
     @classmethod
     def setup_collectives(cls, options: StrategyOptions, num_factors: int) -> list[tuple[str, int]]:

@@ -227,16 +227,6 @@ class GroupedScheme(KAISAScheme):
 
     # ------------------------------------------------ start-up and tuning
     @classmethod
-    def measures_hardware(cls, options: StrategyOptions) -> bool:
-        assert isinstance(options, GroupedOptions)
-        return options.measures_hardware
-
-    @classmethod
-    def with_hardware(cls, options: StrategyOptions, hardware: Hardware) -> StrategyOptions:
-        assert isinstance(options, GroupedOptions)
-        return replace(options, hardware=hardware) if cls.measures_hardware(options) else options
-
-    @classmethod
     def resolved(cls, options: StrategyOptions) -> bool:
         assert isinstance(options, GroupedOptions)
         return options.resolved

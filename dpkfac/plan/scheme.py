@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from dpkfac.plan.assignment import LayerShape, Placement
 from dpkfac.plan.hardware import Hardware
@@ -23,7 +23,16 @@ from dpkfac.plan.presets import check_hardware_option
 from dpkfac.plan.roles import Group, Plan
 from dpkfac.plan.traits import Traits
 
-__all__ = ["Scheme", "Tuning", "check_tuning"]
+__all__ = ["MeasuringOptions", "Scheme", "Tuning", "check_tuning"]
+
+
+@runtime_checkable
+class MeasuringOptions(Protocol):
+    """Options of a scheme that may measure its hardware model at start-up (they hold it as
+    ``hardware``)."""
+
+    @property
+    def measures_hardware(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -160,13 +169,17 @@ class Scheme(ABC):
     # ------------------------------------------------ start-up and tuning
     @classmethod
     def measures_hardware(cls, options: StrategyOptions) -> bool:
-        """Whether a run with these options measures a hardware model at start-up."""
-        return False
+        """Whether a run with these options measures a hardware model at start-up: where its
+        options say so (:class:`MeasuringOptions`)."""
+        return isinstance(options, MeasuringOptions) and options.measures_hardware
 
     @classmethod
     def with_hardware(cls, options: StrategyOptions, hardware: Hardware) -> StrategyOptions:
-        """The options once the start-up measurement gave ``hardware``."""
-        return options
+        """The options once the start-up measurement gave ``hardware`` (as their ``hardware``)."""
+        if not cls.measures_hardware(options):
+            return options
+        changes: dict[str, Any] = {"hardware": hardware}  # a measuring scheme's options have it
+        return replace(options, **changes)
 
     @classmethod
     def resolved(cls, options: StrategyOptions) -> bool:

@@ -16,7 +16,7 @@ rule, local below a dimension of about 1024, is one option away
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from dpkfac.plan.assignment import EIGH_COEFF, LayerShape, Placement, assign_factors
 from dpkfac.plan.hardware import Hardware, wire_bytes
@@ -153,13 +153,3 @@ class SPDKFACScheme(Scheme):
         hardware = list(MEASURE_COLLECTIVES) if options.measures_hardware else []
         probes = [] if options.fixed_comm_model else allreduce_probe_collectives()
         return [*hardware, *probes, ("allreduce", 8 * (num_factors + 2))]
-
-    @classmethod
-    def measures_hardware(cls, options: StrategyOptions) -> bool:
-        assert isinstance(options, SPDKFACOptions)
-        return options.measures_hardware
-
-    @classmethod
-    def with_hardware(cls, options: StrategyOptions, hardware: Hardware) -> StrategyOptions:
-        assert isinstance(options, SPDKFACOptions)
-        return replace(options, hardware=hardware) if cls.measures_hardware(options) else options
