@@ -21,7 +21,7 @@ from typing import Any
 
 from dpkfac.costmodel import traffic as tr
 from dpkfac.costmodel.auto import resolve
-from dpkfac.costmodel.shapes import as_model_shapes
+from dpkfac.costmodel.shapes import ModelShapes, as_model_shapes
 from dpkfac.costmodel.timing import (
     COMM_PHASES,
     COMPUTE_PHASES,
@@ -256,6 +256,84 @@ def _fusion_comm(options: StrategyOptions, hw: Hardware, p: int) -> tuple[str, C
     return str(getattr(options, "fusion", "dynamic")), comm
 
 
+def _update_collectives(
+    model: ModelShapes,
+    roles: Plan,
+    shared: list[tr.Collective] | None,
+    *,
+    itemsize: int,
+    cap_bytes: int,
+    kl_clip: bool,
+    backend: str,
+) -> list[list[tr.Collective]]:
+    """Each rank's update exchange (``shared``: the overlapped mode's, the same for all).
+
+    The ranks of one update group exchange the same collectives: priced once per group.
+    """
+    per_group: dict[tuple[int, ...] | None, list[tr.Collective]] = {}
+    out = []
+    for r in range(roles.world_size):
+        group = roles.update_group(r)
+        if group not in per_group:
+            per_group[group] = (
+                shared
+                if shared is not None
+                else tr.precond_collectives(
+                    model,
+                    roles,
+                    r,
+                    itemsize=itemsize,
+                    cap_bytes=cap_bytes,
+                    kl_clip=kl_clip,
+                    backend=backend,
+                )
+            )
+        out.append(per_group[group])
+    return out
+
+
+def _curvature_collectives(
+    model: ModelShapes,
+    roles: Plan,
+    fusion_plan: list[list[Key]] | None,
+    *,
+    factor_itemsize: int,
+    decomposition_itemsize: int,
+    cap_bytes: int,
+    compute_method: str,
+) -> tuple[list[list[tr.Collective]], list[list[tr.Collective]]]:
+    """Each rank's factor and decomposition traffic, priced once per factor group and per
+    decomposition group (the ranks of a group send the same)."""
+    by_factor_group: dict[tuple[int, ...], list[tr.Collective]] = {}
+    by_decomposition_group: dict[tuple[int, ...] | None, list[tr.Collective]] = {}
+    factor_colls, decomp_colls = [], []
+    for r in range(roles.world_size):
+        group = roles.factor_group(r)
+        if group not in by_factor_group:
+            by_factor_group[group] = tr.factor_collectives(
+                model,
+                len(group),
+                roles.traits,
+                itemsize=factor_itemsize,
+                cap_bytes=cap_bytes,
+                plan=fusion_plan,
+                include=[roles.captures(r, i) for i in range(len(model))],
+            )
+        factor_colls.append(by_factor_group[group])
+        dgroup = roles.decomposition_group(r)
+        if dgroup not in by_decomposition_group:
+            by_decomposition_group[dgroup] = tr.decomposition_collectives(
+                model,
+                roles,
+                r,
+                compute_method=compute_method,
+                itemsize=decomposition_itemsize,
+                cap_bytes=cap_bytes,
+            )
+        decomp_colls.append(by_decomposition_group[dgroup])
+    return factor_colls, decomp_colls
+
+
 def predict(
     shapes: Sequence[LayerShape],
     *,
@@ -361,25 +439,15 @@ def predict(
             every = tr.grad_collectives(
                 model, p, itemsize=param_itemsize, cap_bytes=cap, owners=placement.owner
             )
-        # The ranks of one update group exchange the same collectives: priced once per group.
-        per_group: dict[tuple[int, ...] | None, list[tr.Collective]] = {}
-        for r in range(p):
-            group = roles.update_group(r)
-            if group not in per_group:
-                per_group[group] = (
-                    shared
-                    if shared is not None
-                    else tr.precond_collectives(
-                        model,
-                        roles,
-                        r,
-                        itemsize=param_itemsize,
-                        cap_bytes=cap,
-                        kl_clip=kfac.kl_clip is not None,
-                        backend=hw.backend if backend is None else backend,
-                    )
-                )
-            updates[r] = per_group[group]
+        updates = _update_collectives(
+            model,
+            roles,
+            shared,
+            itemsize=param_itemsize,
+            cap_bytes=cap,
+            kl_clip=kfac.kl_clip is not None,
+            backend=hw.backend if backend is None else backend,
+        )
         setup = [tr.Collective("setup", kind, nbytes, p) for kind, nbytes in roles.setup]
         if traits.factor_comm == "pipelined":
             fusion, comm = _fusion_comm(opts, hw, p)
@@ -388,28 +456,15 @@ def predict(
             else:
                 ready = ready_times or timeline(model, hw, sharing, fi)[0]
                 plan = pipelined_plan(model, ready, comm, fi, fusion, traits.triangle)
-        # Like the updates, factor and decomposition traffic is the same within a group.
-        by_factor_group: dict[tuple[int, ...], list[tr.Collective]] = {}
-        by_decomposition_group: dict[tuple[int, ...] | None, list[tr.Collective]] = {}
-        for r in range(p):
-            group = roles.factor_group(r)
-            if group not in by_factor_group:
-                by_factor_group[group] = tr.factor_collectives(
-                    model,
-                    len(group),
-                    traits,
-                    itemsize=fi,
-                    cap_bytes=cap,
-                    plan=plan,
-                    include=[roles.captures(r, i) for i in range(len(model))],
-                )
-            factor_colls[r] = by_factor_group[group]
-            dgroup = roles.decomposition_group(r)
-            if dgroup not in by_decomposition_group:
-                by_decomposition_group[dgroup] = tr.decomposition_collectives(
-                    model, roles, r, compute_method=method, itemsize=di, cap_bytes=cap
-                )
-            decomp_colls[r] = by_decomposition_group[dgroup]
+        factor_colls, decomp_colls = _curvature_collectives(
+            model,
+            roles,
+            plan,
+            factor_itemsize=fi,
+            decomposition_itemsize=di,
+            cap_bytes=cap,
+            compute_method=method,
+        )
     ddp_grad = sgd_grad_comm if ddp else 0.0  # DDP all-reduces, whatever the traits say
     # Lazy synchronisation sends the running factors before each decomposition
     # instead of the batch factors of each factor update.
