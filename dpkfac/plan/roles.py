@@ -64,6 +64,7 @@ class Plan:
     setup: tuple[tuple[str, int], ...] = ()
     uses_batch: bool = False
     _index: dict[str, int] = field(init=False, repr=False, compare=False)
+    _factor_group: dict[int, Group] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.names)
@@ -73,6 +74,9 @@ class Plan:
         if len(self.preconditioners) != n:
             raise ValueError(f"{len(self.preconditioners)} preconditioner sets for {n} layers")
         object.__setattr__(self, "_index", {name: i for i, name in enumerate(self.names)})
+        # Asked from the capture hooks (captures): looked up, not searched, per call.
+        groups = {r: tuple(g) for g in self.factor_groups for r in g}
+        object.__setattr__(self, "_factor_group", groups)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -88,7 +92,7 @@ class Plan:
 
     def factor_group(self, rank: int) -> Group:
         """The factor group of ``rank``."""
-        return next((g for g in self.factor_groups if rank in g), (rank,))
+        return self._factor_group.get(rank, (rank,))
 
     def captures(self, rank: int, layer: int | str) -> bool:
         """Whether ``rank`` builds the layer's factors from its local batch.
