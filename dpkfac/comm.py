@@ -311,6 +311,34 @@ class Communicator:
         self._isolated(handle)
         handle.works.append(fn(flat, group=self.group, async_op=True, **kwargs))
 
+    def ddp_hook(
+        self, category: str = "grad_allreduce"
+    ) -> Callable[[object, dist.GradBucket], torch.futures.Future[torch.Tensor]]:
+        """A DDP communication hook that averages each bucket as DDP's default hook does,
+        accounted in ``category`` and device-checked like every collective here.
+
+        Register it with ``ddp_model.register_comm_hook(None, comm.ddp_hook())`` so
+        :attr:`stats` counts DDP's gradient traffic (one all-reduce per bucket, as
+        :func:`dpkfac.costmodel.traffic.ddp_collectives` predicts). The hook runs
+        inside the backward pass: it neither waits nor reads anything on the host.
+        """
+
+        def hook(_: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            flat = bucket.buffer()
+            check_device(flat, self.device, category)
+            self.record(category, "allreduce", flat.numel() * flat.element_size())
+            flat.div_(self.size)
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            return work.get_future().then(lambda fut: fut.value()[0])
+
+        # DDP checks the hook's annotations as objects; this module's are strings.
+        hook.__annotations__ = {
+            "_": object,
+            "bucket": dist.GradBucket,
+            "return": torch.futures.Future[torch.Tensor],
+        }
+        return hook
+
     def _isolated(self, handle: Handle) -> None:
         """Meet every rank first when isolating and nothing else is in flight (see ``isolate``).
 

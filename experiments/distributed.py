@@ -252,6 +252,26 @@ def _check_same_job(env: DistEnv, job: str) -> None:
         )
 
 
+def wrap_ddp(
+    model: nn.Module, device: torch.device, bucket_cap_mb: float | None = None
+) -> nn.parallel.DistributedDataParallel:
+    """``model`` in DistributedDataParallel, bucketed as the cost model prices it.
+
+    ``bucket_cap_mb`` at DDP's default (25 MiB, or None) is left unset, so
+    DDP keeps its small first bucket; any other cap is passed on, and then
+    the first bucket has that cap too (torch's rule, mirrored by
+    :func:`dpkfac.plan.fusion.ddp_first_cap`, which the prediction of plain
+    data parallelism uses).
+    """
+    from dpkfac.plan.fusion import DDP_DEFAULT_CAP_BYTES
+
+    kwargs: dict[str, Any] = {}
+    if bucket_cap_mb is not None and int(bucket_cap_mb * 2**20) != DDP_DEFAULT_CAP_BYTES:
+        kwargs["bucket_cap_mb"] = bucket_cap_mb
+    device_ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The bare model inside a DistributedDataParallel wrapper (or the model itself)."""
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model

@@ -33,7 +33,7 @@ from torch import nn
 
 from experiments.config import ExperimentError, validate
 from experiments.data.loading import DataModule
-from experiments.distributed import DistEnv, distributed_context
+from experiments.distributed import DistEnv, distributed_context, wrap_ddp
 from experiments.loggers import NullLogger
 from experiments.preconditioning import strategy_name, uses_preconditioner
 from experiments.schedules import build_step_schedules
@@ -92,8 +92,7 @@ def _wrap_model(model: nn.Module, cfg: DictConfig, env: DistEnv) -> nn.Module:
     fp16 = str(cfg.trainer.get("precision", 32)) == "fp16"
     if uses_preconditioner(cfg.strategy) and not cfg.trainer.ddp and not fp16:
         return model
-    device_ids = [env.device.index] if env.device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    return wrap_ddp(model, env.device)
 
 
 def _output_dir(cfg: DictConfig, env: DistEnv) -> Path:

@@ -43,10 +43,12 @@ from dpkfac.costmodel import (
     resnet50,
     scaled,
     shapes_from_model,
+    traffic,
     transformer,
 )
 from dpkfac.costmodel.__main__ import main
 from dpkfac.costmodel.table import VARIANTS
+from dpkfac.costmodel.timing import ddp_comm
 from dpkfac.options import KFACOptions
 from dpkfac.strategies import STRATEGIES, DPKFACOptions, SPDKFACOptions, strategy_options
 
@@ -376,12 +378,47 @@ def test_predict_rejects_what_the_preconditioner_rejects() -> None:
 
 
 def test_ddp_flag_removes_gradient_traffic_but_not_its_time() -> None:
+    """A DDP-wrapped K-FAC run: DDP's buckets are not the preconditioner's traffic, and their
+    wait is what the backward pass (with the capture hooks' factor work) leaves exposed."""
     shapes = resnet50(batch_size=32)
     plain = predict(shapes, strategy="d_kfac", world_size=8, hardware=HW)
     ddp = predict(shapes, strategy="d_kfac", world_size=8, hardware=HW, ddp=True)
     assert ddp.update.comm["grad_allreduce"]["bytes"] == 0
     assert plain.update.comm["grad_allreduce"]["bytes"] == shapes.num_params * 4
-    assert ddp.update.breakdown["ddp_grad_comm"] == pytest.approx(plain.update.phases["grad_comm"])
+    buckets = traffic.ddp_bucket_params(shapes, itemsize=4, cap_bytes=25 * 2**20)
+    common = {"itemsize": 4, "weight_sharing": "expand", "factor_itemsize": 4}
+    wait, serial = ddp_comm(shapes, HW, 8, buckets, factors=True, **common)
+    assert ddp.update.breakdown["ddp_grad_comm"] == pytest.approx(wait)
+    assert 0 < wait < serial
+    # Serial DDP costs what the preconditioner's own capped all-reduce costs, up to start-ups.
+    link = HW.link("allreduce")
+    assert serial == pytest.approx(plain.update.phases["grad_comm"], abs=3 * link.latency(8))
+    hidden_none = replace(HW, overlap=0.0)
+    serial_ddp = predict(shapes, strategy="d_kfac", world_size=8, hardware=hidden_none, ddp=True)
+    assert serial_ddp.update.breakdown["ddp_grad_comm"] == pytest.approx(serial)
+    # Plain steps have no factor work in the backward pass: less compute to hide behind.
+    assert ddp.plain.breakdown["ddp_grad_comm"] >= wait - 1e-12
+
+
+def test_sgd_is_ddp_overlapped_with_the_backward_pass() -> None:
+    """``none`` is DDP: its buckets (DDP's rule) and only the exposed tail of their traffic."""
+    shapes = resnet50(batch_size=32)
+    for p in (2, 64):
+        sgd = predict_sgd(shapes, world_size=p, hardware=HW)
+        colls = sgd.update.collectives
+        buckets = traffic.ddp_bucket_params(shapes, itemsize=4, cap_bytes=25 * 2**20)
+        assert [c.nbytes for c in colls] == [4 * sum(n for _, n in b) for b in buckets]
+        assert sum(c.nbytes for c in colls) == shapes.num_params * 4
+        assert colls[0].nbytes >= 2**20  # DDP's small first bucket, then 25 MiB ones
+        common = {"itemsize": 4, "weight_sharing": "expand", "factor_itemsize": 4}
+        wait, serial = ddp_comm(shapes, HW, p, buckets, factors=False, **common)
+        assert sgd.update.phases["grad_comm"] == pytest.approx(wait)
+        assert sgd.update.comm_serial["grad_comm"] == pytest.approx(serial)
+        assert sgd.iteration == pytest.approx(sgd.update.breakdown["forward_backward"] + wait)
+        assert "grad_comm" in sgd.overlapped_phases
+        serial_sgd = predict_sgd(shapes, world_size=p, hardware=replace(HW, overlap=0.0))
+        assert serial_sgd.update.phases["grad_comm"] == pytest.approx(serial)
+        assert wait < serial
 
 
 def test_byte_formulas_on_a_large_model() -> None:
@@ -830,3 +867,64 @@ def test_kaisa_bytes_are_within_five_percent_of_kaisa_itself(fraction: str) -> N
     # KAISA's COMM-OPT sends the eigenvalue outer product instead of the two
     # eigenvalue vectors, which is most of the remaining difference.
     assert mib == pytest.approx(KAISA_REFERENCE_MIB[fraction], rel=0.05)
+
+
+def _ddp_run(rank: int, world_size: int, cap_mb: float | None) -> list[dict]:
+    """SGD as DDP with the communicator's accounted hook: comm_stats of steps 0..2."""
+    from dpkfac.comm import Communicator
+    from experiments.distributed import wrap_ddp
+
+    model = _model("attn")
+    comm = Communicator()
+    ddp = wrap_ddp(model, torch.device("cpu"), cap_mb)
+    ddp.register_comm_hook(None, comm.ddp_hook())
+    out = []
+    for step in range(3):
+        comm.stats.reset()
+        ddp.zero_grad()
+        x, y = batch(step, rank)
+        F.cross_entropy(ddp(x.double()), y).backward()
+        out.append(comm.stats.as_dict())
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cap_mb", [None, 100 * ITEM / 2**20])
+def test_sgd_prediction_counts_ddp_buckets_exactly(cap_mb: float | None) -> None:
+    """Real DDP (gloo, P=2) after its first iteration sends the buckets ``none`` predicts."""
+    results = run_ranks(_ddp_run, 2, cap_mb)
+    shapes = shapes_from_model(_model("attn"), batch(0, 0)[0].double())
+    kfac = KFACOptions() if cap_mb is None else KFACOptions(bucket_cap_mb=cap_mb)
+    sgd = predict_sgd(shapes, world_size=2, hardware=HW, param_itemsize=ITEM, kfac=kfac)
+    predicted = sgd.update.comm["grad_allreduce"]
+    for rank_stats in results:
+        # Step 0 is one bucket (DDP rebuilds its buckets from the backward's order after it).
+        assert rank_stats[0]["grad_allreduce"]["calls"] == 1
+        for stats in rank_stats[1:]:
+            assert stats["grad_allreduce"] == predicted
+    assert predicted["calls"] == (1 if cap_mb is None else 3)  # 1 MiB first bucket / the cap
+
+
+@pytest.mark.parametrize("world_size", [8, 64])
+def test_no_kfac_configuration_is_predicted_faster_than_ddp_sgd(world_size: int) -> None:
+    """K-FAC does SGD's work and more: with SGD priced as DDP (overlapped, bucketed) and the
+    overlapped modes priced by their real buckets, no configuration beats SGD's step."""
+    from dpkfac.costmodel.zoo import ZOO
+
+    variants = {k: v for k, v in VARIANTS.items() if k != "grouped_auto"}
+    variants["dp_kfac_overlap"] = ("dp_kfac", {"overlap": True})
+    for name, (shapes, kfac) in ZOO.items():
+        sgd = predict_sgd(shapes, world_size=world_size, hardware=HW, kfac=kfac).iteration
+        for f, i in ((1, 1), (10, 100)):
+            k = replace(kfac, factor_update_steps=f, inv_update_steps=i)
+            for label, (strategy, options) in variants.items():
+                pred = predict(
+                    shapes,
+                    strategy=strategy,
+                    options=options,
+                    world_size=world_size,
+                    hardware=HW,
+                    kfac=k,
+                )
+                # Every step kind, the plain one included, costs at least SGD's step.
+                assert min(s.iteration for s in pred.steps.values()) >= sgd, (name, label, f)

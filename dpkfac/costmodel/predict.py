@@ -94,6 +94,8 @@ class Prediction:
         Their measured wait is not a transfer time (see :meth:`samples`).
         """
         phases: tuple[str, ...] = ()
+        if self.strategy is None and self.world_size > 1:
+            phases += ("grad_comm",)  # DDP's buckets, during the backward pass
         if self.traits is not None and self.traits.factor_comm == "pipelined":
             phases += ("factor_comm",)
         if self.traits is not None and self.traits.overlapped_precondition:
@@ -357,7 +359,10 @@ def predict(
             :func:`shapes_from_model`) also carries biases, capture and the
             other parameters, which exact bucket counts need.
         strategy: a registered strategy name (any accepted spelling), or
-            None for plain data parallelism (gradients only).
+            None for plain data parallelism: DDP, whose bucketed gradient
+            all-reduces (:func:`~dpkfac.costmodel.traffic.ddp_collectives`,
+            accounted as ``grad_allreduce``) overlap the backward pass
+            (:func:`~dpkfac.costmodel.timing.ddp_comm`).
         world_size: number of ranks ``P``.
         hardware: device and network model.
         kfac: the preconditioner's common options (default: its defaults).
@@ -373,7 +378,8 @@ def predict(
             it (``pre.strategy.fusion_plan``), instead of replanning from modelled
             ready times.
         ready_times: measured factor ready times to plan from.
-        ddp: the model is DDP-wrapped (gradients are not counted by K-FAC).
+        ddp: the model is DDP-wrapped (gradients are not counted by K-FAC;
+            the exposed wait on DDP's buckets is the breakdown's ``ddp_grad_comm``).
         bias / other_params: see :func:`as_model_shapes` (plain shapes only).
         backend: the run's torch.distributed backend, where it is not the
             hardware's (``Hardware.backend``): it decides which collectives
@@ -414,12 +420,25 @@ def predict(
     method, sharing = kfac.compute_method, kfac.weight_sharing
     active = p > 1
     sgd_grads = tr.grad_collectives(model, p, itemsize=param_itemsize, cap_bytes=cap)
+    # DDP's buckets: plain data parallelism's averaging, or a DDP-wrapped K-FAC run's.
+    ddp_buckets = (
+        tr.ddp_bucket_params(model, itemsize=param_itemsize, cap_bytes=cap)
+        if (ddp or strategy is None) and active
+        else None
+    )
     sgd_grad_comm = (
         sum(hw.link(c.kind).time(1, c.wire_bytes, p) for c in sgd_grads) if active else 0.0
     )
     placement = None if roles is None else roles.placement
     plan = None
-    every: list[tr.Collective] = [] if ddp else list(sgd_grads)
+    overlap: list[tr.OverlapBucket] | None = None
+    every: list[tr.Collective] = (
+        tr.ddp_collectives(model, p, itemsize=param_itemsize, cap_bytes=cap)
+        if strategy is None
+        else []
+        if ddp
+        else list(sgd_grads)
+    )
     updates: list[list[tr.Collective]] = [[] for _ in range(p)]
     setup: list[tr.Collective] = []
     factor_colls: list[list[tr.Collective]] = [[] for _ in range(p)]
@@ -428,13 +447,14 @@ def predict(
         placement = roles.placement
         shared: list[tr.Collective] | None = None
         if traits.overlapped_precondition and active and not ddp:
-            every, shared = tr.overlap_collectives(
+            overlap = tr.overlap_buckets(
                 model,
                 roles,
                 itemsize=param_itemsize,
                 cap_bytes=cap,
                 kl_clip=kfac.kl_clip is not None,
             )
+            every, shared = tr.overlap_collectives(overlap)
         if traits.owner_grad_reduction and active and not ddp:
             every = tr.grad_collectives(
                 model, p, itemsize=param_itemsize, cap_bytes=cap, owners=placement.owner
@@ -465,7 +485,6 @@ def predict(
             cap_bytes=cap,
             compute_method=method,
         )
-    ddp_grad = sgd_grad_comm if ddp else 0.0  # DDP all-reduces, whatever the traits say
     # Lazy synchronisation sends the running factors before each decomposition
     # instead of the batch factors of each factor update.
     lazy = traits is not None and traits.lazy_factor_sync
@@ -493,8 +512,10 @@ def predict(
                 compute_method=method,
                 weight_sharing=sharing,
                 factor_itemsize=fi,
-                ddp_grad=ddp_grad,
                 fusion_plan=plan,
+                ddp=ddp_buckets,
+                param_itemsize=param_itemsize,
+                overlap=overlap,
             )
     memory = (
         tr.memory_per_rank(
@@ -527,5 +548,6 @@ def predict(
 
 
 def predict_sgd(shapes: Sequence[LayerShape], **kwargs: Any) -> Prediction:
-    """Plain data parallelism: forward/backward and the gradient all-reduce only."""
+    """Plain data parallelism as DDP runs it: forward/backward and the bucketed gradient
+    all-reduces overlapped with the backward pass."""
     return predict(shapes, strategy=None, **kwargs)

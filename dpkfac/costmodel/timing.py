@@ -53,7 +53,7 @@ from dpkfac.costmodel import traffic as tr
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.plan.assignment import EIGH_COEFF, INVERSE_COEFF, LayerShape
 from dpkfac.plan.fusion import CommModel, plan_buckets
-from dpkfac.plan.hardware import Hardware, Work, add_work
+from dpkfac.plan.hardware import Hardware, Work, add_work, wire_bytes
 from dpkfac.plan.roles import Plan
 from dpkfac.stats import PHASE_OF_CATEGORY
 
@@ -156,6 +156,27 @@ def forward_backward_work(model: ModelShapes) -> Work:
     return {"forward_backward": (float(len(model)), sum(_fb_flops(s) for s in model))}
 
 
+def _walk(
+    model: ModelShapes, hw: Hardware, weight_sharing: str, itemsize: int, factors: bool
+) -> tuple[dict[Key, float], list[float], float]:
+    """Factor ready times, each layer's backward end (module order) and the backward's end."""
+    t, ready = 0.0, {}
+    ends = [0.0] * len(model)
+    for s, c in zip(model, model.captured, strict=True):
+        t += hw.time({"forward_backward": (1 / 3, _fb_flops(s) / 3)}, 1)
+        if c and factors:
+            t += hw.time(factor_work(s, "A", weight_sharing, itemsize), 1)
+            ready[(s.name, "A")] = t
+    for i in reversed(range(len(model))):
+        s = model[i]
+        t += hw.time({"forward_backward": (2 / 3, 2 * _fb_flops(s) / 3)}, 1)
+        if model.captured[i] and factors:
+            t += hw.time(factor_work(s, "G", weight_sharing, itemsize), 1)
+            ready[(s.name, "G")] = t
+        ends[i] = t
+    return ready, ends, t
+
+
 def timeline(
     model: ModelShapes, hw: Hardware, weight_sharing: str, itemsize: int
 ) -> tuple[dict[Key, float], float]:
@@ -165,18 +186,49 @@ def timeline(
     two thirds; A is built right after the layer's forward, G right after
     its backward, as the capture hooks do.
     """
-    t, ready = 0.0, {}
-    for s, c in zip(model, model.captured, strict=True):
-        t += hw.time({"forward_backward": (1 / 3, _fb_flops(s) / 3)}, 1)
-        if c:
-            t += hw.time(factor_work(s, "A", weight_sharing, itemsize), 1)
-            ready[(s.name, "A")] = t
-    for s, c in zip(reversed(model), reversed(model.captured), strict=True):
-        t += hw.time({"forward_backward": (2 / 3, 2 * _fb_flops(s) / 3)}, 1)
-        if c:
-            t += hw.time(factor_work(s, "G", weight_sharing, itemsize), 1)
-            ready[(s.name, "G")] = t
-    return ready, t
+    ready, _, end = _walk(model, hw, weight_sharing, itemsize, True)
+    return ready, end
+
+
+def exposed(serial: float, tail: float, overlap: float) -> float:
+    """Seconds a step waits on traffic that ran during compute (``Hardware.overlap`` rule).
+
+    ``tail`` is what a link serving the traffic as it becomes ready leaves
+    after the compute ends; the hardware hides that fraction ``overlap`` of
+    the traffic, the rest stays serial.
+    """
+    return overlap * min(serial, max(0.0, tail)) + (1.0 - overlap) * serial
+
+
+def ddp_comm(
+    model: ModelShapes,
+    hw: Hardware,
+    p: int,
+    buckets: Sequence[Sequence[tuple[int, int]]],
+    *,
+    itemsize: int,
+    weight_sharing: str,
+    factor_itemsize: int,
+    factors: bool,
+) -> tuple[float, float]:
+    """(exposed, serial) seconds of DDP's bucketed gradient all-reduces.
+
+    DDP launches a bucket's all-reduce once the backward pass has made all
+    its gradients ready and serves the buckets one after another on one
+    link. A parameter of a K-FAC layer is ready at the end of that layer's
+    backward (with its G factor when ``factors``, as the capture hook runs
+    first; :func:`_ready_times`). Only the link's tail past the backward's
+    end is waited on, by :func:`exposed`.
+    """
+    _, ends, backward_end = _walk(model, hw, weight_sharing, factor_itemsize, factors)
+    link = hw.link("allreduce")
+    t = serial = 0.0
+    for bucket, ready in zip(buckets, _ready_times(buckets, ends), strict=True):
+        nbytes = sum(n for _, n in bucket) * itemsize
+        seconds = link.time(1, wire_bytes("allreduce", nbytes, p), p)
+        t = max(t, ready) + seconds
+        serial += seconds
+    return exposed(serial, t - backward_end, hw.overlap), serial
 
 
 def pipelined_plan(
@@ -237,68 +289,85 @@ def _rank_work(
     return w
 
 
+def _ready_times(
+    buckets: Sequence[Sequence[tuple[int, int]]], ends: Sequence[float]
+) -> list[float]:
+    """When each bucket of (layer or -1, elements) parameters, in backward order, is complete.
+
+    A K-FAC layer's parameters are ready at the end of its backward
+    (``ends``); any other parameter (normalisation, embeddings) with the
+    K-FAC layer whose backward ended last before it in backward order.
+    """
+    out, last = [], 0.0
+    for bucket in buckets:
+        ready = 0.0
+        for layer, _ in bucket:
+            if layer >= 0:
+                last = ends[layer]
+            ready = max(ready, last)
+        out.append(ready)
+    return out
+
+
 def _overlap_backward(
     model: ModelShapes,
     hw: Hardware,
+    p: int,
     seconds: list[dict[str, float]],
+    buckets: Sequence[tr.OverlapBucket],
+    *,
+    factors: bool,
     compute_method: str,
     weight_sharing: str,
     itemsize: int,
 ) -> None:
     """Hide gradient and update traffic behind the backward pass (``overlapped_precondition``).
 
-    One link, layers in backward order: a layer's share of the gradient
-    all-reduce (by its ``a·g`` elements) starts once its backward is done
-    (:func:`timeline`), its owner preconditions it once that is reduced, and
-    its share of the update broadcasts follows; the link serves whichever is
-    ready first. Decomposition and preconditioning run on the compute
-    stream, so they lengthen the backward (they stay in the breakdown). Only
-    the link's tail past the end of that compute is exposed, to the extent
-    the hardware overlaps (``Hardware.overlap``); the rest is serial. The
-    collectives, hence the bytes, are unchanged: only the ``grad_comm`` and
-    ``precond_comm`` waits shrink (by the same factor on every rank).
+    One link, buckets in backward order (:func:`dpkfac.costmodel.traffic.overlap_buckets`,
+    the runtime's own): a bucket's all-reduce starts once the backward has
+    made its gradients ready (:func:`_ready_times`), the owners precondition
+    the layers it completes once it is reduced, and those layers' update
+    broadcasts follow; the link serves whichever is ready first.
+    Decomposition and preconditioning run on the compute stream, so they
+    lengthen the backward (they stay in the breakdown). Only the link's tail
+    past the end of that compute is exposed, to the extent the hardware
+    overlaps (:func:`exposed`); the rest is serial. The collectives, hence
+    the bytes, are unchanged: only the ``grad_comm`` and ``precond_comm``
+    waits shrink (by the same factor on every rank).
     """
-    grad = seconds[0]["grad_comm"]
-    bcast = seconds[0]["precond_comm"]
-    serial = grad + bcast
-    if serial <= 0.0:
+    serial = seconds[0]["grad_comm"] + seconds[0]["precond_comm"]
+    if serial <= 0.0 or not buckets:
         return
-    ready_at, backward_end = timeline(model, hw, weight_sharing, itemsize)
+    _, ends, backward_end = _walk(model, hw, weight_sharing, itemsize, factors)
+    ready = _ready_times([b.params for b in buckets], ends)
     pre_coeff = 4.0 if compute_method == "eigen" else 2.0
-    order = list(reversed(range(len(model))))
-    sizes = [float(model[i].a_dim * model[i].g_dim) for i in order]
-    total = sum(sizes) or 1.0
-    t, last, ready = 0.0, 0.0, []
-    for i in order:  # a layer's backward end (an uncaptured one: the previous layer's)
-        last = ready_at.get((model[i].name, "G"), last)
-        ready.append(last)
-    prec = [
-        hw.time(
-            {
-                "precondition": (
-                    1,
-                    pre_coeff * model[i].g_dim * model[i].a_dim * (model[i].g_dim + model[i].a_dim),
-                )
-            },
-            1,
+
+    def link_time(c: tr.Collective) -> float:
+        return hw.link(c.kind).time(1, c.wire_bytes, p)
+
+    def prec_time(i: int) -> float:
+        s = model[i]
+        return hw.time(
+            {"precondition": (1, pre_coeff * s.g_dim * s.a_dim * (s.g_dim + s.a_dim))}, 1
         )
-        for i in order
-    ]
+
+    t, j = 0.0, 0
     queued: list[tuple[float, float]] = []  # (ready, seconds) of update broadcasts
-    j = 0
-    while j < len(order) or queued:
-        next_grad = max(t, ready[j]) if j < len(order) else math.inf
+    while j < len(buckets) or queued:
+        next_grad = max(t, ready[j]) if j < len(buckets) else math.inf
         if queued and max(t, queued[0][0]) <= next_grad:
             arrival, dur = queued.pop(0)
             t = max(t, arrival) + dur
             continue
-        t = next_grad + grad * sizes[j] / total
-        queued.append((t + prec[j], bcast * sizes[j] / total))
-        queued.sort()
+        b = buckets[j]
+        t = next_grad + link_time(b.grad)
+        if b.updates:
+            prec = sum(prec_time(i) for i in b.layers)
+            queued.append((t + prec, sum(link_time(c) for c in b.updates)))
+            queued.sort()
         j += 1
     compute = max(r.get("decomposition", 0.0) + r.get("precondition", 0.0) for r in seconds)
-    tail = min(serial, max(0.0, t - (backward_end + compute)))
-    scale = (hw.overlap * tail + (1.0 - hw.overlap) * serial) / serial
+    scale = exposed(serial, t - (backward_end + compute), hw.overlap) / serial
     for r in seconds:
         r["grad_comm"] *= scale
         r["precond_comm"] *= scale
@@ -316,12 +385,21 @@ def step_prediction(
     compute_method: str,
     weight_sharing: str,
     factor_itemsize: int,
-    ddp_grad: float,
     fusion_plan: list[list[Key]] | None,
+    ddp: Sequence[Sequence[tuple[int, int]]] | None = None,
+    param_itemsize: int = 4,
+    overlap: Sequence[tr.OverlapBucket] | None = None,
 ) -> StepPrediction:
     """Work, seconds and critical path of one step where each rank sends ``rank_colls[r]``.
 
-    ``plan`` None is plain data parallelism (no K-FAC work).
+    ``plan`` None is plain data parallelism (no K-FAC work). ``ddp``: the
+    gradients are averaged by DDP in these buckets (:func:`ddp_comm`),
+    overlapped with the backward pass. Without K-FAC they are the step's
+    accounted ``grad_comm`` (in ``rank_colls``), whose wait shrinks to what
+    the backward leaves exposed; with K-FAC, DDP's all-reduces are not the
+    preconditioner's (not in ``rank_colls``) and their exposed wait is the
+    breakdown's ``ddp_grad_comm``. ``overlap``: the overlapped mode's
+    backward buckets (:func:`_overlap_backward`).
     """
     traits = None if plan is None else plan.traits
     rank_comm_work: list[dict[str, Work]] = []
@@ -366,8 +444,33 @@ def step_prediction(
         unpack = hw.time({"unpack": comm_work["factor_comm"].get("unpack", (0.0, 0.0))}, p)
         for t in seconds:
             t["factor_comm"] = hidden + (1.0 - hw.overlap) * (t["factor_comm"] - unpack) + unpack
-    if traits is not None and traits.overlapped_precondition:
-        _overlap_backward(model, hw, seconds, compute_method, weight_sharing, factor_itemsize)
+    if traits is not None and traits.overlapped_precondition and overlap:
+        _overlap_backward(
+            model,
+            hw,
+            p,
+            seconds,
+            overlap,
+            factors=factor,
+            compute_method=compute_method,
+            weight_sharing=weight_sharing,
+            itemsize=factor_itemsize,
+        )
+    ddp_wait = 0.0
+    if ddp and p > 1:
+        ddp_wait, _ = ddp_comm(
+            model,
+            hw,
+            p,
+            ddp,
+            itemsize=param_itemsize,
+            weight_sharing=weight_sharing,
+            factor_itemsize=factor_itemsize,
+            factors=plan is not None and factor,
+        )
+        if plan is None:
+            for t in seconds:
+                t["grad_comm"] = ddp_wait
 
     def critical(phases: Sequence[str]) -> dict[str, float]:
         r = max(range(p), key=lambda r: sum(seconds[r][ph] for ph in phases))
@@ -375,8 +478,8 @@ def step_prediction(
 
     breakdown = {"forward_backward": hw.time(forward_backward_work(model), p)}
     breakdown.update(critical(["factor_compute"]))
-    if ddp_grad:
-        breakdown["ddp_grad_comm"] = ddp_grad
+    if ddp_wait and plan is not None:
+        breakdown["ddp_grad_comm"] = ddp_wait
     breakdown["grad_comm"] = seconds[0]["grad_comm"]
     breakdown["factor_comm"] = max(t["factor_comm"] for t in seconds)
     if traits is not None and traits.decomposition_broadcast:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from dpkfac.comm import triangle_numel
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.plan.assignment import Placement
-from dpkfac.plan.fusion import shard_rounds, size_cap_buckets
+from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap, shard_rounds, size_cap_buckets
 from dpkfac.plan.hardware import uneven_all_gather, wire_bytes
 from dpkfac.plan.roles import Plan
 from dpkfac.plan.traits import Traits
@@ -33,9 +33,12 @@ from dpkfac.stats import COMM_CATEGORIES
 
 __all__ = [
     "Collective",
+    "OverlapBucket",
     "Placement",
     "bucket_bytes",
     "comm_counts",
+    "ddp_bucket_params",
+    "ddp_collectives",
     "decomposition_collectives",
     "decomposition_numel",
     "factor_collectives",
@@ -43,6 +46,7 @@ __all__ = [
     "factor_keys",
     "grad_collectives",
     "memory_per_rank",
+    "overlap_buckets",
     "overlap_collectives",
     "precond_collectives",
     "sharded_collectives",
@@ -126,6 +130,33 @@ def grad_collectives(
     ]
     shards = sharded_collectives(cat, "reduce_scatter", sizes, cap_bytes)
     return shards + _collectives(cat, "allreduce", others, cap_bytes, world_size)
+
+
+def ddp_bucket_params(
+    model: ModelShapes, *, itemsize: int, cap_bytes: int
+) -> list[list[tuple[int, int]]]:
+    """DDP's gradient buckets: per bucket, (layer index or -1, elements) of its parameters.
+
+    The parameters are taken in reverse model order, the order a sequential
+    backward makes their gradients ready (DDP rebuilds its buckets in that
+    order after the first iteration), and cut by DDP's own rule
+    (:func:`dpkfac.plan.fusion.ddp_buckets`, first bucket
+    :func:`~dpkfac.plan.fusion.ddp_first_cap`).
+    """
+    params = list(model.param_order())[::-1]
+    sizes = [n * itemsize for _, n in params]
+    buckets = ddp_buckets(sizes, cap_bytes, ddp_first_cap(cap_bytes))
+    return [[params[i] for i in b] for b in buckets]
+
+
+def ddp_collectives(
+    model: ModelShapes, world_size: int, *, itemsize: int, cap_bytes: int
+) -> list[Collective]:
+    """DDP's gradient averaging: one all-reduce per bucket of :func:`ddp_bucket_params`."""
+    return [
+        Collective("grad_allreduce", "allreduce", sum(n for _, n in b) * itemsize, world_size)
+        for b in ddp_bucket_params(model, itemsize=itemsize, cap_bytes=cap_bytes)
+    ]
 
 
 def precond_collectives(
@@ -322,15 +353,34 @@ def memory_per_rank(
     return out
 
 
-def overlap_collectives(
+@dataclass(frozen=True)
+class OverlapBucket:
+    """One backward bucket of the overlapped mode (``Traits.overlapped_precondition``).
+
+    Attributes:
+        params: (layer index or -1, elements) of the parameters it holds, in
+            backward order.
+        grad: its gradient all-reduce.
+        layers: the layers whose last parameter it holds: they are
+            preconditioned once it is reduced.
+        updates: the broadcasts of those layers' updates (per owner, capped).
+    """
+
+    params: tuple[tuple[int, int], ...]
+    grad: Collective
+    layers: tuple[int, ...]
+    updates: tuple[Collective, ...]
+
+
+def overlap_buckets(
     model: ModelShapes,
     plan: Plan,
     *,
     itemsize: int,
     cap_bytes: int,
     kl_clip: bool,
-) -> tuple[list[Collective], list[Collective]]:
-    """The overlapped mode's gradient all-reduces and update broadcasts (one rank's view).
+) -> list[OverlapBucket]:
+    """The overlapped mode's backward buckets, each with its all-reduce and update broadcasts.
 
     The parameters, in reverse model order (the order a sequential backward
     produces them), are cut into buckets under the cap
@@ -342,23 +392,37 @@ def overlap_collectives(
     p = plan.world_size
     params = list(model.param_order())[::-1]
     buckets = size_cap_buckets([n * itemsize for _, n in params], cap_bytes)
-    grads = [
-        Collective("grad_allreduce", "allreduce", sum(params[i][1] for i in b) * itemsize, p)
-        for b in buckets
-    ]
     last: dict[int, int] = {}
     for b, bucket in enumerate(buckets):
         for i in bucket:
             if params[i][0] >= 0:
                 last[params[i][0]] = b
-    updates: list[Collective] = []
-    for b in range(len(buckets)):
+    out = []
+    for b, bucket in enumerate(buckets):
+        held = tuple(params[i] for i in bucket)
+        grad = Collective("grad_allreduce", "allreduce", sum(n for _, n in held) * itemsize, p)
+        layers = tuple(i for i in range(len(model)) if last.get(i) == b)
+        updates: list[Collective] = []
         for owner in range(p):
             sizes = [
                 n * itemsize
-                for i, s in enumerate(model)
-                if last.get(i) == b and plan.sends_update(owner, i)
-                for n in ((s.g_dim * s.a_dim, 2) if kl_clip else (s.g_dim * s.a_dim,))
+                for i in layers
+                if plan.sends_update(owner, i)
+                for n in (
+                    (model[i].g_dim * model[i].a_dim, 2)
+                    if kl_clip
+                    else (model[i].g_dim * model[i].a_dim,)
+                )
             ]
             updates += _collectives("precond_broadcast", "broadcast", sizes, cap_bytes, p)
+        out.append(OverlapBucket(held, grad, layers, tuple(updates)))
+    return out
+
+
+def overlap_collectives(
+    buckets: Sequence[OverlapBucket],
+) -> tuple[list[Collective], list[Collective]]:
+    """The overlapped mode's gradient all-reduces and update broadcasts (one rank's view)."""
+    grads = [b.grad for b in buckets]
+    updates = [c for b in buckets for c in b.updates]
     return grads, updates

@@ -21,8 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "DDP_DEFAULT_CAP_BYTES",
+    "DDP_FIRST_BUCKET_BYTES",
     "CommModel",
     "bucket_schedule",
+    "ddp_buckets",
+    "ddp_first_cap",
     "fit_comm_model",
     "optimal_buckets",
     "plan_buckets",
@@ -237,6 +241,65 @@ def optimal_buckets(
         buckets.append(list(range(cut[k], k)))
         k = cut[k]
     return buckets[::-1]
+
+
+#: DDP's first bucket cap when ``bucket_cap_mb`` is left at its default
+#: (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``).
+DDP_FIRST_BUCKET_BYTES = 2**20
+#: DDP's default ``bucket_cap_mb`` in bytes (25 MiB), also the preconditioner's default cap.
+DDP_DEFAULT_CAP_BYTES = 25 * 2**20
+
+
+def ddp_first_cap(cap_bytes: int) -> int:
+    """The first bucket's limit of the DDP this project builds for a bucket cap.
+
+    A run wraps its model in DDP with ``bucket_cap_mb`` left unset when the
+    cap is DDP's default (then DDP's small first bucket applies) and with the
+    cap otherwise (then the first bucket has the cap too), as torch decides;
+    :func:`experiments.distributed.ddp_bucket_cap_mb` is the runtime half.
+    """
+    return DDP_FIRST_BUCKET_BYTES if cap_bytes == DDP_DEFAULT_CAP_BYTES else cap_bytes
+
+
+def ddp_buckets(
+    sizes_bytes: Sequence[int], cap_bytes: int, first_cap_bytes: int | None = None
+) -> list[list[int]]:
+    """``DistributedDataParallel``'s buckets of gradients in the order they become ready.
+
+    DDP's reducer (``compute_bucket_assignment_by_size``, as it rebuilds
+    its buckets after the first iteration from the order the gradients were
+    ready) adds each tensor to the open bucket and closes the bucket once it
+    holds *at least* the limit: a bucket may exceed its cap by its last
+    tensor, unlike :func:`size_cap_buckets`. The first bucket's limit is
+    ``first_cap_bytes`` (1 MiB, :data:`DDP_FIRST_BUCKET_BYTES`, when
+    ``bucket_cap_mb`` is not given; the cap otherwise), every later one's
+    ``cap_bytes``. One dtype and device is assumed (DDP buckets them apart).
+
+    Args:
+        sizes_bytes: bytes of each gradient, in the order they become ready.
+        cap_bytes: DDP's ``bucket_cap_mb`` in bytes, positive.
+        first_cap_bytes: the first bucket's limit (None: ``cap_bytes``).
+
+    Returns:
+        Buckets of consecutive indices covering every tensor exactly once.
+    """
+    first = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    if cap_bytes <= 0 or first <= 0:
+        raise ValueError(f"bucket caps must be > 0, got {first_cap_bytes}, {cap_bytes}")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    current_bytes, limit = 0, first
+    for i, s in enumerate(sizes_bytes):
+        if s < 0:
+            raise ValueError(f"sizes must be >= 0, got {s} at {i}")
+        current.append(i)
+        current_bytes += s
+        if current_bytes >= limit:
+            buckets.append(current)
+            current, current_bytes, limit = [], 0, cap_bytes
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 def size_cap_buckets(sizes_bytes: Sequence[int], cap_bytes: int) -> list[list[int]]:
