@@ -6,6 +6,7 @@ them as ``results/raw/NAME.csv`` and writes the table. The table alone can be
 redrawn from saved rows without measuring again::
 
     python -m experiments.bench.tables second_order_update              # from results/raw
+    python -m experiments.bench.tables paper                            # predicted, no rows
     python -m experiments.bench.tables scaling --rows multirun/benchmark/scaling/<stamp>
 
 Tables (see docs/reproduction.md, "One command per table", for what each column means):
@@ -21,7 +22,10 @@ Tables (see docs/reproduction.md, "One command per table", for what each column 
 * ``convergence``: digits test accuracy per epoch, and the presets' smoke status
   (from the JUnit report ``make smoke-report`` writes);
 * ``ablation``: from the published D-KFAC to DP-KFAC one switch at a time,
-  measured at P=2 and predicted at P=64 for the paper-size models.
+  measured at P=2 and predicted at P=64 for the paper-size models;
+* ``paper``: the DP-KFAC paper's 64-GPU ratios predicted for its models beside
+  the reported ranges, with one computed sentence per model on what separates
+  them (:mod:`experiments.bench.paper`; prediction only, from the configs, no rows).
 
 Ratios are only formed between rows of the same sweep (one machine, one
 load), which is what makes them meaningful on a shared machine.
@@ -720,10 +724,15 @@ class TableCallback(Callback):
 def main(argv: Sequence[str] | None = None) -> None:
     """Rewrite one table from saved rows (default: ``results/raw/<table>.csv``)."""
     parser = argparse.ArgumentParser(description="Write a table from benchmark rows.")
-    parser.add_argument("table", choices=sorted(WRITERS))
+    parser.add_argument("table", choices=sorted([*WRITERS, "paper"]))
     parser.add_argument("--rows", nargs="*", help="sweep folders, rows.json or CSV files")
     parser.add_argument("--results", default="results", help="output folder")
     args = parser.parse_args(argv)
+    if args.table == "paper":  # predicted from the configs alone: no rows to read
+        from experiments.bench.paper import write_paper
+
+        print("\n".join(str(p) for p in write_paper(Path(args.results)).values()))
+        return
     sources = args.rows or [Path(args.results) / "raw" / f"{args.table}.csv"]
     paths = write_table(args.table, load_rows(sources), args.results)
     print("\n".join(str(p) for p in paths.values()))
