@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from dpkfac.memory import ProcessMemory, process_memory
 from dpkfac.preconditioner import KFACPreconditioner
 from dpkfac.strategies import STRATEGIES
 
 __version__ = "0.1.0"
 
-__all__ = ["STRATEGIES", "KFACPreconditioner", "__version__"]
+__all__ = [
+    "STRATEGIES",
+    "KFACPreconditioner",
+    "ProcessMemory",
+    "__version__",
+    "process_memory",
+]

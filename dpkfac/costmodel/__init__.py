@@ -10,7 +10,9 @@ and for plain data parallelism (``strategy=None``, :func:`predict_sgd`):
 * the bytes, calls and wire bytes per collective category that
   :meth:`dpkfac.KFACPreconditioner.comm_stats` reports (exactly: the same
   placement, fusion and bucket rules are replayed);
-* :meth:`~dpkfac.KFACPreconditioner.memory_usage` of every rank (exactly);
+* :meth:`~dpkfac.KFACPreconditioner.memory_usage` of every rank (exactly), and
+  with :mod:`~dpkfac.costmodel.memory` the whole process's tally
+  (:func:`dpkfac.process_memory`, exactly) plus an activation estimate;
 * seconds per phase (the ``timings()`` keys) per rank, and the iteration as
   a critical path through the step's synchronisation points.
 
@@ -46,6 +48,12 @@ from dpkfac.costmodel.fitting import (
     fit,
     predict_measurement,
 )
+from dpkfac.costmodel.memory import (
+    OPTIMIZER_STATE,
+    activation_bytes,
+    predict_process_memory,
+    process_memory_of,
+)
 from dpkfac.costmodel.predict import Prediction, StepPrediction, predict, predict_sgd
 from dpkfac.costmodel.shapes import ModelShapes, as_model_shapes, shapes_from_model
 from dpkfac.costmodel.table import BASELINES, VARIANTS, format_table, predicted_table
@@ -66,6 +74,7 @@ from dpkfac.plan.presets import PRESETS
 
 __all__ = [
     "BASELINES",
+    "OPTIMIZER_STATE",
     "PAPER_MODELS",
     "PRESETS",
     "VARIANTS",
@@ -85,6 +94,7 @@ __all__ = [
     "Sample",
     "StepPrediction",
     "Work",
+    "activation_bytes",
     "as_model_shapes",
     "balance_rows",
     "bert_qa",
@@ -98,8 +108,10 @@ __all__ = [
     "nnls",
     "predict",
     "predict_measurement",
+    "predict_process_memory",
     "predict_sgd",
     "predicted_table",
+    "process_memory_of",
     "resnet50",
     "resolve",
     "scaled",

@@ -46,6 +46,17 @@ class ModelShapes(Sequence[LayerShape]):
             (:meth:`param_order`). The overlapped mode's backward buckets
             follow this order. Not compared: two models with the same layers
             and parameters are the same shapes (the analytic zoo has no order).
+        buffer_bytes: bytes of the model's buffers (BatchNorm running
+            statistics and counters), in bytes because their dtypes differ
+            (``num_batches_tracked`` is int64). Whole-process memory
+            (:mod:`dpkfac.costmodel.memory`) counts them; 0 where unknown (the
+            analytic zoo). Not compared, like ``order``.
+        saved: per K-FAC layer, (input, output) elements per sample as one
+            forward pass saw them; the input is 0 where the very same tensor
+            was already counted (Q, K and V share one input; a layer fed by
+            another's output directly). The activation estimate
+            (:func:`dpkfac.costmodel.memory.activation_bytes`) reads it; empty
+            where unknown (the analytic zoo). Not compared.
     """
 
     layers: tuple[LayerShape, ...]
@@ -53,11 +64,15 @@ class ModelShapes(Sequence[LayerShape]):
     captured: tuple[bool, ...]
     other_params: tuple[int, ...] = ()
     order: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    buffer_bytes: int = field(default=0, compare=False)
+    saved: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.layers)
         if len(self.bias) != n or len(self.captured) != n:
             raise ValueError("bias and captured need one entry per layer")
+        if self.saved and len(self.saved) != n:
+            raise ValueError("saved needs one entry per layer (or none)")
 
     @overload
     def __getitem__(self, i: int) -> LayerShape: ...
@@ -123,7 +138,11 @@ def as_model_shapes(
     if bias is None:
         bias = [s.kind == "linear" for s in layers]
     others = (other_params,) if isinstance(other_params, int) else tuple(other_params)
-    captured = shapes.captured if isinstance(shapes, ModelShapes) else (True,) * len(layers)
+    if isinstance(shapes, ModelShapes):  # keep what a forward pass measured
+        return replace(
+            shapes, bias=tuple(bias), other_params=tuple(n for n in others if n > 0), order=()
+        )
+    captured = (True,) * len(layers)
     return ModelShapes(layers, tuple(bias), captured, tuple(n for n in others if n > 0))
 
 
@@ -171,6 +190,10 @@ def shapes_from_model(
         if all(p.requires_grad for p in helper.parameters()):
             selected[name] = helper
     seen: dict[str, tuple[int, int]] = {}
+    saved: dict[str, tuple[int, int]] = {}
+    # Tensors already counted as some layer's input or output, held (so their ids stay
+    # theirs) until the pass ends: a tensor several layers read is saved once.
+    counted: dict[int, Any] = {}
 
     def hook(name: str, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         x = args[0] if args else kwargs.get("input")
@@ -184,6 +207,9 @@ def shapes_from_model(
         else:
             n, t = x.shape[0], math.prod(x.shape[1:-1])
         seen[name] = (int(n), int(t))
+        new_input = 0 if id(x) in counted else x.numel() // n
+        saved[name] = (int(new_input), int(output.numel() // n))
+        counted[id(x)], counted[id(output)] = x, output
 
     handles = [
         h.module.register_forward_hook(
@@ -198,6 +224,7 @@ def shapes_from_model(
     finally:
         for h in handles:
             h.remove()
+        counted.clear()
     layers, bias, captured = [], [], []
     for name, helper in selected.items():
         n, t = seen.get(name, (1, 1))
@@ -211,4 +238,8 @@ def shapes_from_model(
     trainable = [p for p in inner.parameters() if p.requires_grad]
     others = tuple(p.numel() for p in trainable if id(p) not in layer_of)
     order = tuple((layer_of.get(id(p), -1), p.numel()) for p in trainable)
-    return ModelShapes(tuple(layers), tuple(bias), tuple(captured), others, order)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in inner.buffers())
+    per_layer = tuple(saved.get(name, (0, 0)) for name in selected)
+    return ModelShapes(
+        tuple(layers), tuple(bias), tuple(captured), others, order, buffer_bytes, per_layer
+    )

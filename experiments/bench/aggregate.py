@@ -5,7 +5,11 @@ Conventions (also in docs/reproduction.md, "How numbers are measured"):
 * **Busiest rank.** For every measured step each quantity is the maximum
   over ranks (the step waits for the slowest rank); the row then holds the
   median of those maxima over the measured steps. Memory is the K-FAC state
-  of the rank that holds the most.
+  of the rank that holds the most (``mem_kfac``), and that rank's whole-process
+  tally (``mem_process``: parameters, gradients, optimizer state, module
+  buffers and K-FAC state, :func:`dpkfac.process_memory`); on CUDA
+  ``mem_process_peak_cuda`` is the allocator's peak, the most any rank
+  reached in a measured step.
 * **Forward/backward** excludes the phases timed inside the forward and
   backward hooks: ``factor_compute`` (factors are built there), and with
   dp_kfac's ``overlap`` also the gradient reduction, decompositions,
@@ -44,6 +48,9 @@ ITERATION_PARTS = (
 COMPUTE_PHASES = ("factor_compute", "decomposition", "precondition")
 COMM_PHASES = ("factor_comm", "decomposition_comm", "precond_comm")
 SECOND_ORDER_CATEGORIES = ("factor_allreduce", "decomposition_broadcast", "precond_broadcast")
+#: What a process holds besides K-FAC state (:class:`dpkfac.ProcessMemory`'s fields),
+#: kept as ``mem_process_<part>`` columns beside the total ``mem_process``.
+PROCESS_PARTS = ("parameters", "gradients", "optimizer", "module_buffers")
 
 
 def kind_weights(factor_update_steps: int, inv_update_steps: int) -> dict[str, float]:
@@ -78,6 +85,14 @@ def _flatten(record: dict[str, Any]) -> dict[str, float]:
     for key, value in record["memory"].items():
         flat[f"mem_{key}"] = value
     flat["mem_kfac"] = sum(record["memory"].values())
+    # The whole process's tally (records written before it was measured have none).
+    process = record.get("process_memory")
+    if process:
+        flat["mem_process"] = process["total"]
+        for key in PROCESS_PARTS:
+            flat[f"mem_process_{key}"] = process[key]
+        if "peak_cuda" in process:
+            flat["mem_process_peak_cuda"] = process["peak_cuda"]
     return flat
 
 
@@ -149,6 +164,14 @@ def aggregate(
     for kind in per_step:
         row[f"iteration_{kind}_s"] = medians[kind]["iteration"]
     row.update(memory_peak)
+    peaks = [
+        rec["process_memory"]["peak_cuda"]
+        for r in results
+        for rec in r["records"]
+        if "peak_cuda" in (rec.get("process_memory") or {})
+    ]
+    if peaks:  # the CUDA allocator's peak: the most any rank reached in any measured step
+        row["mem_process_peak_cuda"] = max(peaks)
     row["compute_s"] = sum(row[f"{p}_s"] for p in COMPUTE_PHASES)
     row["comm_s"] = sum(row[f"{p}_s"] for p in COMM_PHASES)
     row["second_order_s"] = row["compute_s"] + row["comm_s"] + row["step_other_s"]

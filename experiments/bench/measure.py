@@ -12,7 +12,8 @@ Per step and rank this records wall-clock seconds of forward+backward,
 ``pre.step()``, ``optimizer.step()`` and the whole iteration, the
 preconditioner's own per-phase timings, bytes and calls per collective
 category and the K-FAC memory, all after ``reset_stats()`` at the start of the
-step. The first-order baseline (``strategy=none``) is SGD as users run it:
+step, and the whole process's memory tally (:func:`process_record`). The
+first-order baseline (``strategy=none``) is SGD as users run it:
 DistributedDataParallel (:func:`experiments.distributed.wrap_ddp`), whose
 bucketed gradient all-reduces overlap the backward pass and are accounted by
 :meth:`dpkfac.comm.Communicator.ddp_hook`; its forward+backward time therefore
@@ -37,7 +38,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dpkfac.memory import cuda_peak_bytes, process_memory, reset_cuda_peak
+
 STEP_KINDS = ("decomp", "factor", "plain")
+#: The optimizer every strategy's steps use, as :data:`dpkfac.costmodel.OPTIMIZER_STATE`
+#: names it: what the predicted whole-process memory assumes (:class:`_Stepper`).
+OPTIMIZER_STATE = "sgd_momentum"
 
 
 def step_kinds(factor_update_steps: int, inv_update_steps: int) -> list[str]:
@@ -124,6 +130,7 @@ class _Stepper:
         batch = self.bench.make_batch(spec["seed"] * 1000 + 17 * (rank + 1))
         self.batch = {k: v.to(device) for k, v in batch.items()}
         self.device = device
+        # OPTIMIZER_STATE names this optimizer for the predicted process memory.
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=spec["lr"], momentum=0.9)
         self.kinds = step_kinds(spec["factor_update_steps"], spec["inv_update_steps"])
         self.pre = None
@@ -174,6 +181,7 @@ class _Stepper:
         else:
             self.stats.reset()
             self.timer.reset()
+        reset_cuda_peak(self.device)
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.bench.loss(self.model, self.batch)
@@ -208,6 +216,7 @@ class _Stepper:
             "phases": phases,
             "comm": comm,
             "memory": memory,
+            "process_memory": process_record(self.model, self.optimizer, self.pre, self.device),
         }
 
 
@@ -270,6 +279,22 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
             dist.all_gather_object(everyone, result)
             return everyone
         return result
+
+
+def process_record(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, pre: Any, device: torch.device
+) -> dict[str, int]:
+    """The whole-process tally after a step (:func:`dpkfac.process_memory`), as a record holds it.
+
+    Bytes by category plus ``kfac`` and ``total``; on CUDA also ``peak_cuda``,
+    the allocator's peak during the step (reset at its start), which sees the
+    activations and transient buffers the tally cannot.
+    """
+    out = process_memory(model, optimizer, pre).as_dict()
+    peak = cuda_peak_bytes(device)
+    if peak is not None:
+        out["peak_cuda"] = peak
+    return out
 
 
 def _placement(pre: Any) -> dict[str, list[Any]]:

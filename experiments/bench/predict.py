@@ -242,6 +242,49 @@ def amortised_prediction(row: Mapping[str, Any], prediction: Prediction) -> dict
     return out
 
 
+def process_memory_prediction(
+    prediction: Prediction, shapes: ModelShapes, *, param_itemsize: int = 4
+) -> dict[str, float]:
+    """The busiest rank's whole-process memory as the cost model predicts it for a row's job.
+
+    The benchmark trains every strategy with the same optimizer
+    (:data:`experiments.bench.measure.OPTIMIZER_STATE`), so its state is
+    predicted for that one.
+
+    Returns:
+        ``process_state_bytes``: the tally :func:`dpkfac.process_memory`
+        reports (parameters, gradients, optimizer state, module buffers,
+        K-FAC state; exact); ``activation_bytes``: the activation estimate
+        (:func:`dpkfac.costmodel.memory.activation_bytes`, a lower bound);
+        ``process_bytes``: their sum, the whole process; and the parts
+        ``model_state_bytes`` (all but K-FAC and activations) and
+        ``kfac_bytes``.
+    """
+    from dpkfac.costmodel.memory import activation_bytes, process_memory_of
+    from experiments.bench.measure import OPTIMIZER_STATE
+
+    state = process_memory_of(
+        prediction, shapes, optimizer=OPTIMIZER_STATE, param_itemsize=param_itemsize
+    )
+    activations = activation_bytes(shapes, param_itemsize)
+    return {
+        "process_state_bytes": float(state.total),
+        "activation_bytes": float(activations),
+        "process_bytes": float(state.total + activations),
+        "model_state_bytes": float(state.model),
+        "kfac_bytes": float(state.kfac),
+    }
+
+
+def row_process_memory(
+    row: Mapping[str, Any], shapes: ModelShapes, weight_sharing: str
+) -> dict[str, float]:
+    """:func:`process_memory_prediction` of a row's own job (its shapes, P and options)."""
+    m = measurement(row, shapes=shapes, weight_sharing=weight_sharing)
+    pred = fitting_lib.predict_measurement(m, PRESETS[BASE_PRESET])
+    return process_memory_prediction(pred, shapes, param_itemsize=m.param_itemsize)
+
+
 def paper_predictions(
     rows: Iterable[Mapping[str, Any]], world_size: int, preset: str = PAPER_PRESET
 ) -> list[dict[str, Any]]:
@@ -253,7 +296,8 @@ def paper_predictions(
     V100/InfiniBand cluster). Spd_kfac's fusion plan is made from the
     modelled ready times there, not replayed from the measurement. Each entry
     also says what the strategy chose there (``configuration``: grouped's k
-    and f), "" where it chose nothing.
+    and f), "" where it chose nothing, and the busiest rank's whole-process
+    memory there (:func:`process_memory_prediction`'s keys).
     """
     hardware = PRESETS[preset]
     rows = list(rows)
@@ -267,7 +311,8 @@ def paper_predictions(
         m = measurement(r, shapes=shapes, weight_sharing=sharing)
         pred = fitting_lib.predict_measurement(m, hardware, world_size=world_size)
         chosen = scheme_of(pred.strategy).describe(pred.options) if pred.strategy else ""
-        out.append({**amortised_prediction(r, pred), "configuration": chosen})
+        process = process_memory_prediction(pred, shapes, param_itemsize=m.param_itemsize)
+        out.append({**amortised_prediction(r, pred), "configuration": chosen, **process})
     return out
 
 

@@ -318,13 +318,8 @@ def _timing_row(
     ]
     intervals = spec["factor_update_steps"], spec["inv_update_steps"]
     row.update(aggregate(mine, *intervals))
+    row.update(_what_ran(spec, member))
     row.update(
-        model_config=json.dumps(spec["model"]["config"]),
-        model_batch=json.dumps(spec["model"]["batch"]),
-        model_paper=json.dumps(spec["model"]["paper"]),
-        skip_layers=json.dumps(member["view"]["skip_layers"]),
-        weight_sharing=member["view"]["weight_sharing"],
-        kfac_options=json.dumps(kfac_options(spec, member), default=str),
         rank_timings=json.dumps(row["rank_timings"]),
         least_wait=json.dumps(row["least_wait"]),
         fusion_plan=json.dumps(first.get("fusion_plan")),
@@ -337,6 +332,29 @@ def _timing_row(
     row["kind_weights"] = json.dumps(kind_weights(*intervals))
     row["error"] = ""
     return row
+
+
+def _what_ran(spec: dict[str, Any], member: dict[str, Any]) -> dict[str, Any]:
+    """The columns that say which model and preconditioner a row's job runs (as JSON)."""
+    return {
+        "model_config": json.dumps(spec["model"]["config"]),
+        "model_batch": json.dumps(spec["model"]["batch"]),
+        "model_paper": json.dumps(spec["model"]["paper"]),
+        "skip_layers": json.dumps(member["view"]["skip_layers"]),
+        "weight_sharing": member["view"]["weight_sharing"],
+        "kfac_options": json.dumps(kfac_options(spec, member), default=str),
+    }
+
+
+def described_rows(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per strategy config of a job, saying what it would run, measured by nobody.
+
+    The identity and model columns of :func:`timing_rows` (no timings, bytes
+    or memory): what the cost model needs to predict the job
+    (:func:`experiments.bench.predict.measurement`), e.g. at the papers' sizes
+    and world size without running anything (``results/paper.*``).
+    """
+    return [{**_identity(spec, m), **_what_ran(spec, m)} for m in spec["strategies"]]
 
 
 def convergence_rows(spec: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:

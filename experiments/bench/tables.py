@@ -6,6 +6,7 @@ them as ``results/raw/NAME.csv`` and writes the table. The table alone can be
 redrawn from saved rows without measuring again::
 
     python -m experiments.bench.tables second_order_update              # from results/raw
+    python -m experiments.bench.tables paper                            # predicted, no rows
     python -m experiments.bench.tables scaling --rows multirun/benchmark/scaling/<stamp>
 
 Tables (see docs/reproduction.md, "One command per table", for what each column means):
@@ -21,7 +22,10 @@ Tables (see docs/reproduction.md, "One command per table", for what each column 
 * ``convergence``: digits test accuracy per epoch, and the presets' smoke status
   (from the JUnit report ``make smoke-report`` writes);
 * ``ablation``: from the published D-KFAC to DP-KFAC one switch at a time,
-  measured at P=2 and predicted at P=64 for the paper-size models.
+  measured at P=2 and predicted at P=64 for the paper-size models;
+* ``paper``: the DP-KFAC paper's 64-GPU ratios predicted for its models beside
+  the reported ranges, with one computed sentence per model on what separates
+  them (:mod:`experiments.bench.paper`; prediction only, from the configs, no rows).
 
 Ratios are only formed between rows of the same sweep (one machine, one
 load), which is what makes them meaningful on a shared machine.
@@ -188,8 +192,11 @@ def second_order_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """
     df = ok_rows(df)
     long_rows, head_rows = [], []
+    predicted = dict(zip(df.index, predicted_process_memory(df.to_dict("records")), strict=True))
     for (model, p, setting), group in df.groupby(["model", "world_size", "setting"], sort=False):
         records = group.to_dict("records")
+        for index, r in zip(group.index, records, strict=True):
+            r["pred_process_memory"] = predicted[index]
         by = {r["strategy"]: r for r in records}
         sgd = next((r for r in records if first_order(r)), None)
         dp = by.get(REFERENCE)
@@ -202,7 +209,7 @@ def second_order_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
             entry["iteration_vs_sgd"] = (
                 r["iteration_s"] / sgd["iteration_s"] if sgd is not None else float("nan")
             )
-            for key in ("compute", "comm", "MB", "memory"):
+            for key in RATIOS:
                 base = _costs(dp)[key] if dp is not None else float("nan")
                 entry[f"{key}/dp"] = costs[key] / base if base else float("nan")
             long_rows.append(entry)
@@ -210,19 +217,52 @@ def second_order_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
             continue
         head = {"model": model, "P": p, "setting": setting}
         base = _costs(dp)
-        for key in ("compute", "comm", "MB", "memory"):
+        for key in RATIOS:
             ratios = {}
             for strategy in COMPARED:
                 if strategy in by:
                     ratio = _costs(by[strategy])[key] / base[key] if base[key] else float("nan")
-                    head[f"{key}_{strategy}/dp"] = ratio
+                    if key in PER_STRATEGY:
+                        head[f"{key}_{strategy}/dp"] = ratio
                     ratios[strategy] = ratio
-            head[f"{key}_best/dp"] = min(ratios.values()) if ratios else float("nan")
+            finite = [v for v in ratios.values() if v == v]  # NaN: a row that did not measure it
+            head[f"{key}_best/dp"] = min(finite) if finite else float("nan")
         head_rows.append(head)
     return pd.DataFrame(long_rows), pd.DataFrame(head_rows)
 
 
+#: Costs compared with dp_kfac's; the headline shows every baseline's ratio for
+#: PER_STRATEGY and only the best baseline's for whole-process memory (measured,
+#: and predicted), which sits beside the K-FAC memory's ``memory_best/dp``.
+RATIOS = ("compute", "comm", "MB", "memory", "process_memory", "pred_process_memory")
+PER_STRATEGY = ("compute", "comm", "MB", "memory")
+
+
+def predicted_process_memory(records: Sequence[dict[str, Any]]) -> list[float]:
+    """The cost model's whole-process MiB of each row's job (state and activation estimate).
+
+    :func:`experiments.bench.predict.row_process_memory` with each model's
+    shapes built once; NaN for a row that does not say which model it ran
+    (no ``model_config``).
+    """
+    from experiments.bench import predict
+
+    shapes_of: dict[str, tuple[Any, str]] = {}
+    out = []
+    for r in records:
+        if not isinstance(r.get("model_config"), str | dict):
+            out.append(float("nan"))
+            continue
+        model = str(r["model"])
+        if model not in shapes_of:
+            shapes_of[model] = predict.row_shapes(r)
+        shapes, sharing = shapes_of[model]
+        out.append(predict.row_process_memory(r, shapes, sharing)["process_bytes"] / MiB)
+    return out
+
+
 def _costs(r: dict[str, Any]) -> dict[str, float]:
+    process = r.get("mem_process")  # rows measured before the tally have none
     return {
         "iteration_ms": 1e3 * r["iteration_s"],
         "compute": 1e3 * r["compute_s"],
@@ -230,6 +270,8 @@ def _costs(r: dict[str, Any]) -> dict[str, float]:
         "MB": r["bytes_second_order"] / 1e6,
         "wire_MB": r["wire_second_order"] / 1e6,
         "memory": r["mem_kfac"] / MiB,
+        "process_memory": float("nan") if process is None else float(process) / MiB,
+        "pred_process_memory": float(r.get("pred_process_memory", float("nan"))),
         # Barrier wait for slower ranks before collectives (isolate_comm runs only).
         "imbalance_ms": 1e3 * float(r.get("comm_sync_s", 0.0) or 0.0),
     }
@@ -238,7 +280,15 @@ def _costs(r: dict[str, Any]) -> dict[str, float]:
 def write_second_order_update(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     """``results/second_order_update.*``: the headline ratios and the absolute costs."""
     long, head = second_order_frames(df)
-    long = long.rename(columns={"compute": "compute_ms", "comm": "comm_ms", "memory": "memory_MiB"})
+    long = long.rename(
+        columns={
+            "compute": "compute_ms",
+            "comm": "comm_ms",
+            "memory": "memory_MiB",
+            "process_memory": "process_memory_MiB",
+            "pred_process_memory": "pred_process_memory_MiB",
+        }
+    )
     paths = {"csv": out / "second_order_update.csv"}
     long.to_csv(paths["csv"], index=False)
     show = head.copy()
@@ -251,7 +301,12 @@ def write_second_order_update(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         "communication = factor, decomposition and preconditioned-gradient collectives",
         "(seconds and MB per rank; with `isolate_comm` the ranks meet at a barrier first, so",
         "the seconds are transfers and the wait for slower ranks is `imbalance_ms`);",
-        "memory = K-FAC state of the busiest rank.",
+        "memory = K-FAC state of the busiest rank; process_memory = that rank's whole process",
+        "as measured between steps (parameters, gradients, SGD momentum, module buffers and",
+        "K-FAC state: `dpkfac.process_memory`; – where the rows predate it);",
+        "pred_process_memory = the cost model's prediction of that tally plus its activation",
+        "estimate (the inputs and outputs of the K-FAC layers, a lower bound:",
+        "`dpkfac.costmodel.memory`).",
         "",
         to_markdown(show),
         "",
@@ -669,10 +724,15 @@ class TableCallback(Callback):
 def main(argv: Sequence[str] | None = None) -> None:
     """Rewrite one table from saved rows (default: ``results/raw/<table>.csv``)."""
     parser = argparse.ArgumentParser(description="Write a table from benchmark rows.")
-    parser.add_argument("table", choices=sorted(WRITERS))
+    parser.add_argument("table", choices=sorted([*WRITERS, "paper"]))
     parser.add_argument("--rows", nargs="*", help="sweep folders, rows.json or CSV files")
     parser.add_argument("--results", default="results", help="output folder")
     args = parser.parse_args(argv)
+    if args.table == "paper":  # predicted from the configs alone: no rows to read
+        from experiments.bench.paper import write_paper
+
+        print("\n".join(str(p) for p in write_paper(Path(args.results)).values()))
+        return
     sources = args.rows or [Path(args.results) / "raw" / f"{args.table}.csv"]
     paths = write_table(args.table, load_rows(sources), args.results)
     print("\n".join(str(p) for p in paths.values()))

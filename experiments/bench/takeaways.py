@@ -48,13 +48,24 @@ def second_order_update(head: pd.DataFrame) -> list[str]:
     if head.empty:
         return []
     where = f"P={_span(head['P'], 0)}, {_span_text(head['setting'])} setting"
+    measured = _span(head.get("process_memory_best/dp", []))
+    predicted = _span(head.get("pred_process_memory_best/dp", []))
+    process = (
+        f" Whole-process memory: {measured}× less measured"
+        if measured != "n/a"
+        else " Whole-process memory: not measured in these rows"
+    ) + (
+        f", {predicted}× less predicted (state plus activation estimate)."
+        if predicted != "n/a"
+        else "."
+    )
     return [
         f"**Takeaway.** Per second-order update, {REFERENCE} against the cheapest baseline of "
         f"each cost ({where}, {len(head)} models): "
         f"{_span(head.get('compute_best/dp', []))}× less computation, "
         f"{_span(head.get('comm_best/dp', []))}× less communication time, "
         f"{_span(head.get('MB_best/dp', []))}× fewer bytes and "
-        f"{_span(head.get('memory_best/dp', []))}× less K-FAC memory.",
+        f"{_span(head.get('memory_best/dp', []))}× less K-FAC memory.{process}",
         f"Measured on this machine's CPU with gloo ({_models(head)}); ratios > 1 favour "
         f"{REFERENCE}.",
     ]
