@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dpkfac.memory import cuda_peak_bytes, process_memory, reset_cuda_peak
+from experiments.bench.link_probe import probe_links
 
 STEP_KINDS = ("decomp", "factor", "plain")
 #: The optimizer every strategy's steps use, as :data:`dpkfac.costmodel.OPTIMIZER_STATE`
@@ -248,6 +249,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
         size,
         device,
     ):
+        # The links as this job's steps meet them, before any model is built.
+        probes = probe_links(device) if spec.get("probe_links", True) else []
         steppers = [_Stepper(spec, member, rank, device) for member in strategies]
         records: dict[str, list[dict[str, Any]]] = {s.name: [] for s in steppers}
         for index in range(warmup + int(spec["steps"])):
@@ -261,6 +264,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
             "world_size": size,
             "device": str(device),
             "backend": dist.get_backend() if dist.is_initialized() else "none",
+            "link_probes": probes,
             "strategies": {
                 s.name: {
                     "records": records[s.name],

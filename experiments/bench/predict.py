@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import pandas as pd
@@ -41,11 +41,14 @@ from dpkfac.costmodel import PRESETS, Hardware, Measurement, ModelShapes, Predic
 from dpkfac.costmodel import fitting as fitting_lib
 from dpkfac.options import KFACOptions
 from dpkfac.plan import scheme_of
+from dpkfac.plan.hardware import Link, Sample, calibrate
 from dpkfac.strategies import canonical_name, strategy_options
 
 COMPUTE = ("factor_compute", "decomposition", "precondition")
 COMM = ("grad_comm", "factor_comm", "decomposition_comm", "precond_comm")
 PREDICTED_P = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: The ``phase`` of the error rows that compare a whole step (measured less its barriers).
+ITERATION = "iteration"
 CATEGORIES = ("grad_allreduce", "factor_allreduce", "decomposition_broadcast", "precond_broadcast")
 #: Kinds of measured steps -> the (factor update?, decomposition?) step the cost model prices.
 STEP_OF_KIND = {"decomp": (True, True), "factor": (True, False), "plain": (False, False)}
@@ -503,14 +506,21 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
             )
             fit = pred.update.phases
             hold: dict[str, float] = {}
+            held_iteration = 0.0
             out = held.get(m.world_size)
             if out is not None and model in out.models:
                 hold_hw = fitting_lib.hardware_for(m, out.models[model].hardware, out.regimes)
-                hold = fitting_lib.predict_measurement(m, hold_hw).update.phases
+                probed = probe_links(r)
+                if probed:
+                    hold_hw = replace(hold_hw, links={**hold_hw.links, **probed})
+                held_pred = fitting_lib.predict_measurement(m, hold_hw).update
+                hold, held_iteration = held_pred.phases, held_pred.iteration
             for phase, seconds in fitting_lib.measured_phases(m).items():
                 if seconds <= 0 and fit.get(phase, 0.0) <= 0:
                     continue
                 overlapped = phase in pred.overlapped_phases
+                if overlapped and seconds <= 0:
+                    continue  # DDP's all-reduces: inside the backward pass, not timed apart
                 errors.append(
                     {
                         "model": model,
@@ -526,6 +536,23 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
                         else float("nan"),
                     }
                 )
+            # The whole step, less the benchmark's own barriers (``isolate_comm``).
+            measured = float(r["iteration_s"]) - float(r.get("comm_sync_s", 0.0) or 0.0)
+            errors.append(
+                {
+                    "model": model,
+                    "strategy": r["strategy"],
+                    "world_size": m.world_size,
+                    "phase": ITERATION,
+                    "measured_ms": 1e3 * measured,
+                    "predicted_ms": 1e3 * pred.update.iteration,
+                    "error_%": _err(pred.update.iteration, measured),
+                    "held_out_ms": 1e3 * held_iteration if held_iteration else float("nan"),
+                    "held_out_error_%": _err(held_iteration, measured)
+                    if held_iteration
+                    else float("nan"),
+                }
+            )
         labels = dict.fromkeys(r["strategy"] for r, _ in mine)
         for label in labels:
             runs = [(r, m) for r, m in mine if r["strategy"] == label]
@@ -556,13 +583,43 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
         "slowed by cores/P, links and overlap fitted to that P's communication phases;",
         f"`{PAPER_PRESET}, paper size`: the preset for the papers' 64-GPU V100 cluster with "
         "each model's paper-size shapes (`workload.paper` in conf/workload).",
-        "Errors: `error_%` in-sample; `held_out_error_%` calibrated without that P's rows "
-        "(links from the other rows with a core per rank, else the base preset's "
-        "micro-benchmarks; where ranks share cores, those links slowed by cores/P). "
+        "Errors: `error_%` in-sample; `held_out_error_%` calibrated without that P's rows: "
+        "engines, forward/backward rate and overlap from the other world sizes' rows, links "
+        "from the job's start-up link probes at that P (`link_probes`: each collective timed "
+        "as a step meets it, experiments/bench/link_probe.py; rows without probes: the other "
+        "rows' links, slowed by cores/P where ranks share cores). "
         "Communication is measured with `isolate_comm` (a barrier before each "
-        "phase's collectives), least wait over ranks per step.",
+        "phase's collectives), least wait over ranks per step. Phase `iteration`: the whole "
+        "step less the benchmark's barriers (`comm_sync`). SGD (`none`) is DDP: its "
+        "all-reduces run inside the backward pass and have no phase of their own.",
     ]
     return pd.DataFrame(records), pd.DataFrame(errors), notes
+
+
+def probe_links(row: Mapping[str, Any]) -> dict[str, Link]:
+    """Links fitted to the job's start-up probes (:mod:`experiments.bench.link_probe`).
+
+    Empty for rows without probes (single-rank jobs, rows that predate them).
+    """
+    probes = _json(row.get("link_probes"))
+    if not isinstance(probes, list) or not probes:
+        return {}
+    samples = [
+        Sample.collective(e["kind"], int(e["nbytes"]), float(e["seconds"]), int(e["world_size"]))
+        for e in probes
+    ]
+    fitted = calibrate(samples, name="probes", base=PRESETS[BASE_PRESET], log2p=False)
+    return {kind: fitted.links[kind] for kind in {e["kind"] for e in probes}}
+
+
+def phase_errors(errors: pd.DataFrame) -> pd.DataFrame:
+    """The per-phase rows of :func:`scaling_frames`'s errors (without the iteration rows)."""
+    return errors[errors["phase"] != ITERATION] if not errors.empty else errors
+
+
+def iteration_errors(errors: pd.DataFrame) -> pd.DataFrame:
+    """The whole-step rows of :func:`scaling_frames`'s errors."""
+    return errors[errors["phase"] == ITERATION] if not errors.empty else errors
 
 
 def _models(rows: Iterable[Mapping[str, Any]]) -> list[str]:

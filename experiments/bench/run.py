@@ -324,6 +324,7 @@ def _timing_row(
         least_wait=json.dumps(row["least_wait"]),
         fusion_plan=json.dumps(first.get("fusion_plan")),
         measured_hardware=first.get("hardware") or "",
+        link_probes=json.dumps(results[0].get("link_probes") or []),
         configuration=first.get("configuration") or "",
     )
     for key, value in list(row.items()):
