@@ -18,9 +18,12 @@ from step to step.
 
 **Shared cores.** The model gives every rank a device of its own. When P
 single-threaded CPU ranks share C cores, above P = C each rank computes at
-C/P of a core's speed: compute seconds of such measurements are multiplied
-by ``min(1, C/P)`` before fitting, and predictions for them use the fitted
-engines ``scaled`` by the same factor. Their collectives do not follow that
+C/P of a core's speed on average: predictions for them use the engines
+``scaled`` by ``min(1, C/P)``. The engines are fitted to the measurements
+with a core per rank where there are any (a rank with little work on a
+shared core often has the core to itself, so scaling its seconds by C/P
+would pull the engines off); only without them are oversubscribed compute
+seconds scaled by C/P and fitted. Their collectives do not follow that
 rule: gloo's transfers slow down far less than C/P, while every all-reduce
 gains milliseconds of start-up (ranks wait to be scheduled at each step of
 the ring). So the links are fitted per regime: the one-core-per-rank model
@@ -266,15 +269,23 @@ def calibrate_measurements(
 ) -> Hardware:
     """The one-core-per-rank hardware fitted to the runs' phase timings.
 
-    Engines come from every run (compute seconds of runs whose ranks shared
-    cores scaled to a full core), links only from runs whose ranks had a core
-    each; kinds the runs do not cover keep ``base``'s values.
+    Engines and links come from the runs whose ranks had a core each; only
+    without such runs do the engines come from oversubscribed ones (compute
+    seconds scaled to a full core by the core share, which is rough: ranks
+    on shared cores do not compete for the whole of every phase, so a rank
+    with little work often has a core to itself). Kinds the runs do not
+    cover keep ``base``'s values.
     """
+    ms = list(measurements)
+    # Oversubscribed runs only when no run had a core per rank: their ranks do not
+    # compete for the whole of every phase, so scaling by the core share is rough.
+    own = {id(m) for m in ms if core_share(m) >= 1.0} or {id(m) for m in ms}
     samples: list[Sample] = []
-    for m in measurements:
+    for m in ms:
         share = core_share(m)
         compute, comm = phase_samples(m, base)
-        samples += [Sample(s.work, s.seconds * share, s.world_size) for s in compute]
+        if id(m) in own:
+            samples += [Sample(s.work, s.seconds * share, s.world_size) for s in compute]
         if share >= 1.0:
             samples += comm
     # No per-doubling latency: runs on one machine span too few world sizes
@@ -337,7 +348,12 @@ def with_forward_backward(hardware: Hardware, measurements: Sequence[Measurement
 
     The runs should be of one model (the first one's shapes are priced);
     runs whose ranks shared cores are scaled to one core per rank first.
+    Plain data parallelism at P > 1 is left out where other runs exist: it is
+    DDP, whose forward/backward also waits on the all-reduces it left exposed.
     """
+    # SGD at P > 1 is DDP: its forward/backward holds the exposed all-reduces too.
+    plain = [m for m in measurements if m.strategy is not None or m.world_size == 1]
+    measurements = plain or list(measurements)
     if not measurements:
         return hardware
     measured = statistics.median(m.forward_backward * core_share(m) for m in measurements)

@@ -37,8 +37,9 @@ __all__ = ["LINK_PROBE_KINDS", "LINK_PROBE_NUMELS", "probe_links"]
 
 #: Collective kinds probed (those of the strategies the tables measure on gloo).
 LINK_PROBE_KINDS = ("allreduce", "broadcast")
-#: float32 elements per probe: 16 KiB, 1 MiB and 8 MiB buffers.
-LINK_PROBE_NUMELS = (4096, 262144, 2097152)
+#: float32 elements per probe: 64 KiB, 2 MiB and 16 MiB buffers, the range of a step's buffers
+#: (per-layer broadcasts, gradient buckets, fused factors under the 25 MiB cap).
+LINK_PROBE_NUMELS = (16384, 524288, 4194304)
 #: Timed repeats per kind and size (after one untimed).
 LINK_PROBE_REPEATS = 7
 #: Bytes of scratch memory written before each probe (beyond this machine's caches).

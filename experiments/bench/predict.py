@@ -389,10 +389,9 @@ def measured_phases(row: Mapping[str, Any]) -> dict[str, float]:
 def calibrate_rows(rows: Iterable[Mapping[str, Any]], name: str = "calibrated") -> Hardware:
     """The one-core-per-rank ``Hardware`` fitted to the paper-setting rows' phase timings.
 
-    Engines come from every such row (compute seconds of rows whose ranks
-    shared cores scaled to a full core), links only from rows whose ranks had
-    a core each; kinds the rows do not cover keep the ``cpu_gloo_local``
-    preset's values.
+    Engines and links come from the rows whose ranks had a core each (see
+    :func:`dpkfac.costmodel.fitting.calibrate_measurements`); kinds the rows do
+    not cover keep the ``cpu_gloo_local`` preset's values.
     """
     ms = [measurement(r) for r in _paper(rows)]
     return fitting_lib.calibrate_measurements(ms, PRESETS[BASE_PRESET], name)

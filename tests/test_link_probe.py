@@ -1,0 +1,42 @@
+"""The benchmark's start-up link probes: the same entries on every rank, fitted into links."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_ranks
+
+from dpkfac.plan.hardware import wire_bytes
+from experiments.bench import predict
+from experiments.bench.link_probe import probe_links
+
+
+def _probe(rank: int, world_size: int) -> list[dict[str, Any]]:
+    return probe_links(torch.device("cpu"), numels=(256, 65536), repeats=2)
+
+
+@pytest.mark.distributed
+def test_probes_agree_on_every_rank_and_fit_links() -> None:
+    results = run_ranks(_probe, 2)
+    assert results[0] == results[1]  # least time over ranks, agreed by an all-reduce
+    entries = results[0]
+    assert [(e["kind"], e["nbytes"]) for e in entries] == [
+        (kind, 4 * n) for kind in ("allreduce", "broadcast") for n in (256, 65536)
+    ]
+    assert all(e["seconds"] > 0 and e["world_size"] == 2 for e in entries)
+    links = predict.probe_links({"link_probes": json.dumps(entries)})
+    assert set(links) == {"allreduce", "broadcast"}
+    for kind, link in links.items():
+        big = next(e for e in entries if e["kind"] == kind and e["nbytes"] == 4 * 65536)
+        # Two sizes, two unknowns: the fit reproduces the larger probe (up to NNLS clipping).
+        fitted = link.time(1, wire_bytes(kind, big["nbytes"], 2), 2)
+        assert big["seconds"] / 2 <= fitted <= 2 * big["seconds"]
+
+
+def test_no_probes_on_one_rank_and_rows_without_them() -> None:
+    assert probe_links(torch.device("cpu")) == []
+    assert predict.probe_links({}) == {}
+    assert predict.probe_links({"link_probes": "[]"}) == {}
