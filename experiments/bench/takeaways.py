@@ -218,7 +218,7 @@ def headline(results: Path) -> list[str]:
             base = group[algorithm.isin(["d_kfac", "spd_kfac", "kaisa"])]["vs_sgd"]
             if REFERENCE in by and len(base):
                 parts.append(
-                    f"{model} {REFERENCE} {by[REFERENCE]:.2f}× SGD, baselines {_span(base)}×"
+                    f"{model} {REFERENCE} {by[REFERENCE]:.2f}× SGD (DDP), baselines {_span(base)}×"
                 )
         if parts:
             lines.append(
