@@ -845,6 +845,35 @@ def test_fit_recovers_the_hardware_that_generated_the_runs() -> None:
         replace(shared, timings=shared.timings[:1])
 
 
+def test_engines_come_from_runs_with_a_core_per_rank() -> None:
+    """Oversubscribed compute is not scaled into the engines when dedicated runs exist (a rank
+    with little work often has its shared core to itself), and DDP's SGD rows, whose
+    forward/backward holds the exposed all-reduces, do not set the forward/backward rate."""
+    truth = PRESETS["cpu_gloo_local"]
+    own = [_measured(truth, s, 2, None, {}) for s in ("dp_kfac", "d_kfac")]
+    # Ranks on shared cores that computed at 0.9 of a core, not at the share 0.5.
+    shared = _measured(scaled(truth, compute=0.9), "d_kfac", 4, 2, {})
+    got = fitting.calibrate_measurements([*own, shared], truth)
+    compute = ("factor_compute", "decomposition", "precondition")
+    for m in own:  # the dedicated runs are reproduced as if the shared one were not there
+        again = predict_measurement(m, got).update.phases
+        for phase in compute:
+            assert again[phase] == pytest.approx(fitting.measured_phases(m)[phase], rel=0.01)
+    # Scaled by its share 0.5, the shared run would have asked for 0.9/0.5 faster engines.
+    assert got.engine("eigh").rate == pytest.approx(truth.engine("eigh").rate, rel=0.01)
+    alone = fitting.calibrate_measurements([shared], truth)
+    assert alone.engine("eigh").rate == pytest.approx(
+        truth.engine("eigh").rate * 0.9 / 0.5, rel=0.01
+    )
+    # SGD at P=2 (DDP) waits on its exposed all-reduces inside the forward/backward.
+    sgd = _measured(truth, None, 2, None, {})
+    slow_sgd = replace(sgd, forward_backward=sgd.forward_backward * 3)
+    rate = fitting.with_forward_backward(truth, [*own, slow_sgd]).engine("forward_backward").rate
+    assert rate == pytest.approx(
+        fitting.with_forward_backward(truth, own).engine("forward_backward").rate
+    )
+
+
 # ------------------------------------------------------------------------ kaisa
 #: MiB handed to collectives per step and rank by KAISA's own code (kfac-pytorch 0.4.2),
 #: ResNet-32, P = 2, batch 32 per rank, factors and inverses every step, measured side by
