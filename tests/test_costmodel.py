@@ -47,6 +47,7 @@ from dpkfac.costmodel import (
     transformer,
 )
 from dpkfac.costmodel.__main__ import main
+from dpkfac.costmodel.optimizers import step_bytes
 from dpkfac.costmodel.table import VARIANTS
 from dpkfac.costmodel.timing import ddp_comm
 from dpkfac.options import KFACOptions
@@ -414,7 +415,11 @@ def test_sgd_is_ddp_overlapped_with_the_backward_pass() -> None:
         wait, serial = ddp_comm(shapes, HW, p, buckets, factors=False, **common)
         assert sgd.update.phases["grad_comm"] == pytest.approx(wait)
         assert sgd.update.comm_serial["grad_comm"] == pytest.approx(serial)
-        assert sgd.iteration == pytest.approx(sgd.update.breakdown["forward_backward"] + wait)
+        step = HW.time({"optimizer": (1, step_bytes(shapes.num_params, 4, "sgd_momentum"))}, p)
+        assert sgd.update.breakdown["optimizer"] == pytest.approx(step)
+        assert sgd.iteration == pytest.approx(
+            sgd.update.breakdown["forward_backward"] + wait + step
+        )
         assert "grad_comm" in sgd.overlapped_phases
         serial_sgd = predict_sgd(shapes, world_size=p, hardware=replace(HW, overlap=0.0))
         assert serial_sgd.update.phases["grad_comm"] == pytest.approx(serial)
@@ -843,6 +848,24 @@ def test_fit_recovers_the_hardware_that_generated_the_runs() -> None:
     assert own.link("allreduce") == Link(1e-3, 1e-9) and own.overlap == 0.7
     with pytest.raises(ValueError, match="ranks' timings"):
         replace(shared, timings=shared.timings[:1])
+
+
+def test_the_optimizer_step_ends_every_iteration() -> None:
+    """One memory-bound pass over parameters, gradients and state, for SGD and K-FAC alike."""
+    shapes = resnet50(batch_size=32)
+    params = shapes.num_params * 4
+    sgd = predict_sgd(shapes, world_size=8, hardware=HW)
+    adamw = predict_sgd(shapes, world_size=8, hardware=HW, optimizer="adamw")
+    bare = predict_sgd(shapes, world_size=8, hardware=HW, optimizer="none")
+    assert step_bytes(shapes.num_params, 4, "sgd_momentum") == 5 * params  # g, p, m read; p, m
+    assert step_bytes(shapes.num_params, 4, "adamw") == 7 * params
+    assert "optimizer" not in bare.update.breakdown
+    assert sgd.iteration - bare.iteration == pytest.approx(HW.time({"memory": (1, 5 * params)}, 8))
+    assert adamw.iteration > sgd.iteration
+    kfac = predict(shapes, strategy="dp_kfac", world_size=8, hardware=HW)
+    assert kfac.update.breakdown["optimizer"] == sgd.update.breakdown["optimizer"]
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+        predict_sgd(shapes, world_size=8, hardware=HW, optimizer="lamb")
 
 
 def test_engines_come_from_runs_with_a_core_per_rank() -> None:

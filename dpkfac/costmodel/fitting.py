@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from dpkfac.costmodel.auto import resolve
+from dpkfac.costmodel.optimizers import step_bytes
 from dpkfac.costmodel.predict import Prediction, predict
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.costmodel.timing import COMM_PHASES, COMPUTE_PHASES, forward_backward_work
@@ -107,6 +108,9 @@ class Measurement:
         measured_hardware: the hardware model the strategy measured at start-up
             (spd_kfac places decompositions from it), replayed when the run
             itself is predicted.
+        optimizer: the first-order optimizer the run stepped
+            (:data:`dpkfac.costmodel.optimizers.OPTIMIZER_STATE`).
+        optimizer_seconds: seconds of its step, per step (0: not measured).
     """
 
     model: str
@@ -123,6 +127,8 @@ class Measurement:
     fusion_plan: tuple[tuple[Key, ...], ...] | None = None
     param_itemsize: int = 4
     measured_hardware: Hardware | None = None
+    optimizer: str = "sgd_momentum"
+    optimizer_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -226,6 +232,7 @@ def predict_measurement(
         options=options,
         param_itemsize=m.param_itemsize,
         fusion_plan=plan,
+        optimizer=m.optimizer,
     )
 
 
@@ -261,6 +268,9 @@ def phase_samples(m: Measurement, hardware: Hardware) -> tuple[list[Sample], lis
     comm: list[Sample] = []
     for s in pred.samples(list(m.timings), steps=m.steps, comm_seconds=measured_phases(m)):
         (comm if set(s.work) & set(COLLECTIVE_KINDS) else compute).append(s)
+    nbytes = step_bytes(m.shapes.num_params, m.param_itemsize, m.optimizer)
+    if m.optimizer_seconds > 0 and nbytes:
+        compute.append(Sample({"optimizer": (1.0, float(nbytes))}, m.optimizer_seconds))
     return compute, comm
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from dpkfac.costmodel.optimizers import OPTIMIZER_STATE, check_optimizer
 from dpkfac.costmodel.predict import Prediction
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.memory import ProcessMemory
@@ -39,14 +40,6 @@ __all__ = [
     "process_memory_of",
 ]
 
-#: Optimizer kind -> (state tensors per parameter, float32 ``step`` scalars per tensor).
-OPTIMIZER_STATE: dict[str, tuple[int, int]] = {
-    "none": (0, 0),
-    "sgd": (0, 0),
-    "sgd_momentum": (1, 0),
-    "adam": (2, 1),
-    "adamw": (2, 1),
-}
 #: Bytes of the ``step`` scalar torch's Adam and AdamW keep per parameter tensor (float32).
 _STEP_BYTES = 4
 
@@ -72,11 +65,7 @@ def predict_process_memory(
     Raises:
         ValueError: an unknown optimizer kind.
     """
-    if optimizer not in OPTIMIZER_STATE:
-        raise ValueError(
-            f"unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZER_STATE)}"
-        )
-    per_param, steps = OPTIMIZER_STATE[optimizer]
+    per_param, steps = check_optimizer(optimizer)
     params = shapes.num_params * param_itemsize
     tensors = len(shapes.param_order())
     return ProcessMemory.with_kfac(

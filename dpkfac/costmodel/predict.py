@@ -21,6 +21,7 @@ from typing import Any
 
 from dpkfac.costmodel import traffic as tr
 from dpkfac.costmodel.auto import resolve
+from dpkfac.costmodel.optimizers import step_bytes
 from dpkfac.costmodel.shapes import ModelShapes, as_model_shapes
 from dpkfac.costmodel.timing import (
     COMM_PHASES,
@@ -351,6 +352,7 @@ def predict(
     bias: Sequence[bool] | None = None,
     other_params: int | Sequence[int] = 0,
     backend: str | None = None,
+    optimizer: str = "sgd_momentum",
 ) -> Prediction:
     """Predict one strategy's traffic, phase times and memory from the preconditioner's options.
 
@@ -384,6 +386,9 @@ def predict(
         backend: the run's torch.distributed backend, where it is not the
             hardware's (``Hardware.backend``): it decides which collectives
             the run may use.
+        optimizer: the first-order optimizer whose step ends each iteration
+            (a key of :data:`dpkfac.costmodel.optimizers.OPTIMIZER_STATE`;
+            ``"none"``: no step is priced).
 
     Raises:
         ValueError: an unknown strategy or option, a bad option value, a
@@ -414,6 +419,7 @@ def predict(
             step_shapes, p, opts, given=given, num_factors=len(tr.factor_keys(model))
         )
         traits = roles.traits
+    optimizer_bytes = step_bytes(model.num_params, param_itemsize, optimizer)
     fi = kfac.factor_dtype.itemsize if kfac.factor_dtype is not None else param_itemsize
     di = max(4, fi, kfac.decomposition_dtype.itemsize)
     cap = kfac.bucket_cap_bytes
@@ -516,6 +522,7 @@ def predict(
                 ddp=ddp_buckets,
                 param_itemsize=param_itemsize,
                 overlap=overlap,
+                optimizer_bytes=optimizer_bytes,
             )
     memory = (
         tr.memory_per_rank(

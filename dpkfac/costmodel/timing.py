@@ -25,6 +25,8 @@ Work (``kind -> (calls, amount)``, see :mod:`dpkfac.plan.hardware`) per phase:
 * ``forward_backward``: ``6·N·T·a·g`` flops per K-FAC layer (forward 2,
   backward 4); the rest of the network (normalisation, attention scores) is
   not modelled;
+* ``optimizer``: the first-order optimizer's step, one memory-bound pass of
+  :func:`dpkfac.costmodel.optimizers.step_bytes` bytes;
 * communication phases: one call and its wire bytes per collective, plus
   "unpack" bytes for rebuilding full factors from triangle-packed buffers
   (spd_kfac), which happens when the collective is waited on.
@@ -389,6 +391,7 @@ def step_prediction(
     ddp: Sequence[Sequence[tuple[int, int]]] | None = None,
     param_itemsize: int = 4,
     overlap: Sequence[tr.OverlapBucket] | None = None,
+    optimizer_bytes: int = 0,
 ) -> StepPrediction:
     """Work, seconds and critical path of one step where each rank sends ``rank_colls[r]``.
 
@@ -399,7 +402,9 @@ def step_prediction(
     the backward leaves exposed; with K-FAC, DDP's all-reduces are not the
     preconditioner's (not in ``rank_colls``) and their exposed wait is the
     breakdown's ``ddp_grad_comm``. ``overlap``: the overlapped mode's
-    backward buckets (:func:`_overlap_backward`).
+    backward buckets (:func:`_overlap_backward`). ``optimizer_bytes``: what the
+    first-order optimizer's step reads and writes
+    (:func:`dpkfac.costmodel.optimizers.step_bytes`), the breakdown's ``optimizer``.
     """
     traits = None if plan is None else plan.traits
     rank_comm_work: list[dict[str, Work]] = []
@@ -490,4 +495,6 @@ def step_prediction(
     else:
         breakdown.update(critical(["decomposition", "precondition"]))
     breakdown["precond_comm"] = seconds[0]["precond_comm"]
+    if optimizer_bytes:
+        breakdown["optimizer"] = hw.time({"optimizer": (1, optimizer_bytes)}, p)
     return StepPrediction(rank_colls, work, seconds, breakdown, serial)

@@ -60,6 +60,7 @@ COMPUTE_KINDS = (
     "inverse",
     "precondition",
     "forward_backward",
+    "optimizer",
 )
 
 #: ``kind -> (calls, amount)``: amount is wire bytes for collectives, flops for compute.
@@ -175,9 +176,10 @@ class Hardware:
     def engine(self, kind: str) -> Engine:
         """The model of compute ``kind``.
 
-        Falls back to "matmul"; "unpack" to "memory", and "memory" to free.
+        Falls back to "matmul"; "unpack" and "optimizer" (memory-bound passes) to
+        "memory", and "memory" to free.
         """
-        if kind == "unpack" and kind not in self.engines:
+        if kind in ("unpack", "optimizer") and kind not in self.engines:
             kind = "memory"
         if kind == "memory":
             return self.engines.get(kind, Engine(math.inf))

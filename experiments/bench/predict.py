@@ -39,10 +39,12 @@ import pandas as pd
 
 from dpkfac.costmodel import PRESETS, Hardware, Measurement, ModelShapes, Prediction
 from dpkfac.costmodel import fitting as fitting_lib
+from dpkfac.costmodel.memory import activation_bytes, process_memory_of
 from dpkfac.options import KFACOptions
 from dpkfac.plan import scheme_of
 from dpkfac.plan.hardware import Link, Sample, calibrate
 from dpkfac.strategies import canonical_name, strategy_options
+from experiments.bench.measure import OPTIMIZER_STATE
 
 COMPUTE = ("factor_compute", "decomposition", "precondition")
 COMM = ("grad_comm", "factor_comm", "decomposition_comm", "precond_comm")
@@ -167,6 +169,8 @@ def measurement(
         cores=_cores(row),
         fusion_plan=tuple(tuple((k[0], k[1]) for k in bucket) for bucket in plan) if plan else None,
         measured_hardware=Hardware.from_json(measured) if measured else None,
+        optimizer=OPTIMIZER_STATE,
+        optimizer_seconds=float(row.get("optimizer_s") or 0.0),
     )
 
 
@@ -263,9 +267,6 @@ def process_memory_prediction(
         ``model_state_bytes`` (all but K-FAC and activations) and
         ``kfac_bytes``.
     """
-    from dpkfac.costmodel.memory import activation_bytes, process_memory_of
-    from experiments.bench.measure import OPTIMIZER_STATE
-
     state = process_memory_of(
         prediction, shapes, optimizer=OPTIMIZER_STATE, param_itemsize=param_itemsize
     )
