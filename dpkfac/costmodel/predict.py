@@ -438,13 +438,13 @@ def predict(
     placement = None if roles is None else roles.placement
     plan = None
     overlap: list[tr.OverlapBucket] | None = None
-    every: list[tr.Collective] = (
-        tr.ddp_collectives(model, p, itemsize=param_itemsize, cap_bytes=cap)
-        if strategy is None
-        else []
-        if ddp
-        else list(sgd_grads)
-    )
+    # Every step's gradient traffic that the run accounts: DDP's buckets for SGD, none
+    # for a DDP-wrapped K-FAC run (DDP's are not the preconditioner's), else its own.
+    every: list[tr.Collective] = []
+    if strategy is None:
+        every = tr.ddp_collectives(ddp_buckets or [], p, itemsize=param_itemsize)
+    elif not ddp:
+        every = list(sgd_grads)
     updates: list[list[tr.Collective]] = [[] for _ in range(p)]
     setup: list[tr.Collective] = []
     factor_colls: list[list[tr.Collective]] = [[] for _ in range(p)]

@@ -150,12 +150,12 @@ def ddp_bucket_params(
 
 
 def ddp_collectives(
-    model: ModelShapes, world_size: int, *, itemsize: int, cap_bytes: int
+    buckets: Sequence[Sequence[tuple[int, int]]], world_size: int, *, itemsize: int
 ) -> list[Collective]:
     """DDP's gradient averaging: one all-reduce per bucket of :func:`ddp_bucket_params`."""
     return [
         Collective("grad_allreduce", "allreduce", sum(n for _, n in b) * itemsize, world_size)
-        for b in ddp_bucket_params(model, itemsize=itemsize, cap_bytes=cap_bytes)
+        for b in buckets
     ]
 
 

@@ -256,7 +256,7 @@ def ddp_first_cap(cap_bytes: int) -> int:
     A run wraps its model in DDP with ``bucket_cap_mb`` left unset when the
     cap is DDP's default (then DDP's small first bucket applies) and with the
     cap otherwise (then the first bucket has the cap too), as torch decides;
-    :func:`experiments.distributed.ddp_bucket_cap_mb` is the runtime half.
+    :func:`experiments.distributed.wrap_ddp` is the runtime half.
     """
     return DDP_FIRST_BUCKET_BYTES if cap_bytes == DDP_DEFAULT_CAP_BYTES else cap_bytes
 

@@ -44,7 +44,7 @@ from experiments.bench.link_probe import probe_links
 STEP_KINDS = ("decomp", "factor", "plain")
 #: The optimizer every strategy's steps use, as :data:`dpkfac.costmodel.OPTIMIZER_STATE`
 #: names it: what the predicted whole-process memory assumes (:class:`_Stepper`).
-OPTIMIZER_STATE = "sgd_momentum"
+OPTIMIZER = "sgd_momentum"
 
 
 def step_kinds(factor_update_steps: int, inv_update_steps: int) -> list[str]:
@@ -131,7 +131,7 @@ class _Stepper:
         batch = self.bench.make_batch(spec["seed"] * 1000 + 17 * (rank + 1))
         self.batch = {k: v.to(device) for k, v in batch.items()}
         self.device = device
-        # OPTIMIZER_STATE names this optimizer for the predicted process memory.
+        # OPTIMIZER names this optimizer for the predicted process memory.
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=spec["lr"], momentum=0.9)
         self.kinds = step_kinds(spec["factor_update_steps"], spec["inv_update_steps"])
         self.pre = None

@@ -44,7 +44,7 @@ from dpkfac.options import KFACOptions
 from dpkfac.plan import scheme_of
 from dpkfac.plan.hardware import Link, Sample, calibrate
 from dpkfac.strategies import canonical_name, strategy_options
-from experiments.bench.measure import OPTIMIZER_STATE
+from experiments.bench.measure import OPTIMIZER
 
 COMPUTE = ("factor_compute", "decomposition", "precondition")
 COMM = ("grad_comm", "factor_comm", "decomposition_comm", "precond_comm")
@@ -169,7 +169,7 @@ def measurement(
         cores=_cores(row),
         fusion_plan=tuple(tuple((k[0], k[1]) for k in bucket) for bucket in plan) if plan else None,
         measured_hardware=Hardware.from_json(measured) if measured else None,
-        optimizer=OPTIMIZER_STATE,
+        optimizer=OPTIMIZER,
         optimizer_seconds=float(row.get("optimizer_s") or 0.0),
     )
 
@@ -255,7 +255,7 @@ def process_memory_prediction(
     """The busiest rank's whole-process memory as the cost model predicts it for a row's job.
 
     The benchmark trains every strategy with the same optimizer
-    (:data:`experiments.bench.measure.OPTIMIZER_STATE`), so its state is
+    (:data:`experiments.bench.measure.OPTIMIZER`), so its state is
     predicted for that one.
 
     Returns:
@@ -268,7 +268,7 @@ def process_memory_prediction(
         ``kfac_bytes``.
     """
     state = process_memory_of(
-        prediction, shapes, optimizer=OPTIMIZER_STATE, param_itemsize=param_itemsize
+        prediction, shapes, optimizer=OPTIMIZER, param_itemsize=param_itemsize
     )
     activations = activation_bytes(shapes, param_itemsize)
     return {
