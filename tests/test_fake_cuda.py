@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from dist_utils import run_ranks
 from fake_cuda import (
     DEVICE,
     FakeLossScaler,
@@ -78,6 +79,30 @@ def test_the_harness_refuses_a_cpu_tensor_meeting_cuda_data() -> None:
         mask = torch.ones(3, 3, device="cpu")
         with pytest.raises(FakeTensorDeviceMismatchError):
             torch.einsum("ij,jk->ik", mask, x)
+
+
+def _one_backward(rank: int, world_size: int) -> float:
+    x = torch.ones(2, requires_grad=True)
+    (x * 3).sum().backward()
+    assert x.grad is not None
+    return float(x.grad.sum())
+
+
+@pytest.mark.distributed
+def test_forked_ranks_still_run_a_backward_after_fake_cuda_tensors() -> None:
+    """Fake CUDA tensors must not make the parent's later forks unable to run autograd.
+
+    Made before the process's first backward, a fake CUDA tensor made the
+    engine start a thread for a CUDA device that is not there, and every gloo
+    rank forked after the next backward in the parent failed ("Unable to handle
+    autograd's threading in combination with fork-based multiprocessing"):
+    the test suite then depended on the order its files ran in.
+    """
+    with fake_mode(), torch.device("cuda"):
+        torch.randn(3, 3, requires_grad=True).sum()
+    parent = torch.ones(1, requires_grad=True)
+    (parent * 2).sum().backward()  # the parent's first real backward, in this order
+    assert run_ranks(_one_backward, 2) == [6.0, 6.0]
 
 
 # ------------------------------------------------------------------ forward hooks

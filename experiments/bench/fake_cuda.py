@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -61,7 +62,25 @@ DEVICE = torch.device("cuda", 0)
 
 def fake_mode() -> FakeTensorMode:
     """A strict fake mode: real tensors may not enter it (a CPU constant would raise)."""
+    _start_autograd_engine()
     return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+@functools.cache
+def _start_autograd_engine() -> None:
+    """Run one tiny real backward before the first fake CUDA tensor exists.
+
+    The autograd engine starts its device threads once, at the process's first
+    backward, one per device it then believes present. Once a fake CUDA tensor
+    has been made it believes in a CUDA device even on a machine without one,
+    starts a thread for it, and from then on a forked child (the gloo ranks of
+    the multi-process tests) refuses to run any backward ("Unable to handle
+    autograd's threading in combination with fork-based multiprocessing").
+    Starting the engine first, with the devices really there, keeps the
+    process fork-safe as it was.
+    """
+    probe = torch.ones(1, requires_grad=True)
+    (probe * 2).sum().backward()
 
 
 def on_fake_cuda(
