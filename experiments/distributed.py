@@ -262,6 +262,14 @@ def wrap_ddp(
     the first bucket has that cap too (torch's rule, mirrored by
     :func:`dpkfac.plan.fusion.ddp_first_cap`, which the prediction of plain
     data parallelism uses).
+
+    Gradients are views of DDP's buckets (``gradient_as_bucket_view``): by
+    default DDP keeps a second, persistent gradient-sized copy in its buckets
+    and copies every gradient into it each step. As views, the process holds
+    one copy, so the whole-process tally (:func:`dpkfac.process_memory`) is
+    what it really holds and matches the cost model's, and the copy is saved.
+    The preconditioner writes its updates into ``.grad`` in place, which keeps
+    the views intact.
     """
     from dpkfac.plan.fusion import DDP_DEFAULT_CAP_BYTES
 
@@ -269,7 +277,9 @@ def wrap_ddp(
     if bucket_cap_mb is not None and int(bucket_cap_mb * 2**20) != DDP_DEFAULT_CAP_BYTES:
         kwargs["bucket_cap_mb"] = bucket_cap_mb
     device_ids = [device.index] if device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=device_ids, gradient_as_bucket_view=True, **kwargs
+    )
 
 
 def unwrap(model: nn.Module) -> nn.Module:

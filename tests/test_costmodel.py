@@ -922,8 +922,10 @@ def test_kaisa_bytes_are_within_five_percent_of_kaisa_itself(fraction: str) -> N
 
 
 def _ddp_run(rank: int, world_size: int, cap_mb: float | None) -> list[dict]:
-    """SGD as DDP with the communicator's accounted hook: comm_stats of steps 0..2."""
+    """SGD as DDP with the communicator's accounted hook, per step 0..2: comm_stats, the
+    distinct storages the gradients live in, and the whole-process tally."""
     from dpkfac.comm import Communicator
+    from dpkfac.memory import process_memory
     from experiments.distributed import wrap_ddp
 
     model = _model("attn")
@@ -936,7 +938,14 @@ def _ddp_run(rank: int, world_size: int, cap_mb: float | None) -> list[dict]:
         ddp.zero_grad()
         x, y = batch(step, rank)
         F.cross_entropy(ddp(x.double()), y).backward()
-        out.append(comm.stats.as_dict())
+        storages = {p.grad.untyped_storage().data_ptr() for p in ddp.parameters()}
+        out.append(
+            {
+                "comm": comm.stats.as_dict(),
+                "grad_storages": len(storages),
+                "memory": process_memory(ddp).as_dict(),
+            }
+        )
     return out
 
 
@@ -949,11 +958,17 @@ def test_sgd_prediction_counts_ddp_buckets_exactly(cap_mb: float | None) -> None
     kfac = KFACOptions() if cap_mb is None else KFACOptions(bucket_cap_mb=cap_mb)
     sgd = predict_sgd(shapes, world_size=2, hardware=HW, param_itemsize=ITEM, kfac=kfac)
     predicted = sgd.update.comm["grad_allreduce"]
-    for rank_stats in results:
+    param_bytes = sum(p.numel() * p.element_size() for p in _model("attn").double().parameters())
+    for rank_steps in results:
         # Step 0 is one bucket (DDP rebuilds its buckets from the backward's order after it).
-        assert rank_stats[0]["grad_allreduce"]["calls"] == 1
-        for stats in rank_stats[1:]:
-            assert stats["grad_allreduce"] == predicted
+        assert rank_steps[0]["comm"]["grad_allreduce"]["calls"] == 1
+        for step in rank_steps[1:]:
+            assert step["comm"]["grad_allreduce"] == predicted
+            # The gradients are DDP's buckets (no second copy): one storage per bucket,
+            # and the tally's gradients are exactly the parameters' size.
+            assert step["grad_storages"] == predicted["calls"]
+            assert step["memory"]["gradients"] == param_bytes
+            assert step["memory"]["parameters"] == param_bytes
     assert predicted["calls"] == (1 if cap_mb is None else 3)  # 1 MiB first bucket / the cap
 
 
