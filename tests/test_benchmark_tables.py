@@ -344,6 +344,29 @@ def test_scaling_predicts_to_256_and_reports_errors(tmp_path: Path) -> None:
     assert "median |error| %" in paths["md"].read_text()
 
 
+def test_repeated_jobs_keep_the_median_job_whole() -> None:
+    """A seed sweep repeats each job: the job with the median total iteration time is kept with
+    all its rows (ratios stay within one run); jobs run once pass unchanged; the lower middle
+    of an even count."""
+    rows = []
+    for seed, scale in ((0, 3.0), (1, 1.0), (2, 2.0)):  # seed 2 is the median job at P=2
+        for strategy, ms in (("none", 10.0), ("dp_kfac", 12.0)):
+            rows.append({**fake_row(strategy, 2), "seed": seed, "iteration_s": scale * ms / 1e3})
+    rows.append({**fake_row("dp_kfac", 1), "seed": 0, "iteration_s": 0.05})
+    for seed, ms in ((0, 8.0), (1, 6.0)):
+        rows.append({**fake_row("none", 4), "seed": seed, "iteration_s": ms / 1e3})
+    df = pd.DataFrame(rows)
+    kept = tables.median_runs(df)
+    assert sorted(kept.index) == [4, 5, 6, 8]
+    assert set(kept.loc[[4, 5], "seed"]) == {2}  # whole job: both strategies of seed 2
+    assert kept.loc[8, "seed"] == 1  # 6 ms: the lower of two
+    assert kept.loc[4].equals(df.loc[4])  # rows untouched
+    once = pd.DataFrame([fake_row(s, 2) for s in ("none", "dp_kfac")])
+    assert tables.median_runs(once).equals(once)
+    unseeded = once.assign(seed=float("nan"))  # rows written before seeds were recorded
+    assert tables.median_runs(unseeded).equals(unseeded)
+
+
 def test_calibration_separates_one_core_and_shared_core_regimes() -> None:
     """Rows the model itself generates give back both regimes' links and overlaps."""
     from dataclasses import replace

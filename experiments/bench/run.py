@@ -273,6 +273,7 @@ def _identity(spec: dict[str, Any], member: dict[str, Any]) -> dict[str, Any]:
         "batch_size": spec["model"]["batch"].get("batch_size"),
         "warmup": spec["warmup"],
         "steps": spec["steps"],
+        "seed": spec["seed"],
         "threads": spec["threads"],
         "isolate_comm": bool(spec.get("isolate_comm", False)),
         "cpus": os.cpu_count(),

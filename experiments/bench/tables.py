@@ -133,11 +133,43 @@ def upgrade_rows(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def ok_rows(df: pd.DataFrame, task: str = "timing") -> pd.DataFrame:
-    """Successful rows of one task."""
+    """Successful rows of one task; a timing measurement repeated over jobs is its median run
+    (:func:`median_runs`)."""
     if df.empty:
         return df
     keep = (df["error"] == "") & (df.get("task", task) == task)
-    return df[keep].copy()
+    rows = df[keep].copy()
+    return median_runs(rows) if task == "timing" else rows
+
+
+#: What makes jobs repeats of one another: a sweep over ``seed`` differs in nothing else.
+JOB = ["model", "setting", "world_size"]
+
+
+def median_runs(df: pd.DataFrame) -> pd.DataFrame:
+    """One job per repeated measurement: of the jobs that repeat it, the median run, whole.
+
+    A sweep over ``seed`` runs each job several times; on a shared machine a
+    whole run can be faster or slower than the next (oversubscribed ranks,
+    other tenants), which medians over steps within a run cannot remove. Jobs
+    are ranked by the total iteration time of their strategies and the middle
+    one is kept with all its rows (the lower middle of an even count), so a
+    table's ratios still come from strategies measured in turns under one
+    load, and each row's phases, link probes and step records are one run's.
+    Jobs run once pass unchanged.
+    """
+    if (
+        df.empty
+        or "seed" not in df
+        or df.groupby(JOB, dropna=False)["seed"].nunique(dropna=False).max() < 2
+    ):
+        return df
+    seed = df["seed"].fillna(-1)
+    keep = pd.Series(False, index=df.index)
+    for _, job in df.groupby(JOB, sort=False, dropna=False):
+        totals = job.groupby(seed[job.index])["iteration_s"].sum().sort_values(kind="stable")
+        keep[job.index] = seed[job.index] == totals.index[(len(totals) - 1) // 2]
+    return df[keep]
 
 
 def failures(df: pd.DataFrame) -> list[str]:
