@@ -17,14 +17,14 @@ between modules, or a tensor that is a view of another, is not counted twice.
 
 What is *not* in the tally: activations saved for backward and other
 transient tensors (the autograd graph, fused communication buckets, the
-allocator's cache), and a DDP wrapper's own bucket copy of the gradients.
-That copy is persistent unless DDP is built with
-``gradient_as_bucket_view=True`` (as ``experiments.distributed.wrap_ddp``
-does), which makes the gradients views of the buckets: then the tally's
-gradients are the buckets, counted once. Those exist only during a step, so a tally read between
+allocator's cache). Those exist only during a step, so a tally read between
 steps cannot see them; on CUDA :func:`cuda_peak_bytes` (the allocator's peak
 since :func:`reset_cuda_peak`) covers them, and the cost model estimates the
-activations (:func:`dpkfac.costmodel.memory.activation_bytes`).
+activations (:func:`dpkfac.costmodel.memory.activation_bytes`). Nor is a DDP
+wrapper's own bucket copy of the gradients, which is persistent unless DDP is
+built with ``gradient_as_bucket_view=True`` (as
+``experiments.distributed.wrap_ddp`` does): then the gradients are views of
+the buckets, and the tally's gradients are the buckets, counted once.
 
 The cost model predicts the same :class:`ProcessMemory` from shapes
 (:func:`dpkfac.costmodel.memory.predict_process_memory`), field by field.
