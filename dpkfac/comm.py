@@ -22,6 +22,7 @@ no-op that records nothing, which is what makes world size 1 communication-free.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from dpkfac.device import DeviceMismatch, HostReader, TableCache, check_device
 from dpkfac.plan.fusion import shard_rounds, size_cap_buckets
-from dpkfac.plan.hardware import uneven_all_gather
+from dpkfac.plan.hardware import reduce_scatter_future, uneven_all_gather
 from dpkfac.stats import PHASE_OF_CATEGORY, CommStats, PhaseTimer
 
 T = TypeVar("T")
@@ -339,6 +340,33 @@ class Communicator:
         }
         return hook
 
+    def settled(
+        self, handles: Sequence[Handle], value: torch.Tensor
+    ) -> torch.futures.Future[torch.Tensor]:
+        """A future that completes with ``value`` once ``handles`` are done and unpacked.
+
+        For a DDP communication hook, which must return a future and never
+        block: the handles' results are unpacked in the future's callback
+        (where the collectives completed), not by :meth:`wait`, and the handles
+        are then done. Nothing here reads the host.
+        """
+        handles = list(handles)
+        works = [w for h in handles for w in h.works]
+
+        def unpack(_: object) -> torch.Tensor:
+            for h in handles:
+                if not h.done:
+                    for finish in h.finish:
+                        finish()
+                    h.done = True
+            return value
+
+        if not works:
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(unpack(None))
+            return done
+        return torch.futures.collect_all([w.get_future() for w in works]).then(unpack)
+
     def _isolated(self, handle: Handle) -> None:
         """Meet every rank first when isolating and nothing else is in flight (see ``isolate``).
 
@@ -355,12 +383,35 @@ class Communicator:
         with self.timer.phase("comm_sync"):
             work = dist.barrier(group=self.group, async_op=True)
             try:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+                self._wait_work(work, self.timeout)
             except Exception as err:
                 raise CollectiveTimeout(
                     f"dpkfac: barrier before a collective did not complete within "
                     f"{self.timeout:g}s on rank {self.rank}: {err}"
                 ) from err
+
+    @staticmethod
+    def _wait_work(work: Any, timeout: float) -> None:
+        """Wait for one work of torch.distributed, failing after ``timeout`` seconds.
+
+        gloo's and NCCL's works take the timeout themselves. A work that wraps a
+        future (an in-process group's, made by ``_create_work_from_future``)
+        refuses any finite timeout; it is polled with ``is_completed()`` up to
+        the deadline instead, so a hang on it still fails, then waited on
+        without one (which raises what the collective raised).
+        """
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+            return
+        except RuntimeError as err:
+            if "finite timeout not implemented" not in str(err):
+                raise
+        deadline = time.monotonic() + timeout
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not completed within {timeout:g}s")
+            time.sleep(0.001)
+        work.wait()
 
     def wait(self, handle: Handle) -> None:
         """Block until ``handle`` completes (timed in its category's phase), then unpack."""
@@ -370,7 +421,7 @@ class Communicator:
         with self.timer.phase(phase):
             for work in handle.works:
                 try:
-                    work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+                    self._wait_work(work, self.timeout)
                 except Exception as err:  # gloo/NCCL raise several types on timeout
                     raise CollectiveTimeout(
                         f"dpkfac: {handle.category} collective failed or did not complete "
@@ -505,6 +556,8 @@ class Communicator:
         *,
         cap_bytes: int | None = None,
         async_op: bool = False,
+        overlapped: bool = False,
+        futures: bool = False,
     ) -> Handle:
         """Average owner-contiguous tensors onto their owners: one reduce-scatter per round.
 
@@ -513,9 +566,25 @@ class Communicator:
         hands every rank's next run, flattened, to one ``reduce_scatter`` of
         shards of different sizes (no padding: each owner's shard is as large as
         its tensors), which leaves each owner the average of its own; other
-        ranks' copies are left as they are.
+        ranks' copies are left as they are. ``overlapped``: as in :meth:`allreduce_mean`.
+
+        ``futures``: the caller completes the handle through its works' futures
+        (:meth:`settled`, a DDP communication hook). A backend whose reduce-scatter
+        has none (gloo: :func:`~dpkfac.plan.hardware.reduce_scatter_future`) then
+        reduces each owner's tensors onto it by one rooted reduce, one capped
+        bucket per owner: the same bytes, in more calls.
         """
-        return self._sharded(shards, category, cap_bytes, async_op, gather=False)
+        if futures and self.active and not reduce_scatter_future(self.backend):
+            handle = Handle(category, overlapped=overlapped)
+            for dst, tensors in enumerate(shards):
+                self._rooted(dist.reduce, tensors, dst, category, cap_bytes, True, handle)
+            handle.done = not handle.works
+            if not async_op:
+                self.wait(handle)
+            return handle
+        return self._sharded(
+            shards, category, cap_bytes, async_op, gather=False, overlapped=overlapped
+        )
 
     def all_gather(
         self,
@@ -551,8 +620,9 @@ class Communicator:
         async_op: bool,
         *,
         gather: bool,
+        overlapped: bool = False,
     ) -> Handle:
-        handle = Handle(category)
+        handle = Handle(category, overlapped=overlapped)
         if not self.active or not any(shards):
             handle.done = True
             return handle

@@ -1,36 +1,52 @@
 """The overlapped execution mode: a step's work inside the backward pass.
 
-The preconditioner installs it when the plan's traits ask for it
-(``Traits.overlapped_precondition``: dp_kfac's ``overlap=True``). It sees the
-run through a narrow :class:`OverlapContext` (the layers, the parameters to
-reduce, the communicator, the step's flags, the timer and the preconditioner's
+The preconditioner installs it where the options ask for it (dp_kfac's
+``overlap=True``) or where "auto" may choose it. It sees the run through a
+narrow :class:`OverlapContext` (the layers, the parameters to reduce, the
+communicator, the step's flags, the timer and the preconditioner's
 per-layer decomposition), never the preconditioner itself.
 
-What happens where, on the last micro-batch of a step (``accumulation_steps``):
+One engine, two sources of gradient buckets:
 
-* **Gradient buckets.** The trainable parameters, in reverse registration
-  order (the order a sequential network's backward produces them), are cut
-  into fused buckets of one dtype under the preconditioner's
-  ``bucket_cap_mb``. A ``register_post_accumulate_grad_hook`` on every
-  parameter counts down its bucket; a complete bucket is all-reduced
-  asynchronously (category ``grad_allreduce``), buckets strictly in plan
-  order, so every rank issues the same collectives in the same order
-  whatever the timing of its hooks.
-* **Factors.** When the last parameter of a layer has its gradient (its G
+* **Inside DDP** (a ``DistributedDataParallel`` model): the engine is DDP's
+  communication hook (``register_comm_hook``). DDP buckets the gradients in
+  backward order, rebuilds its buckets after the first iteration, skips the
+  hook under ``no_sync`` and keeps ``gradient_as_bucket_view`` working; the
+  hook receives each bucket in index order on every rank and returns a future
+  that completes once the bucket is reduced.
+* **Without DDP**: a ``register_post_accumulate_grad_hook`` on every
+  trainable parameter counts down buckets the engine cuts itself, in
+  reverse registration order (:func:`backward_buckets`); a complete bucket
+  is launched, buckets strictly in order, so every rank issues the same
+  collectives whatever the timing of its hooks.
+
+Either way, on the step's last micro-batch (``accumulation_steps``):
+
+* **Gradient reduction, per bucket.** With ``grad_reduction="allreduce"`` the
+  bucket is all-reduced. With ``grad_reduction="owner"`` its K-FAC layers'
+  gradients are reduce-scattered onto their owners (uneven shards, one per
+  owner, no padding) and the rest is all-reduced. Category ``grad_allreduce``.
+* **Factors.** Once every parameter of a layer has its local gradient (its G
   hook, on the output tensor, fired before), the layer's owner folds the
   pending batch factors into the running averages and, on decomposition
-  steps, decomposes them, while the layer's bucket is still in flight.
-* **Preconditioning.** Every later hook polls the launched buckets without
-  blocking (``Work.is_completed()``, in order). Once a bucket is reduced, for
-  each rank in turn, the layers whose last bucket it is are preconditioned by
-  that owner and broadcast from it asynchronously (category
-  ``precond_broadcast``, one fused broadcast per bucket and owner). The
-  broadcasts run on a second process group over the same ranks: their launch
-  time depends on when each rank's poll sees its bucket complete, and two
-  groups keep each group's order identical on every rank.
-* **step()** launches what the hooks could not (buckets holding a parameter
-  without a gradient), waits for the buckets and broadcasts left, applies the
-  KL clip and writes the gradients (:meth:`OverlapEngine.finish`).
+  steps, decomposes them, while the bucket is in flight.
+* **Preconditioning.** Later hooks poll the launched buckets without blocking,
+  in order. Once a bucket is reduced, the layers it completes are
+  preconditioned by their owners and exchanged (category
+  ``precond_broadcast``): one fused broadcast per owner, or with the owner
+  reduction one all-gather of uneven shards (broadcasts per owner on gloo,
+  which cannot all-gather uneven shards). The exchanges run on a second
+  process group over the same ranks: their launch time depends on when each
+  rank's poll sees its bucket complete, and two groups keep each group's order
+  identical on every rank.
+* **step()** launches what the hooks could not (own buckets holding a
+  parameter without a gradient), waits for the buckets and exchanges left,
+  applies the KL clip and writes the gradients (:meth:`OverlapEngine.finish`).
+  Only the work of the buckets reduced after the last hook remains.
+
+Under DDP a non-owner's bucket keeps its local gradients of the layers it does
+not own (DDP copies them into ``.grad``); ``step()`` overwrites them with the
+owners' updates, so every rank ends the step with the same gradients.
 
 Non-finite factors, without a host read in the hooks: the fold keeps the
 previous running average on the device (``torch.where``) where a batch
@@ -43,10 +59,12 @@ with ``overlap=False``; the guarantee "skip with a warning, never corrupt"
 holds. ``pi_damping`` and ``eigh``'s own checks read the host on
 decomposition steps, as without overlap.
 
-Requirements: exactly ``accumulation_steps`` backward passes per
-``step()`` (a further backward raises), a model not wrapped in DDP (the
-overlap does the reduction), no ``grad_scaler``. The first step (placement
-not final) and steps of the fidelity probe run the ordinary ``step()``.
+Requirements: without DDP, exactly ``accumulation_steps`` backward passes
+per ``step()`` (a further backward raises); under DDP, one synchronised
+backward per ``step()`` (``no_sync`` on the other micro-batches; a second
+synchronised one raises). No ``grad_scaler``. The first step (placement not
+final) and steps of the fidelity probe run the ordinary ``step()`` (under DDP
+the hook then all-reduces every bucket, as DDP's default hook does).
 """
 
 from __future__ import annotations
@@ -55,7 +73,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from dpkfac.comm import Communicator, Handle
 from dpkfac.curvature.layer import KFACLayer, MaskedFold, warn_non_finite
@@ -85,6 +105,8 @@ class StepFlags:
         overlapped: whether this step's work runs in the hooks (False: the
             first step, whose placement is not final, a fidelity-probe step,
             a step that must decompose after a resize: ``step()`` does it all).
+        owner: whether K-FAC layers' gradients are reduced onto their owners
+            and the updates all-gathered (``grad_reduction="owner"``).
         capture: whether batch factors are built this step.
         decompose: whether this is a decomposition step.
         damping: the step's damping.
@@ -94,6 +116,7 @@ class StepFlags:
 
     step: int = 0
     overlapped: bool = False
+    owner: bool = False
     capture: bool = False
     decompose: bool = False
     damping: float = 0.0
@@ -109,7 +132,7 @@ class OverlapContext:
         layers: the K-FAC layers, in module order.
         params: every parameter whose gradient the step averages, in module order.
         comm: the preconditioner's communicator.
-        bucket_cap_bytes: the size cap of fused buckets.
+        bucket_cap_bytes: the size cap of fused buckets (without DDP).
         accumulation_steps: backward passes per ``step()``.
         with_kl: whether the KL-clip terms travel with the updates.
         timer: the preconditioner's phase timer.
@@ -117,6 +140,8 @@ class OverlapContext:
         decompose: the preconditioner's per-layer decomposition (the factors this
             rank decomposes, with the given damping).
         note_buffers: records the bytes of batch factors awaiting their fold.
+        ddp: the DistributedDataParallel model whose buckets the engine reduces
+            from its communication hook (None: the engine's own hooks and buckets).
         flags: the current step's flags (the preconditioner updates them in place).
     """
 
@@ -130,6 +155,7 @@ class OverlapContext:
     host: HostReader
     decompose: Callable[[KFACLayer, float], None]
     note_buffers: Callable[[int], None]
+    ddp: DistributedDataParallel | None = None
     flags: StepFlags = field(default_factory=StepFlags)
 
 
@@ -149,15 +175,48 @@ def backward_buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[lis
     return buckets
 
 
+@dataclass
+class _Launched:
+    """One gradient bucket whose reduction is in flight.
+
+    Attributes:
+        params: the bucket's parameters.
+        grads: the tensors reduced in place, one per parameter (``.grad``, or
+            DDP's views of its bucket, which DDP copies into ``.grad`` at the
+            end of the backward pass).
+        handles: the communicator's handles of the bucket's collectives.
+        future: under DDP, completes once the handles are settled (None: settle
+            the handles with :meth:`Communicator.wait`).
+    """
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    handles: list[Handle]
+    future: torch.futures.Future[torch.Tensor] | None = None
+
+    def ready(self) -> bool:
+        """Whether the reduction is complete (never blocks)."""
+        if self.future is not None:
+            return self.future.done()
+        return all(w.is_completed() for h in self.handles for w in h.works)
+
+
 class _StepState:
     """What one overlapped step has done so far."""
 
     def __init__(self, n_buckets: int) -> None:
+        # Own buckets only: gradients per parameter, parameters left per bucket.
         self.fired: dict[int, int] = {}
         self.left: list[int] = []
+        # Parameters of each layer still without their local gradient.
         self.layer_left: dict[str, int] = {}
-        self.handles: list[Handle] = []
-        self.done = 0  # buckets processed (reduced, their layers preconditioned and sent)
+        # Parameters of each layer still without their reduced gradient.
+        self.unreduced: dict[str, int] = {}
+        # The reduced gradient of each parameter, once its bucket is settled.
+        self.reduced: dict[int, torch.Tensor] = {}
+        self.launched: list[_Launched] = []
+        self.ddp_buckets: set[int] = set()
+        self.done = 0  # buckets settled (reduced, their layers preconditioned and sent)
         self.prepared: set[str] = set()
         self.results: dict[str, Preconditioned] = {}
         self.sends: list[tuple[list[KFACLayer], list[torch.Tensor], Handle]] = []
@@ -178,20 +237,39 @@ class OverlapEngine:
         self.comm = ctx.comm
         self.bcast_comm = self.comm.duplicate()
         self.layers = list(ctx.layers)
-        self.params = list(ctx.params)[::-1]  # the order a sequential backward produces them
-        self.buckets = backward_buckets(self.params, ctx.bucket_cap_bytes)
-        self.bucket_of = {id(self.params[i]): b for b, idx in enumerate(self.buckets) for i in idx}
         self.layers_of: dict[int, list[KFACLayer]] = {}
         for layer in self.layers:
             for p in layer.helper.parameters():
                 self.layers_of.setdefault(id(p), []).append(layer)
-        # A layer is sent once the last bucket holding one of its parameters is reduced.
-        self.last_bucket = {
-            x.name: max(self.bucket_of[id(p)] for p in x.helper.parameters()) for x in self.layers
-        }
         self.k = ctx.accumulation_steps
         self.state: _StepState | None = None
         self.inactive = False  # this step runs the ordinary step()
+        self._senders: tuple[int, dict[str, int]] | None = None
+        self.params = list(ctx.params)[::-1]  # the order a sequential backward produces them
+        self.buckets: list[list[int]] = []
+        if ctx.ddp is not None:
+            self._plain = self.comm.ddp_hook()
+
+            def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+                return self._ddp_hook(state, bucket)
+
+            # DDP checks the hook's annotations as objects; this module's are strings.
+            hook.__annotations__ = {
+                "state": object,
+                "bucket": dist.GradBucket,
+                "return": torch.futures.Future[torch.Tensor],
+            }
+            try:
+                ctx.ddp.register_comm_hook(None, hook)
+            except RuntimeError as err:
+                raise ValueError(
+                    "dpkfac: the overlapped mode runs as the DistributedDataParallel model's "
+                    f"communication hook, but the model refused it ({err}); a model can hold one "
+                    "hook: leave it to the preconditioner or use overlap=False"
+                ) from err
+            return
+        self.buckets = backward_buckets(self.params, ctx.bucket_cap_bytes)
+        self.bucket_of = {id(self.params[i]): b for b, idx in enumerate(self.buckets) for i in idx}
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._hook)
 
@@ -200,6 +278,17 @@ class OverlapEngine:
         assert plan is not None, "the overlapped mode runs with a final plan only"
         return plan
 
+    def _sender(self, layer: KFACLayer) -> int:
+        """The rank that preconditions and sends the layer (its owner), from the plan."""
+        plan = self._plan()
+        if self._senders is None or self._senders[0] != id(plan):
+            senders = {}
+            for x in self.layers:
+                (owner,) = plan.preconditioners[plan.index(x.name)]
+                senders[x.name] = owner
+            self._senders = (id(plan), senders)
+        return self._senders[1][layer.name]
+
     # ------------------------------------------------------------------ hooks
     def _begin(self) -> None:
         self.inactive = not self.ctx.flags.overlapped
@@ -207,11 +296,14 @@ class OverlapEngine:
             return
         st = _StepState(len(self.buckets))
         st.left = [len(b) for b in self.buckets]
-        st.layer_left = {x.name: len(set(map(id, x.helper.parameters()))) for x in self.layers}
+        for x in self.layers:
+            n = len(set(map(id, x.helper.parameters())))
+            st.layer_left[x.name] = st.unreduced[x.name] = n
         self.state = st
 
     @torch.no_grad()
     def _hook(self, param: nn.Parameter) -> None:
+        """A parameter's gradient is accumulated (own buckets, without DDP)."""
         if self.state is None and not self.inactive:
             self._begin()
         st = self.state
@@ -228,38 +320,131 @@ class OverlapEngine:
                 f"number {n} since the last step()"
             )
         st.left[self.bucket_of[key]] -= 1
-        for layer in self.layers_of.get(key, ()):
-            st.layer_left[layer.name] -= 1
-            if st.layer_left[layer.name] == 0 and self._plan().captures(self.comm.rank, layer.name):
-                self._prepare(layer)
-        self._launch(ready_only=True)
+        ready = self._arrived([param])
+        self._launch_own(ready_only=True)
+        self._prepare_all(ready)
         self._poll(block=False)
 
-    # ------------------------------------------------------------- the work
-    def _launch(self, *, ready_only: bool) -> None:
-        """All-reduce the next buckets in plan order (complete ones only when ``ready_only``)."""
+    @torch.no_grad()
+    def _ddp_hook(self, _: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP's communication hook: reduce the bucket as the step's mode says."""
+        if self.state is None and not self.inactive:
+            self._begin()
+        st = self.state
+        if st is None:  # an ordinary step: average the bucket, as DDP's default hook
+            return self._plain(None, bucket)
+        index = bucket.index()
+        if index in st.ddp_buckets:
+            raise RuntimeError(
+                "dpkfac: dp_kfac with overlap=True under DistributedDataParallel needs one "
+                "synchronised backward pass per step(), but DDP reduced bucket "
+                f"{index} twice since the last step(): run the other micro-batches of an "
+                "accumulated step under model.no_sync()"
+            )
+        st.ddp_buckets.add(index)
+        params = list(bucket.parameters())
+        grads = list(bucket.gradients())
+        launched = _Launched(params, grads, self._reduce(params, grads))
+        buffer = bucket.buffer()
+        launched.future = self.comm.settled(launched.handles, buffer)
+        st.launched.append(launched)
+        self._prepare_all(self._arrived(params))
+        self._poll(block=False)
+        return launched.future
+
+    def _arrived(self, params: Sequence[torch.Tensor]) -> list[KFACLayer]:
+        """Count the parameters' local gradients; the layers this rank captures that now
+        have all of theirs (ready to fold)."""
         st = self.state
         assert st is not None
-        while len(st.handles) < st.n_buckets:
-            b = len(st.handles)
+        ready = []
+        rank = self.comm.rank
+        for param in params:
+            for layer in self.layers_of.get(id(param), ()):
+                st.layer_left[layer.name] -= 1
+                if st.layer_left[layer.name] == 0 and self._plan().captures(rank, layer.name):
+                    ready.append(layer)
+        return ready
+
+    # ------------------------------------------------------------- the work
+    def _reduce(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+    ) -> list[Handle]:
+        """Launch one bucket's reduction: an all-reduce, or with the owner reduction a
+        reduce-scatter of the K-FAC layers' gradients onto their owners and an all-reduce of
+        the rest."""
+        cat = "grad_allreduce"
+        if not self.ctx.flags.owner:
+            return [self.comm.allreduce_mean(grads, cat, async_op=True, overlapped=True)]
+        shards: list[list[torch.Tensor]] = [[] for _ in range(self.comm.size)]
+        others = []
+        for p, g in zip(params, grads, strict=True):
+            layers = self.layers_of.get(id(p))
+            if layers:
+                shards[self._sender(layers[0])].append(g)
+            else:
+                others.append(g)
+        return [
+            self.comm.reduce_scatter_mean(
+                shards, cat, async_op=True, overlapped=True, futures=self.ctx.ddp is not None
+            ),
+            self.comm.allreduce_mean(others, cat, async_op=True, overlapped=True),
+        ]
+
+    def _launch_own(self, *, ready_only: bool) -> None:
+        """Reduce the next own buckets in order (complete ones only when ``ready_only``)."""
+        st = self.state
+        assert st is not None
+        while len(st.launched) < st.n_buckets:
+            b = len(st.launched)
             if ready_only and st.left[b] > 0:
                 return
-            grads = [g for i in self.buckets[b] if (g := self.params[i].grad) is not None]
-            st.handles.append(
-                self.comm.allreduce_mean(grads, "grad_allreduce", async_op=True, overlapped=True)
-            )
+            params: list[torch.Tensor] = [
+                self.params[i] for i in self.buckets[b] if self.params[i].grad is not None
+            ]
+            grads = [g for p in params if (g := p.grad) is not None]
+            st.launched.append(_Launched(params, grads, self._reduce(params, grads)))
 
     def _poll(self, *, block: bool) -> None:
-        """Process reduced buckets in order; without ``block`` stop at the first one in flight."""
+        """Settle reduced buckets in order; without ``block`` stop at the first one in flight."""
         st = self.state
         assert st is not None
-        while st.done < len(st.handles):
-            handle = st.handles[st.done]
-            if not block and not all(w.is_completed() for w in handle.works):
+        while st.done < len(st.launched):
+            launched = st.launched[st.done]
+            if not block and not launched.ready():
                 return
-            self.comm.wait(handle)  # done: only unpacks (timed as grad_comm)
-            self._send(st.done)
+            self._settle(launched)
             st.done += 1
+            self._send(self._completed(launched))
+
+    def _settle(self, launched: _Launched) -> None:
+        """Wait for a bucket's reduction (timed as grad_comm) and note its reduced gradients."""
+        st = self.state
+        assert st is not None
+        if launched.future is not None:
+            with self.ctx.timer.phase("grad_comm"):
+                launched.future.wait()
+        else:
+            for handle in launched.handles:
+                self.comm.wait(handle)
+        for p, g in zip(launched.params, launched.grads, strict=True):
+            st.reduced[id(p)] = g
+
+    def _completed(self, launched: _Launched) -> list[KFACLayer]:
+        """The layers whose last unreduced parameter was in this bucket, in module order."""
+        st = self.state
+        assert st is not None
+        done: set[str] = set()
+        for p in launched.params:
+            for layer in self.layers_of.get(id(p), ()):
+                st.unreduced[layer.name] -= 1
+                if st.unreduced[layer.name] == 0:
+                    done.add(layer.name)
+        return [x for x in self.layers if x.name in done]
+
+    def _prepare_all(self, layers: Sequence[KFACLayer]) -> None:
+        for layer in layers:
+            self._prepare(layer)
 
     def _prepare(self, layer: KFACLayer) -> None:
         """Fold the owner's pending batch factors; decompose on decomposition steps."""
@@ -284,11 +469,19 @@ class OverlapEngine:
             return None
         return torch.stack(flags).all()
 
+    def _grad_matrix(self, layer: KFACLayer) -> torch.Tensor:
+        """The layer's reduced gradient as (d_out, a_dim): its bucket's copy, which under DDP
+        reaches ``.grad`` only at the end of the backward pass."""
+        st = self.state
+        assert st is not None
+        grad = layer.helper.grad_matrix(lambda p: st.reduced.get(id(p), p.grad))
+        assert grad is not None, "only a layer with a gradient is preconditioned"
+        return grad
+
     def _precondition(self, layer: KFACLayer) -> Preconditioned:
         """As ``KFACPreconditioner._precondition`` for one layer (its gradient is averaged)."""
         with self.ctx.timer.phase("precondition"):
-            grad = layer.helper.grad_matrix()
-            assert grad is not None
+            grad = self._grad_matrix(layer)
             res = precondition_layer(layer, grad, self.ctx.flags.damping)
             valid = self._valid(layer)
             if res.preconditioned is False or valid is None:
@@ -299,22 +492,20 @@ class OverlapEngine:
                 valid.clone(),
             )
 
-    def _send(self, bucket: int) -> None:
-        """Precondition the layers whose last bucket is ``bucket`` and broadcast them, per owner."""
+    def _send(self, layers: Sequence[KFACLayer]) -> None:
+        """Precondition the layers a settled bucket completed, where this rank owns them, and
+        exchange the updates: per owner a broadcast, or with the owner reduction one all-gather
+        per dtype."""
         st = self.state
         assert st is not None
         rank, size = self.comm.rank, self.comm.size
         with_kl = self.ctx.with_kl
-        for owner in range(size):
-            sent = [
-                x
-                for x in self.layers
-                if self.last_bucket[x.name] == bucket
-                and self._plan().sends_update(owner, x.name)
-                and x.module.weight.grad is not None
-            ]
-            if not sent:
-                continue
+        sent_by: list[list[KFACLayer]] = [[] for _ in range(size)]
+        for x in layers:
+            if x.module.weight.grad is not None:
+                sent_by[self._sender(x)].append(x)
+        buffers_by: list[list[torch.Tensor]] = []
+        for owner, sent in enumerate(sent_by):
             buffers: list[torch.Tensor] = []
             for layer in sent:
                 res = None
@@ -323,16 +514,37 @@ class OverlapEngine:
                     res = self._precondition(layer)
                     st.results[layer.name] = res
                 buffers += update_buffers(layer, res, with_kl=with_kl)
-            if not self.comm.active:
-                continue
-            handle = self.bcast_comm.broadcast(
-                buffers,
-                owner,
+            buffers_by.append(buffers)
+        if not self.comm.active:
+            return
+        cap = self.ctx.bucket_cap_bytes
+        if not self.ctx.flags.owner:
+            for owner, (sent, buffers) in enumerate(zip(sent_by, buffers_by, strict=True)):
+                if sent:
+                    handle = self.bcast_comm.broadcast(
+                        buffers, owner, "precond_broadcast", cap_bytes=cap, async_op=True
+                    )
+                    st.sends.append((sent, buffers, handle))
+            return
+        if not any(sent_by):
+            return
+        dtypes = sorted({b.dtype for bs in buffers_by for b in bs}, key=str)
+        handles = [
+            self.bcast_comm.all_gather(
+                [[b for b in bs if b.dtype == dtype] for bs in buffers_by],
                 "precond_broadcast",
-                cap_bytes=self.ctx.bucket_cap_bytes,
+                cap_bytes=cap,
                 async_op=True,
             )
-            st.sends.append((sent, buffers, handle))
+            for dtype in dtypes
+        ]
+        for i, handle in enumerate(handles):
+            last = i == len(handles) - 1  # the updates are read once every dtype arrived
+            for sent, buffers in zip(sent_by, buffers_by, strict=True):
+                if sent and last:
+                    st.sends.append((sent, buffers, handle))
+            if not last:
+                st.sends.append(([], [], handle))
 
     # ------------------------------------------------------------- step()
     def finish(self) -> dict[str, Preconditioned] | None:
@@ -340,7 +552,7 @@ class OverlapEngine:
         st, self.state = self.state, None
         inactive, self.inactive = self.inactive, False
         if st is None:
-            if inactive or not self.ctx.flags.overlapped:
+            if inactive or not self.ctx.flags.overlapped or self.ctx.ddp is not None:
                 return None
             self._begin()  # no backward this step (or no hook fired): do it all here
             st, self.state = self.state, None
@@ -351,7 +563,8 @@ class OverlapEngine:
             for layer in self.layers:
                 if self._plan().captures(self.comm.rank, layer.name):
                     self._prepare(layer)  # layers without gradients still fold their factors
-            self._launch(ready_only=False)
+            if self.ctx.ddp is None:
+                self._launch_own(ready_only=False)
             self._poll(block=True)
             final = self._collect(st)
             self._check_factors(st)
@@ -360,14 +573,15 @@ class OverlapEngine:
         return final
 
     def _collect(self, st: _StepState) -> dict[str, Preconditioned]:
-        """Wait for the broadcasts; the updates in the form ``share_preconditioned`` gives."""
+        """Wait for the exchanges; the updates in the form ``share_preconditioned`` gives."""
         if not self.comm.active:
             return st.results
         with_kl = self.ctx.with_kl
         out: dict[str, Preconditioned] = {}
         for sent, buffers, handle in st.sends:
             self.bcast_comm.wait(handle)
-            out.update(received_updates(sent, buffers, with_kl=with_kl))
+            if sent:
+                out.update(received_updates(sent, buffers, with_kl=with_kl))
         return out
 
     def _check_factors(self, st: _StepState) -> None:

@@ -290,17 +290,10 @@ class KFACPreconditioner:
         self._arm(0)
 
     def _can_overlap(self, *, explicit: bool) -> bool:
-        """Whether to install the overlapped mode: where the options ask for it (then a DDP
-        model or a loss scaler is an error) or "auto" may choose it (then they rule it out)."""
+        """Whether to install the overlapped mode: where the options ask for it (then a loss
+        scaler is an error) or "auto" may choose it (then a scaler rules it out)."""
         if not self.strategy.scheme.may_overlap(self.strategy.options):
             return False
-        if self.ddp:
-            if not explicit:
-                return False
-            raise ValueError(
-                "overlap=True with a DistributedDataParallel model: the overlap reduces the "
-                "gradients itself; pass the unwrapped module"
-            )
         if self.grad_scaler is not None:
             if not explicit:
                 return False
@@ -311,7 +304,8 @@ class KFACPreconditioner:
         return True
 
     def _install_overlap(self) -> OverlapEngine:
-        """The overlapped mode's gradient hooks, with the narrow view of the run it needs."""
+        """The overlapped mode's gradient hooks (DDP's communication hook on a DDP model), with
+        the narrow view of the run it needs."""
         reduced = self._kfac_params | {id(p) for p in self._other_params}
         seen: set[int] = set()
         params = []
@@ -331,6 +325,7 @@ class KFACPreconditioner:
                 host=self.host,
                 decompose=self._decompose_layer,
                 note_buffers=self._note_buffers,
+                ddp=self.model if isinstance(self.model, DistributedDataParallel) else None,
             )
         )
 
@@ -351,6 +346,7 @@ class KFACPreconditioner:
         flags.plan = self.strategy.plan
         flags.capture = self._capture
         flags.decompose = self._is_inv_step(step)
+        flags.owner = self.strategy.traits.owner_grad_reduction
         flags.overlapped = (
             self.strategy.traits.overlapped_precondition
             and self.strategy.placed
@@ -592,10 +588,6 @@ class KFACPreconditioner:
         ]
         if not strategy.configured:
             scheme = strategy.scheme
-
-            def runnable(c: StrategyOptions) -> bool:  # overlapped only with the hooks in place
-                return self._overlap is not None or not scheme.traits(c).overlapped_precondition
-
             chosen, self.choice = resolve(
                 scheme,
                 strategy.options,

@@ -99,6 +99,17 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "dp_kfac",
         {"overlap": True, "kl_clip": 0.001, "bucket_cap_mb": 30 * ITEM / 2**20},
     ),
+    # Owner reduction overlapped: a reduce-scatter per bucket, an all-gather of its updates.
+    "dp-owner-overlap-kl-capped": (
+        "tiny",
+        "dp_kfac",
+        {
+            "grad_reduction": "owner",
+            "overlap": True,
+            "kl_clip": 0.001,
+            "bucket_cap_mb": 30 * ITEM / 2**20,
+        },
+    ),
     "dp-attn": ("attn", "dp_kfac", {}),
     "d-eigen": ("tiny", "d_kfac", {}),
     "d-inverse-capped": (

@@ -452,16 +452,20 @@ def predict(
     if roles is not None and traits is not None and opts is not None:
         placement = roles.placement
         shared: list[tr.Collective] | None = None
-        if traits.overlapped_precondition and active and not ddp:
+        if traits.overlapped_precondition and active:
+            # Under DDP the mode is DDP's communication hook: DDP's buckets, accounted.
             overlap = tr.overlap_buckets(
                 model,
                 roles,
                 itemsize=param_itemsize,
                 cap_bytes=cap,
                 kl_clip=kfac.kl_clip is not None,
+                ddp=ddp,
+                backend=hw.backend if backend is None else backend,
             )
             every, shared = tr.overlap_collectives(overlap)
-        if traits.owner_grad_reduction and active and not ddp:
+            ddp_buckets = None
+        elif traits.owner_grad_reduction and active and not ddp:
             every = tr.grad_collectives(
                 model, p, itemsize=param_itemsize, cap_bytes=cap, owners=placement.owner
             )

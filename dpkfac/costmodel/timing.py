@@ -313,6 +313,7 @@ def _ready_times(
 
 def _overlap_backward(
     model: ModelShapes,
+    plan: Plan,
     hw: Hardware,
     p: int,
     seconds: list[dict[str, float]],
@@ -328,8 +329,8 @@ def _overlap_backward(
     One link, buckets in backward order (:func:`dpkfac.costmodel.traffic.overlap_buckets`,
     the runtime's own): a bucket's all-reduce starts once the backward has
     made its gradients ready (:func:`_ready_times`), the owners precondition
-    the layers it completes once it is reduced, and those layers' update
-    broadcasts follow; the link serves whichever is ready first.
+    the layers it completes once it is reduced (each its own, side by side), and
+    those layers' update exchange follows; the link serves whichever is ready first.
     Decomposition and preconditioning run on the compute stream, so they
     lengthen the backward (they stay in the breakdown). Only the link's tail
     past the end of that compute is exposed, to the extent the hardware
@@ -342,6 +343,7 @@ def _overlap_backward(
         return
     _, ends, backward_end = _walk(model, hw, weight_sharing, itemsize, factors)
     ready = _ready_times([b.params for b in buckets], ends)
+    owners = [group[0] for group in plan.preconditioners]
     pre_coeff = 4.0 if compute_method == "eigen" else 2.0
 
     def link_time(c: tr.Collective) -> float:
@@ -362,9 +364,14 @@ def _overlap_backward(
             t = max(t, arrival) + dur
             continue
         b = buckets[j]
-        t = next_grad + link_time(b.grad)
+        t = next_grad + sum(link_time(c) for c in b.grads)
         if b.updates:
-            prec = sum(prec_time(i) for i in b.layers)
+            # Each owner preconditions its own layers; the exchange waits for the slowest.
+            by_owner: dict[int, float] = {}
+            for i in b.layers:
+                owner = owners[i]
+                by_owner[owner] = by_owner.get(owner, 0.0) + prec_time(i)
+            prec = max(by_owner.values(), default=0.0)
             queued.append((t + prec, sum(link_time(c) for c in b.updates)))
             queued.sort()
         j += 1
@@ -450,8 +457,10 @@ def step_prediction(
         for t in seconds:
             t["factor_comm"] = hidden + (1.0 - hw.overlap) * (t["factor_comm"] - unpack) + unpack
     if traits is not None and traits.overlapped_precondition and overlap:
+        assert plan is not None, "the overlapped mode is K-FAC's"
         _overlap_backward(
             model,
+            plan,
             hw,
             p,
             seconds,

@@ -26,7 +26,7 @@ from dpkfac.comm import triangle_numel
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.plan.assignment import Placement
 from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap, shard_rounds, size_cap_buckets
-from dpkfac.plan.hardware import uneven_all_gather, wire_bytes
+from dpkfac.plan.hardware import reduce_scatter_future, uneven_all_gather, wire_bytes
 from dpkfac.plan.roles import Plan
 from dpkfac.plan.traits import Traits
 from dpkfac.stats import COMM_CATEGORIES
@@ -360,14 +360,18 @@ class OverlapBucket:
     Attributes:
         params: (layer index or -1, elements) of the parameters it holds, in
             backward order.
-        grad: its gradient all-reduce.
+        grads: its gradient reduction: one all-reduce, or under the owner
+            reduction a reduce-scatter of its K-FAC layers' gradients onto their
+            owners (rooted reduces per owner where the hook needs futures the
+            backend's reduce-scatter lacks) and an all-reduce of the rest.
         layers: the layers whose last parameter it holds: they are
             preconditioned once it is reduced.
-        updates: the broadcasts of those layers' updates (per owner, capped).
+        updates: the exchange of those layers' updates (per owner a capped
+            broadcast, or under the owner reduction an all-gather per round).
     """
 
     params: tuple[tuple[int, int], ...]
-    grad: Collective
+    grads: tuple[Collective, ...]
     layers: tuple[int, ...]
     updates: tuple[Collective, ...]
 
@@ -379,50 +383,99 @@ def overlap_buckets(
     itemsize: int,
     cap_bytes: int,
     kl_clip: bool,
+    ddp: bool = False,
+    backend: str = "nccl",
 ) -> list[OverlapBucket]:
-    """The overlapped mode's backward buckets, each with its all-reduce and update broadcasts.
+    """The overlapped mode's backward buckets, each with its reduction and update exchange.
 
-    The parameters, in reverse model order (the order a sequential backward
-    produces them), are cut into buckets under the cap
-    (:func:`dpkfac.overlap.backward_buckets`, one dtype); each bucket is one
-    all-reduce. A layer is sent once the last bucket holding one of its
-    parameters is reduced: per bucket and owner, one capped broadcast of those
-    layers' updates (with their two KL scalars when the clip is on).
+    Without DDP the parameters, in reverse model order (the order a
+    sequential backward produces them), are cut into buckets under the cap
+    (:func:`dpkfac.overlap.backward_buckets`, one dtype); under DDP they are
+    DDP's own buckets (:func:`ddp_bucket_params`), which its communication
+    hook hands over. A layer is sent once the last bucket holding one of its
+    parameters is reduced. With the all-reduce, per bucket and owner one
+    capped broadcast of those layers' updates; under the owner reduction
+    (``Traits.owner_grad_reduction``) a reduce-scatter per bucket and one
+    all-gather of the updates per round (:func:`sharded_collectives`;
+    broadcasts per owner where the ``backend`` cannot gather uneven shards).
+    Each update travels with its two KL scalars when the clip is on.
     """
     p = plan.world_size
-    params = list(model.param_order())[::-1]
-    buckets = size_cap_buckets([n * itemsize for _, n in params], cap_bytes)
+    owner_reduction = plan.traits.owner_grad_reduction
+    if ddp:
+        buckets = [
+            tuple(b) for b in ddp_bucket_params(model, itemsize=itemsize, cap_bytes=cap_bytes)
+        ]
+    else:
+        params = list(model.param_order())[::-1]
+        runs = size_cap_buckets([n * itemsize for _, n in params], cap_bytes)
+        buckets = [tuple(params[i] for i in run) for run in runs]
+    owner_of = [plan.preconditioners[i][0] for i in range(len(model))]
     last: dict[int, int] = {}
-    for b, bucket in enumerate(buckets):
-        for i in bucket:
-            if params[i][0] >= 0:
-                last[params[i][0]] = b
+    for b, held in enumerate(buckets):
+        for layer, _ in held:
+            if layer >= 0:
+                last[layer] = b
     out = []
-    for b, bucket in enumerate(buckets):
-        held = tuple(params[i] for i in bucket)
-        grad = Collective("grad_allreduce", "allreduce", sum(n for _, n in held) * itemsize, p)
+    for b, held in enumerate(buckets):
+        grads = _bucket_reduction(held, owner_of, p, itemsize, owner_reduction, ddp, backend)
         layers = tuple(i for i in range(len(model)) if last.get(i) == b)
-        updates: list[Collective] = []
-        for owner in range(p):
-            sizes = [
+        sent = [
+            [
                 n * itemsize
                 for i in layers
-                if plan.sends_update(owner, i)
+                if owner_of[i] == owner
                 for n in (
                     (model[i].g_dim * model[i].a_dim, 2)
                     if kl_clip
                     else (model[i].g_dim * model[i].a_dim,)
                 )
             ]
-            updates += _collectives("precond_broadcast", "broadcast", sizes, cap_bytes, p)
-        out.append(OverlapBucket(held, grad, layers, tuple(updates)))
+            for owner in range(p)
+        ]
+        updates: list[Collective] = []
+        if owner_reduction and uneven_all_gather(backend):
+            if any(sent):
+                updates = sharded_collectives("precond_broadcast", "all_gather", sent, cap_bytes)
+        else:
+            for sizes in sent:
+                updates += _collectives("precond_broadcast", "broadcast", sizes, cap_bytes, p)
+        out.append(OverlapBucket(held, grads, layers, tuple(updates)))
     return out
+
+
+def _bucket_reduction(
+    held: Sequence[tuple[int, int]],
+    owner_of: Sequence[int],
+    p: int,
+    itemsize: int,
+    owner_reduction: bool,
+    ddp: bool,
+    backend: str,
+) -> tuple[Collective, ...]:
+    """One overlapped bucket's gradient collectives, as ``OverlapEngine._reduce`` launches
+    them."""
+    cat = "grad_allreduce"
+    if not owner_reduction:
+        return (Collective(cat, "allreduce", sum(n for _, n in held) * itemsize, p),)
+    shards = [
+        [n * itemsize for layer, n in held if layer >= 0 and owner_of[layer] == r] for r in range(p)
+    ]
+    others = sum(n for layer, n in held if layer < 0) * itemsize
+    out: list[Collective] = []
+    if ddp and not reduce_scatter_future(backend):
+        out += [Collective(cat, "reduce", sum(s), p) for s in shards if s]
+    elif any(shards):
+        out.append(Collective(cat, "reduce_scatter", sum(map(sum, shards)), p))
+    if others:
+        out.append(Collective(cat, "allreduce", others, p))
+    return tuple(out)
 
 
 def overlap_collectives(
     buckets: Sequence[OverlapBucket],
 ) -> tuple[list[Collective], list[Collective]]:
     """The overlapped mode's gradient all-reduces and update broadcasts (one rank's view)."""
-    grads = [b.grad for b in buckets]
+    grads = [c for b in buckets for c in b.grads]
     updates = [c for b in buckets for c in b.updates]
     return grads, updates

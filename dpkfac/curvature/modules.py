@@ -19,6 +19,7 @@ window sums, neither with im2col; "unfold" is the original im2col path.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, Generic, TypeAlias, TypeVar
 
 import torch
@@ -131,15 +132,24 @@ class ModuleHelper(ABC, Generic[ModuleT]):
             params.append(bias)
         return params
 
-    def grad_matrix(self) -> torch.Tensor | None:
-        """The gradient as (d_out, a_dim), or None when the layer got no gradient."""
+    def grad_matrix(
+        self, grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    ) -> torch.Tensor | None:
+        """The gradient as (d_out, a_dim), or None when the layer got no gradient.
+
+        ``grad_of`` maps a parameter to the gradient to read (default: its
+        ``.grad``); the overlapped mode reads DDP's bucket copy, which reaches
+        ``.grad`` only at the end of the backward pass.
+        """
+        read = grad_of if grad_of is not None else (lambda p: p.grad)
         weight = self.module.weight
-        if weight.grad is None:
+        weight_grad = read(weight)
+        if weight_grad is None:
             return None
-        grad = weight.grad.reshape(weight.shape[0], -1)
+        grad = weight_grad.reshape(weight.shape[0], -1)
         bias = self.module.bias
         if bias is not None:
-            bias_grad = bias.grad
+            bias_grad = read(bias)
             if bias_grad is None:
                 bias_grad = torch.zeros_like(bias)
             grad = torch.cat([grad, bias_grad.reshape(-1, 1)], dim=1)

@@ -37,12 +37,12 @@ class DPKFACOptions(StrategyOptions):
             "best" (whichever of the two has the lower busiest-rank cost).
         assignment_cost: a name in :data:`dpkfac.plan.assignment.COSTS` or a
             callable ``LayerShape -> float``.
-        overlap: reduce gradients in fused buckets in backward order from
-            gradient hooks, and let each owner precondition and broadcast a
-            layer as soon as its averaged gradient is there, during the
-            backward pass (:mod:`dpkfac.overlap`). Needs
-            ``grad_reduction="allreduce"``, a model not wrapped in DDP and no
-            ``grad_scaler``. "auto": chosen at the first step by the cost model.
+        overlap: reduce gradients in fused buckets in backward order (DDP's
+            own buckets, from its communication hook, on a DDP model), and let
+            each owner precondition and send a layer as soon as its reduced
+            gradient is there, during the backward pass (:mod:`dpkfac.overlap`);
+            with either ``grad_reduction``. Needs no ``grad_scaler``. "auto":
+            chosen at the first step by the cost model.
         hardware / auto_tolerance / auto_intervals: how "auto" prices the
             candidates, as grouped's (:class:`~dpkfac.plan.grouped.GroupedOptions`).
             Every candidate gives the same update: "auto" only chooses how it
@@ -61,11 +61,6 @@ class DPKFACOptions(StrategyOptions):
         check_choice("grad_reduction", self.grad_reduction, (*GRAD_REDUCTIONS, AUTO))
         if not isinstance(self.overlap, bool) and self.overlap != AUTO:
             raise ValueError(f"overlap must be a bool or 'auto', got {self.overlap!r}")
-        if self.overlap is True and self.grad_reduction != "allreduce":
-            raise ValueError(
-                f"overlap=True does not support grad_reduction={self.grad_reduction!r}; "
-                "use grad_reduction='allreduce'"
-            )
         check_choice("assignment", self.assignment, ASSIGNMENTS)
         if not callable(self.assignment_cost):
             check_choice("assignment_cost", self.assignment_cost, tuple(COSTS))
@@ -142,25 +137,18 @@ class DPKFACScheme(Scheme):
     @classmethod
     def may_overlap(cls, options: StrategyOptions) -> bool:
         assert isinstance(options, DPKFACOptions)
-        return options.overlap is True or (
-            options.overlap == AUTO and options.grad_reduction in ("allreduce", AUTO)
-        )
+        return options.overlap is True or options.overlap == AUTO
 
     @classmethod
     def candidates(cls, options: StrategyOptions, world_size: int) -> list[StrategyOptions]:
-        """Every (gradient reduction, overlap) pair the options leave open; overlap only with
-        the all-reduce. All give the same update."""
+        """Every (gradient reduction, overlap) pair the options leave open. All give the same
+        update."""
         assert isinstance(options, DPKFACOptions)
         reductions = (
             GRAD_REDUCTIONS if options.grad_reduction == AUTO else (options.grad_reduction,)
         )
         overlaps = (False, True) if options.overlap == AUTO else (options.overlap,)
-        return [
-            replace(options, grad_reduction=r, overlap=o)
-            for r in reductions
-            for o in overlaps
-            if not (o and r != "allreduce")
-        ]
+        return [replace(options, grad_reduction=r, overlap=o) for r in reductions for o in overlaps]
 
     @classmethod
     def preference(cls, options: StrategyOptions) -> tuple[float, ...]:

@@ -42,6 +42,7 @@ __all__ = [
     "add_work",
     "calibrate",
     "nnls",
+    "reduce_scatter_future",
     "scaled",
     "uneven_all_gather",
     "wire_bytes",
@@ -414,4 +415,11 @@ def scaled(hardware: Hardware, *, network: float = 1.0, compute: float = 1.0) ->
 
 def uneven_all_gather(backend: str) -> bool:
     """Whether ``backend`` gathers shards of different sizes in one call (gloo does not)."""
+    return backend != "gloo"
+
+
+def reduce_scatter_future(backend: str) -> bool:
+    """Whether ``backend``'s reduce-scatter completes a future (gloo's does not), which a DDP
+    communication hook must return; without it the shards are reduced onto their owners by
+    one rooted reduce each."""
     return backend != "gloo"
