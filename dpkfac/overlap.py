@@ -142,6 +142,9 @@ class OverlapContext:
         note_buffers: records the bytes of batch factors awaiting their fold.
         ddp: the DistributedDataParallel model whose buckets the engine reduces
             from its communication hook (None: the engine's own hooks and buckets).
+        scaled: the gradients are a loss scaler's, still scaled (``step()`` runs
+            before ``scaler.unscale_``): a step whose exchanged gradients overflowed
+            is skipped by the scaler, so its factor folds are reverted on every rank.
         flags: the current step's flags (the preconditioner updates them in place).
     """
 
@@ -156,6 +159,7 @@ class OverlapContext:
     decompose: Callable[[KFACLayer, float], None]
     note_buffers: Callable[[int], None]
     ddp: DistributedDataParallel | None = None
+    scaled: bool = False
     flags: StepFlags = field(default_factory=StepFlags)
 
 
@@ -456,7 +460,8 @@ class OverlapEngine:
         flags = self.ctx.flags
         if flags.capture:  # batch factors are pending on capture steps only
             self.ctx.note_buffers(sum(x.pending_nbytes() for x in self.layers))
-        st.folds += [(layer, record) for record in layer.fold_masked(flags.decay)]
+        records = layer.fold_masked(flags.decay, keep=self.ctx.scaled)
+        st.folds += [(layer, record) for record in records]
         if flags.decompose:
             self.ctx.decompose(layer, flags.damping)
 
@@ -567,7 +572,7 @@ class OverlapEngine:
                 self._launch_own(ready_only=False)
             self._poll(block=True)
             final = self._collect(st)
-            self._check_factors(st)
+            self._check_factors(st, final)
         finally:
             self.state = None
         return final
@@ -584,13 +589,43 @@ class OverlapEngine:
                 out.update(received_updates(sent, buffers, with_kl=with_kl))
         return out
 
-    def _check_factors(self, st: _StepState) -> None:
-        """Read the step's finiteness flags at once; warn, and undo first averages of NaN/Inf."""
+    def _check_factors(self, st: _StepState, final: dict[str, Preconditioned]) -> None:
+        """Read the step's finiteness flags at once; warn, and undo first averages of NaN/Inf.
+
+        With a loss scaler, the same read says whether the exchanged gradients
+        overflowed, a value identical on every rank (the updates and the averaged
+        gradients are): the scaler then skips the step, and every rank reverts
+        the step's folds (and, on a decomposition step, decomposes the factors
+        it restored), without a warning, as the ordinary ``step()`` skips them.
+        """
         if not st.folds:
             return
         device = st.folds[0][1].finite.device
-        finite = self.ctx.host.flags(torch.stack([r.finite.to(device) for _, r in st.folds]))
-        for (layer, record), ok in zip(st.folds, finite, strict=True):
+        checks = [r.finite.to(device) for _, r in st.folds]
+        if self.ctx.scaled:
+            checks.append(self._all_finite(final).to(device))
+        finite = self.ctx.host.flags(torch.stack(checks))
+        if self.ctx.scaled and not finite[-1]:
+            for layer, record in reversed(st.folds):
+                layer.revert_fold(record)
+            if self.ctx.flags.decompose:
+                for layer in dict.fromkeys(layer for layer, _ in st.folds):
+                    self.ctx.decompose(layer, self.ctx.flags.damping)
+            return
+        for (layer, record), ok in zip(st.folds, finite, strict=False):
             if not ok:
                 warn_non_finite(layer.name, record.which, stacklevel=5)
                 layer.undo_fold(record)
+
+    def _all_finite(self, final: dict[str, Preconditioned]) -> torch.Tensor:
+        """Device flag: every exchanged update and every averaged gradient of the parameters
+        of no K-FAC layer is finite (the values every rank holds alike)."""
+        tensors = [res.matrix for res in final.values()]
+        tensors += [
+            g for p in self.params if id(p) not in self.layers_of and (g := p.grad) is not None
+        ]
+        device = tensors[0].device if tensors else self.comm.device
+        flags = [torch.isfinite(t).all().to(device) for t in tensors]
+        return (
+            torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
+        )

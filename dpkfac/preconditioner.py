@@ -134,10 +134,17 @@ class KFACPreconditioner:
             with its loss divided by this number (gradient accumulation).
         grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision run.
             G is then built from unscaled output gradients, and the factor
-            update is skipped on steps whose gradients overflowed (the steps
-            the scaler skips). Call ``scaler.unscale_(optimizer)`` before
-            ``pre.step()``. With several ranks the model must be DDP-wrapped,
-            so every rank's scaler sees the same averaged gradients.
+            update is skipped on every rank on steps whose averaged gradients
+            overflowed (the steps the scaler skips). Call
+            ``scaler.unscale_(optimizer)`` before ``pre.step()``; with several
+            ranks the model must then be DDP-wrapped, so every rank's scaler
+            sees the same averaged gradients. With the overlapped mode
+            (``overlap``), where a rank holds unreduced gradients of the layers
+            it does not own until the updates arrive, the order is the other
+            way (``takes_scaled_gradients``): ``pre.step()`` takes the scaled
+            gradients and leaves every rank the same ones, then
+            ``scaler.step(optimizer)`` unscales them and decides, alike on
+            every rank; the KL clip divides out ``s²``. DDP is then optional.
         fidelity_every: every this many steps (``step % fidelity_every == 0``)
             run the curvature-fidelity probe (:mod:`dpkfac.fidelity`): the
             probed layers' batch factors are captured on every rank and
@@ -248,11 +255,17 @@ class KFACPreconditioner:
         self.strategy: Strategy = self._build_strategy(scheme, own_options)
         #: Every candidate "auto" priced at the first step (empty when nothing was "auto").
         self.choice: list[Candidate] = []
-        if grad_scaler is not None and self.comm.active and not self.ddp:
+        overlaps = self.strategy.scheme.may_overlap(self.strategy.options)
+        #: Whether ``step()`` takes the gradients still scaled by ``grad_scaler``: with the
+        #: overlapped mode, call ``pre.step()`` before ``scaler.step(optimizer)`` and do not
+        #: call ``scaler.unscale_`` first (see ``grad_scaler``).
+        self.takes_scaled_gradients = grad_scaler is not None and overlaps
+        if grad_scaler is not None and self.comm.active and not self.ddp and not overlaps:
             raise ValueError(
-                "grad_scaler with more than one rank needs a DistributedDataParallel model: the "
-                "scaler decides whether to skip a step from the gradients it unscales, which "
-                "must already be averaged across ranks or the ranks would disagree"
+                "grad_scaler with more than one rank needs a DistributedDataParallel model "
+                "(or the overlapped mode, overlap=True): the scaler decides whether to skip a "
+                "step from the gradients it unscales, which must already be averaged across "
+                "ranks or the ranks would disagree"
             )
         self.layers: dict[str, KFACLayer] = self._register()
         self._track_parameters()
@@ -284,24 +297,8 @@ class KFACPreconditioner:
                 grad_scaler=grad_scaler,
             )
         #: The overlapped execution mode, where the options ask for it or "auto" may.
-        self._overlap: OverlapEngine | None = None
-        if self._can_overlap(explicit=self.strategy.traits.overlapped_precondition):
-            self._overlap = self._install_overlap()
+        self._overlap: OverlapEngine | None = self._install_overlap() if overlaps else None
         self._arm(0)
-
-    def _can_overlap(self, *, explicit: bool) -> bool:
-        """Whether to install the overlapped mode: where the options ask for it (then a loss
-        scaler is an error) or "auto" may choose it (then a scaler rules it out)."""
-        if not self.strategy.scheme.may_overlap(self.strategy.options):
-            return False
-        if self.grad_scaler is not None:
-            if not explicit:
-                return False
-            raise ValueError(
-                f"overlap=True does not support grad_scaler={self.grad_scaler!r}: the overflow "
-                "check would need the gradients before the hooks reduce them"
-            )
-        return True
 
     def _install_overlap(self) -> OverlapEngine:
         """The overlapped mode's gradient hooks (DDP's communication hook on a DDP model), with
@@ -326,6 +323,7 @@ class KFACPreconditioner:
                 decompose=self._decompose_layer,
                 note_buffers=self._note_buffers,
                 ddp=self.model if isinstance(self.model, DistributedDataParallel) else None,
+                scaled=self.takes_scaled_gradients,
             )
         )
 
@@ -714,26 +712,50 @@ class KFACPreconditioner:
         """Fold every pending batch factor into its running average.
 
         The non-finite checks of all factors are read together: one host
-        sync per factor step instead of one per factor.
+        sync per factor step instead of one per factor. With a loss scaler the
+        same read says whether the averaged gradients overflowed: the scaler
+        then skips the step, and so do the factors, on every rank (the
+        decision comes from values every rank holds alike, never from one
+        rank's local batch).
         """
         checks = [
             (layer, w, ok) for layer in self._layer_list for w, ok in layer.finite_checks().items()
         ]
-        flags: list[bool] = []
-        if checks:
-            device = checks[0][2].device
-            flags = self.host.flags(torch.stack([ok.to(device) for _, _, ok in checks]))
-        finite: dict[str, dict[str, bool]] = {}
-        for (layer, which, _), ok in zip(checks, flags, strict=True):
-            finite.setdefault(layer.name, {})[which] = bool(ok)
-        if self.grad_scaler is not None and not all(flags):
-            # The scaler found an overflow and skips this step: so do the
-            # factors, all of them and without a warning (this is routine).
-            for layer in self._layer_list:
-                layer.clear_pending()
+        if not checks:
             return
+        device = checks[0][2].device
+        flags = [ok.to(device) for _, _, ok in checks]
+        agreed = self.ddp or not self.strategy.traits.owner_grad_reduction
+        if self.grad_scaler is not None and agreed:
+            flags.append(self._gradients_finite().to(device))
+        read = self.host.flags(torch.stack(flags))
+        if self.grad_scaler is not None:
+            overflow = not read[-1] if agreed else self._agree_overflow()
+            if overflow:
+                # The scaler skips this step: so do the factors, all of them and without
+                # a warning (this is routine).
+                for layer in self._layer_list:
+                    layer.clear_pending()
+                return
+        finite: dict[str, dict[str, bool]] = {}
+        for (layer, which, _), ok in zip(checks, read, strict=False):
+            finite.setdefault(layer.name, {})[which] = bool(ok)
         for layer in self._layer_list:
             layer.update_factors(decay, finite.get(layer.name, {}))
+
+    def _gradients_finite(self) -> torch.Tensor:
+        """Device flag: every gradient this rank holds (K-FAC layers' and the others') is
+        finite."""
+        grads = [g for p in self._params if p.requires_grad and (g := p.grad) is not None]
+        if not grads:
+            return torch.ones((), dtype=torch.bool, device=self.device)
+        return torch.stack([torch.isfinite(g).all().to(self.device) for g in grads]).all()
+
+    def _agree_overflow(self) -> bool:
+        """Whether any rank's reduced gradients overflowed, where ranks hold different ones
+        (the owner reduction's ordinary step without DDP): one 8-byte all-reduce."""
+        ok = self.host.flags(self._gradients_finite().reshape(1))[0]
+        return self.comm.agree_max([0.0 if ok else 1.0], "grad_allreduce")[0] > 0.0
 
     def _precondition(self, damping: float) -> dict[str, Preconditioned]:
         results: dict[str, Preconditioned] = {}
@@ -769,6 +791,11 @@ class KFACPreconditioner:
         kl_clip = float(self.options.at("kl_clip", step))
         device = terms[0].device
         vg_sum = torch.stack([t.to(device) for t in terms]).sum() * lr**2
+        if self.takes_scaled_gradients:
+            # ⟨V, ∇W⟩ of gradients scaled by s is s² too large.
+            inverse = self._inverse_scale(device)
+            if inverse is not None:
+                vg_sum = vg_sum * inverse.to(vg_sum.dtype) ** 2
         usable = torch.isfinite(vg_sum) & (vg_sum != 0)
         ratio = kl_clip / vg_sum.abs().clamp(min=torch.finfo(vg_sum.dtype).tiny)
         return torch.where(usable, ratio.sqrt().clamp(max=1.0), torch.ones_like(vg_sum))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, overload
 
@@ -57,6 +57,11 @@ class ModelShapes(Sequence[LayerShape]):
             another's output directly). The activation estimate
             (:func:`dpkfac.costmodel.memory.activation_bytes`) reads it; empty
             where unknown (the analytic zoo). Not compared.
+        ready: every trainable parameter, as in ``order``, in the order one
+            backward pass made its gradient ready, which is the order DDP
+            rebuilds its buckets in after the first iteration (autograd may
+            finish a layer's bias before or after its weight). Empty: the
+            reverse of :meth:`param_order` (:meth:`backward_order`). Not compared.
     """
 
     layers: tuple[LayerShape, ...]
@@ -66,6 +71,7 @@ class ModelShapes(Sequence[LayerShape]):
     order: tuple[tuple[int, int], ...] = field(default=(), compare=False)
     buffer_bytes: int = field(default=0, compare=False)
     saved: tuple[tuple[int, int], ...] = field(default=(), compare=False)
+    ready: tuple[tuple[int, int], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.layers)
@@ -100,6 +106,12 @@ class ModelShapes(Sequence[LayerShape]):
             return self.order
         kfac = [(i, n) for i in range(len(self)) for n in self.param_numels(i)]
         return (*kfac, *((-1, n) for n in self.other_params))
+
+    def backward_order(self) -> tuple[tuple[int, int], ...]:
+        """(layer index or -1, elements) of every trainable parameter in the order a backward
+        pass makes the gradients ready: ``ready`` where it was recorded, else the reverse of
+        :meth:`param_order` (a sequential network's order)."""
+        return self.ready if self.ready else self.param_order()[::-1]
 
     @property
     def num_params(self) -> int:
@@ -153,6 +165,7 @@ def shapes_from_model(
     *,
     skip_layers: str | Iterable[str] = (),
     example_kwargs: dict[str, Any] | None = None,
+    ready_order: bool = False,
 ) -> ModelShapes:
     """K-FAC layer shapes of a torch model, read from one forward pass.
 
@@ -170,6 +183,9 @@ def shapes_from_model(
         batch_size: local batch size ``N`` to record instead of the example's.
         skip_layers: regexes of layers the preconditioner will skip.
         example_kwargs: keyword inputs of the forward call.
+        ready_order: also run one backward pass (of the sum of the outputs) to record
+            the order the gradients become ready (``ModelShapes.ready``, DDP's bucket
+            order); the model's gradients are left as they were.
 
     Returns:
         The model's :class:`ModelShapes`.
@@ -218,13 +234,29 @@ def shapes_from_model(
         for name, h in selected.items()
     ]
     args = example_input if isinstance(example_input, tuple) else (example_input,)
+    layer_of = {id(p): i for i, h in enumerate(selected.values()) for p in h.parameters()}
+    trainable = [p for p in inner.parameters() if p.requires_grad]
+    ready: list[tuple[int, int]] = []
+    if ready_order:
+        old_grads = [p.grad for p in trainable]
+        handles += [
+            p.register_post_accumulate_grad_hook(
+                lambda p: ready.append((layer_of.get(id(p), -1), p.numel()))
+            )
+            for p in trainable
+        ]
     try:
-        with torch.no_grad():
-            inner(*args, **(example_kwargs or {}))
+        with torch.set_grad_enabled(ready_order):
+            out = inner(*args, **(example_kwargs or {}))
+            if ready_order:
+                _sum_of_outputs(out).backward()
     finally:
         for h in handles:
             h.remove()
         counted.clear()
+        if ready_order:
+            for p, g in zip(trainable, old_grads, strict=True):
+                p.grad = g
     layers, bias, captured = [], [], []
     for name, helper in selected.items():
         n, t = seen.get(name, (1, 1))
@@ -234,12 +266,36 @@ def shapes_from_model(
         layers.append(LayerShape(name, kind, helper.a_dim, helper.g_dim, t, n))
         bias.append(helper.has_bias)
         captured.append(name in seen)
-    layer_of = {id(p): i for i, h in enumerate(selected.values()) for p in h.parameters()}
-    trainable = [p for p in inner.parameters() if p.requires_grad]
     others = tuple(p.numel() for p in trainable if id(p) not in layer_of)
     order = tuple((layer_of.get(id(p), -1), p.numel()) for p in trainable)
     buffer_bytes = sum(b.numel() * b.element_size() for b in inner.buffers())
     per_layer = tuple(saved.get(name, (0, 0)) for name in selected)
     return ModelShapes(
-        tuple(layers), tuple(bias), tuple(captured), others, order, buffer_bytes, per_layer
+        tuple(layers),
+        tuple(bias),
+        tuple(captured),
+        others,
+        order,
+        buffer_bytes,
+        per_layer,
+        tuple(ready),
     )
+
+
+def _sum_of_outputs(out: Any) -> Any:
+    """One scalar from a forward's output (a tensor, or tensors in sequences and mappings,
+    as Hugging Face outputs are) whose backward reaches every parameter it used."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return (
+            out.float().sum() if out.is_floating_point() else out.new_zeros((), dtype=torch.float32)
+        )
+    parts = (
+        out.values() if isinstance(out, Mapping) else out if isinstance(out, (list, tuple)) else ()
+    )
+    total = [_sum_of_outputs(x) for x in parts]
+    total = [t for t in total if t.requires_grad]
+    if not total:
+        raise ValueError("ready_order needs a forward output with a tensor that requires grad")
+    return sum(total[1:], total[0])

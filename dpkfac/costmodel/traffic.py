@@ -137,13 +137,15 @@ def ddp_bucket_params(
 ) -> list[list[tuple[int, int]]]:
     """DDP's gradient buckets: per bucket, (layer index or -1, elements) of its parameters.
 
-    The parameters are taken in reverse model order, the order a sequential
-    backward makes their gradients ready (DDP rebuilds its buckets in that
-    order after the first iteration), and cut by DDP's own rule
+    The parameters are taken in the order the backward pass makes their
+    gradients ready (:meth:`~dpkfac.costmodel.shapes.ModelShapes.backward_order`:
+    recorded from the model, or the reverse model order of a sequential network),
+    the order DDP rebuilds its buckets in after the first iteration, and cut by
+    DDP's own rule
     (:func:`dpkfac.plan.fusion.ddp_buckets`, first bucket
     :func:`~dpkfac.plan.fusion.ddp_first_cap`).
     """
-    params = list(model.param_order())[::-1]
+    params = list(model.backward_order())
     sizes = [n * itemsize for _, n in params]
     buckets = ddp_buckets(sizes, cap_bytes, ddp_first_cap(cap_bytes))
     return [[params[i] for i in b] for b in buckets]

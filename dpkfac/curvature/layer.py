@@ -108,12 +108,15 @@ class MaskedFold:
         finite: device boolean, whether the batch factor held only finite values.
         had_running: whether there was a running average before.
         old_decomposition: the decomposition before (restored by ``undo_fold``).
+        old_running: the running average before, where the fold was asked to keep
+            it (a loss-scaled step that may be skipped after the fold: ``revert_fold``).
     """
 
     which: str
     finite: torch.Tensor
     had_running: bool
     old_decomposition: Decomposition | None
+    old_running: torch.Tensor | None = None
 
 
 class KFACLayer:
@@ -306,13 +309,15 @@ class KFACLayer:
         self.clear_pending()
         return updated
 
-    def fold_masked(self, decay: float) -> list[MaskedFold]:
+    def fold_masked(self, decay: float, *, keep: bool = False) -> list[MaskedFold]:
         """Fold pending batch factors without reading the host: NaN/Inf masked on the device.
 
         Where a batch factor holds NaN/Inf, ``torch.where`` keeps the previous
         running average (zeros where there was none yet: the caller reads the
         returned flags later, warns, and undoes those with :meth:`undo_fold`).
         The arithmetic is :meth:`update_factors`'s, so a finite fold is the same.
+        With ``keep`` the records hold the previous running averages (a
+        reference: the fold makes new tensors), so :meth:`revert_fold` can undo it.
 
         Returns:
             One record per folded factor.
@@ -324,7 +329,15 @@ class KFACLayer:
                 continue
             finite = torch.isfinite(batch).all()
             running = state.running
-            records.append(MaskedFold(which, finite, running is not None, state.decomposition))
+            records.append(
+                MaskedFold(
+                    which,
+                    finite,
+                    running is not None,
+                    state.decomposition,
+                    running if keep else None,
+                )
+            )
             if running is not None:
                 state.running = torch.where(finite, _fold(running, batch, decay), running)
             else:
@@ -339,6 +352,13 @@ class KFACLayer:
             state = self.factors[record.which]
             state.running = None
             state.decomposition = record.old_decomposition
+
+    def revert_fold(self, record: MaskedFold) -> None:
+        """Undo a kept :meth:`fold_masked` entirely: the running average and decomposition
+        before it (the step it belongs to was skipped by the loss scaler)."""
+        state = self.factors[record.which]
+        state.running = record.old_running
+        state.decomposition = record.old_decomposition
 
     # ------------------------------------------------------------- decomposition
     def factor(self, which: str) -> torch.Tensor | None:
