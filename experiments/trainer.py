@@ -114,6 +114,8 @@ class Trainer:
         self.strategy = strategy_name(cfg.strategy) if preconditioner is not None else "none"
         self.train_loader = data.train_loader(env, cfg.seed)
         self.eval_loader = data.eval_loader(env)
+        # Scored beside the test set where the data has a validation split (val_<metric>).
+        self.val_loader = data.val_loader(env)
         self.steps_per_epoch = data.steps_per_epoch(env, self.accumulate)
         # Examples of one optimizer step, over all ranks.
         self.samples_per_step = data.batch_size * self.accumulate * env.world_size
@@ -309,6 +311,9 @@ class Trainer:
     ) -> dict[str, float]:
         """Score the model; the history entry also keeps the training side of the interval.
 
+        The evaluation set's metrics keep their names (``accuracy``, the primary
+        metric); a validation split's come as ``val_<name>`` beside them.
+
         Args:
             train_loss: Mean training loss (over ranks) since the previous evaluation.
             seconds: Wall-clock seconds of this run so far.
@@ -316,6 +321,9 @@ class Trainer:
         broadcast_buffers(self.model, self.env)
         with self._autocast():
             metrics = evaluate(self.task, self.model, self.eval_loader, self.env)
+            if self.val_loader is not None:
+                val = evaluate(self.task, self.model, self.val_loader, self.env)
+                metrics.update({f"val_{k}": v for k, v in val.items()})
         epoch = self.step / self.steps_per_epoch
         self.history.append(
             {
@@ -327,7 +335,7 @@ class Trainer:
             }
         )
         self.logger.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.step)
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "examples")
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if not k.endswith("examples"))
         log.info("epoch %.4g (step %d): test %s", epoch, self.step, shown)
         return metrics
 

@@ -129,6 +129,10 @@ class DataModule(abc.ABC):
         self.num_workers = num_workers
         self.train_dataset: Dataset | None = None
         self.eval_dataset: Dataset | None = None
+        #: An optional validation split, set by :meth:`load` where the data has one:
+        #: the trainer scores it beside the evaluation (test) set, as ``val_<metric>``,
+        #: so hyperparameters can be chosen without looking at the test set.
+        self.val_dataset: Dataset | None = None
 
     # -- to implement ---------------------------------------------------------------
 
@@ -146,7 +150,10 @@ class DataModule(abc.ABC):
 
     @abc.abstractmethod
     def load(self, root: Path | None, env: DistEnv) -> tuple[Dataset, Dataset]:
-        """Build the training and evaluation datasets from the files under ``root``."""
+        """Build the training and evaluation datasets from the files under ``root``.
+
+        A data set with a validation split also sets :attr:`val_dataset` here.
+        """
 
     @abc.abstractmethod
     def build_task(self) -> Task:
@@ -237,9 +244,16 @@ class DataModule(abc.ABC):
     def eval_loader(self, env: DistEnv) -> DataLoader:
         """Loader over this rank's unpadded shard of the evaluation set."""
         assert self.eval_dataset is not None, "call setup() first"
-        shard = list(range(env.rank, len(self.eval_dataset), env.world_size))  # type: ignore[arg-type]
+        return self._held_out_loader(self.eval_dataset, env)
+
+    def val_loader(self, env: DistEnv) -> DataLoader | None:
+        """Loader over this rank's unpadded shard of the validation set (None: no such split)."""
+        return None if self.val_dataset is None else self._held_out_loader(self.val_dataset, env)
+
+    def _held_out_loader(self, dataset: Dataset, env: DistEnv) -> DataLoader:
+        shard = list(range(env.rank, len(dataset), env.world_size))  # type: ignore[arg-type]
         return DataLoader(
-            self.eval_dataset,
+            dataset,
             batch_size=self.eval_batch_size,
             sampler=shard,
             num_workers=self.num_workers,
