@@ -328,6 +328,31 @@ class KFACPreconditioner:
         )
 
     @property
+    def gradient_path(self) -> str:
+        """How this run's gradients travel, in words, for logs and run records.
+
+        Who reduces them (DDP, DDP's communication hook, the preconditioner's
+        hooks or its ``step()``), how (all-reduce, or onto the owners with the
+        updates all-gathered) and whether inside the backward pass. Under
+        "auto" the choice is made at the first step; before it, the candidates.
+        """
+        traits = self.strategy.traits if self.strategy.configured else None
+        owner = traits is not None and traits.owner_grad_reduction
+        how = "reduced onto their owners, updates all-gathered" if owner else "all-reduced"
+        if traits is None:
+            how = "reduction chosen at the first step"
+        scaled = ", before the loss scaler unscales them" if self.takes_scaled_gradients else ""
+        if self._overlap is not None and (traits is None or traits.overlapped_precondition):
+            source = "DDP's buckets, from its communication hook" if self.ddp else "own hooks"
+            return f"{how} inside the backward pass ({source}){scaled}"
+        if self.ddp:
+            after = ", updates exchanged in step()" if self.comm.active else ""
+            return f"all-reduced by DDP inside the backward pass{after}{scaled}"
+        if not self.comm.active:
+            return "one rank: nothing to reduce"
+        return f"{how} in step(), after the backward pass{scaled}"
+
+    @property
     def overlap(self) -> OverlapEngine | None:
         """The overlapped execution mode, where the plan's traits ask for it (else None)."""
         return self._overlap

@@ -8,13 +8,16 @@ nodes (the ``strategy`` node through
 :class:`~experiments.trainer.Trainer`.
 
 Under ``torchrun --nproc_per_node=N -m experiments.train ...`` every rank runs
-this; logging, the progress bar, W&B and checkpoints are rank 0's. When torchrun
+this; logging, the progress bar, W&B and checkpoints are rank 0's. With
+``launcher=threads launcher.world_size=N`` one process runs N ranks, a thread
+each, over an in-process group (:mod:`experiments.threads`). When torchrun
 restarts the ranks (``--max-restarts``), the run folder is the same (named after
 the rendezvous id) and ``trainer.resume=auto`` continues from its last checkpoint.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import random
@@ -31,7 +34,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from experiments.config import ExperimentError, validate
+from experiments.config import ExperimentError, launcher_name, validate
 from experiments.data.loading import DataModule
 from experiments.distributed import DistEnv, distributed_context, wrap_ddp
 from experiments.loggers import NullLogger
@@ -233,20 +236,61 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """Run one experiment from a composed config; returns the final metrics.
 
     Tests call this with a config from ``hydra.compose``; the command line goes
-    through :func:`main`.
+    through :func:`main`. With ``launcher=threads`` every rank runs here, one
+    thread each (:func:`_run_threads`); otherwise this process is one rank.
 
     Raises:
         ExperimentError: A bad value, missing data or an unusable checkpoint.
     """
     validate(cfg)
-    with (
-        distributed_context(
-            cfg.trainer.device, cfg.trainer.dist_timeout_s, job=_job_identity()
-        ) as env,
-        tempfile.TemporaryDirectory(prefix="dpkfac-") as scratch,
-    ):
+    if launcher_name(cfg) == "threads":
+        return _run_threads(cfg)
+    with distributed_context(
+        cfg.trainer.device, cfg.trainer.dist_timeout_s, job=_job_identity()
+    ) as env:
         if not env.is_main:
             logging.getLogger().setLevel(logging.WARNING)
+        return _run_rank(cfg, env)
+
+
+def _run_threads(cfg: DictConfig) -> dict[str, Any]:
+    """``launcher=threads``: every rank a thread of this process; rank 0's result.
+
+    Each rank gets its own copy of the config and runs :func:`_run_rank`, the
+    body a torchrun rank runs, over the in-process group of
+    :mod:`experiments.threads` (which also keeps other ranks' logging below
+    WARNING quiet, and gives each rank its own random streams).
+
+    Raises:
+        ExperimentError: Started under torchrun, or a rank's own ExperimentError.
+        RankFailed: A rank raised anything else (names the first rank that did).
+    """
+    from experiments.threads import RankFailed, launch
+
+    if "WORLD_SIZE" in os.environ or torch.distributed.is_initialized():
+        raise ExperimentError(
+            "launcher=threads runs every rank in this process: start it with "
+            "python -m experiments.train, not under torchrun or in a process group"
+        )
+
+    def rank_main(rank: int, world_size: int) -> dict[str, Any]:
+        env = DistEnv(rank, world_size, rank, torch.device("cpu"))
+        return _run_rank(copy.deepcopy(cfg), env)
+
+    try:
+        results = launch(
+            rank_main, int(cfg.launcher.world_size), timeout_s=float(cfg.trainer.dist_timeout_s)
+        )
+    except RankFailed as failure:
+        if isinstance(failure.error, ExperimentError):
+            raise failure.error from None
+        raise
+    return results[0]
+
+
+def _run_rank(cfg: DictConfig, env: DistEnv) -> dict[str, Any]:
+    """One rank of a run, in a joined process group (or alone): build everything, train."""
+    with tempfile.TemporaryDirectory(prefix="dpkfac-") as scratch:
         output_dir = _output_dir(cfg, env)
         _seed(cfg.seed)
 
@@ -286,6 +330,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         if uses_preconditioner(cfg.strategy):
             preconditioner = _build_preconditioner(cfg, model, optimizer, steps_per_epoch, scaler)
             log.info("%r", preconditioner)
+            log.info("gradients: %s", preconditioner.gradient_path)
         # From here on, ranks draw from streams of their own (dropout, ...).
         _seed(cfg.seed + env.rank)
 

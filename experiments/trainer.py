@@ -236,7 +236,11 @@ class Trainer:
         gradients are those of the whole batch; under DDP only the last backward
         pass all-reduces (``no_sync`` before). With fp16 the scaled gradients are
         unscaled before ``pre.step()`` (K-FAC and the KL clip see true values)
-        and ``scaler.step`` skips the update when they overflowed.
+        and ``scaler.step`` skips the update when they overflowed; under the
+        overlapped mode (``pre.takes_scaled_gradients``), where a rank holds
+        unreduced gradients of the layers it does not own until ``pre.step()``
+        has exchanged the updates, ``pre.step()`` comes first and ``scaler.step``
+        unscales and decides on gradients every rank holds alike.
         """
         k = len(batches)
         ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
@@ -253,7 +257,8 @@ class Trainer:
                     scaled = self.scaler.scale(scaled)
                 scaled.backward()
             losses.append(loss.detach())
-        if self.scaler is not None:
+        scaled = self.pre is not None and self.pre.takes_scaled_gradients
+        if self.scaler is not None and not scaled:
             self.scaler.unscale_(self.optimizer)
         if self.pre is not None:
             self.pre.step()
@@ -432,7 +437,7 @@ class Trainer:
             final = self._evaluate(seconds=time.perf_counter() - started_at)
         if self.settings.check_replicas:
             check_replicas(self.model, self.env)
-        kfac: dict[str, float] = {}
+        kfac: dict[str, float | str] = {}
         if self.pre is not None:
             done = max(1, self.step - start)
             total = self._kfac_bytes + _total_bytes(self.pre.comm_stats())
@@ -440,6 +445,7 @@ class Trainer:
             kfac = {
                 "kfac_bytes_per_step": total / done,
                 "kfac_memory_mib": sum(memory.values()) / 2**20,
+                "gradient_path": self.pre.gradient_path,
             }
         result = {
             **final,

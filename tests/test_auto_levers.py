@@ -4,7 +4,7 @@
 gradient reduction (all-reduce, or reduce-scatter onto the owners with the
 updates all-gathered) and the overlap with the backward pass. Every candidate
 gives dp_kfac's update; the choice follows the tolerance rule, is the same on
-every rank, and leaves out what the run cannot do (overlap with a loss scaler).
+every rank.
 """
 
 from __future__ import annotations
@@ -118,8 +118,9 @@ def test_every_choice_gives_dp_kfacs_update_identically_on_every_rank(
         assert torch.equal(a, b)  # replicas bitwise identical
 
 
-def test_overlap_is_left_out_where_the_run_cannot_overlap() -> None:
-    """A loss scaler rules the overlapped mode out: "auto" chooses among the others."""
+def test_a_loss_scaler_keeps_every_candidate() -> None:
+    """The overlapped mode takes the scaled gradients (``takes_scaled_gradients``), so a loss
+    scaler rules nothing out: "auto" prices all four pairs."""
     model = make_model()
     scaler = torch.amp.GradScaler("cpu")
     pre = dpkfac.KFACPreconditioner(
@@ -131,8 +132,11 @@ def test_overlap_is_left_out_where_the_run_cannot_overlap() -> None:
         grad_scaler=scaler,
         **KW,
     )
-    assert pre.overlap is None
-    run(model, pre, [batch(0, 0)])
-    assert len(pre.choice) == 2 and all(c.options.overlap is False for c in pre.choice)
-    with pytest.raises(ValueError, match="does not support grad_scaler"):
-        dpkfac.KFACPreconditioner(model, strategy="dp_kfac", overlap=True, grad_scaler=scaler)
+    assert pre.overlap is not None and pre.takes_scaled_gradients
+    assert "chosen at the first step" in pre.gradient_path
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(0, 0)
+    scaler.scale(torch.nn.functional.cross_entropy(model(x), y)).backward()
+    pre.step()
+    scaler.step(opt)
+    assert len(pre.choice) == 4

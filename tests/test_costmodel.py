@@ -991,6 +991,7 @@ def test_no_kfac_configuration_is_predicted_faster_than_ddp_sgd(world_size: int)
 
     variants = {k: v for k, v in VARIANTS.items() if k != "grouped_auto"}
     variants["dp_kfac_overlap"] = ("dp_kfac", {"overlap": True})
+    variants["dp_kfac_owner_overlap"] = ("dp_kfac", {"grad_reduction": "owner", "overlap": True})
     for name, (shapes, kfac) in ZOO.items():
         sgd = predict_sgd(shapes, world_size=world_size, hardware=HW, kfac=kfac).iteration
         for f, i in ((1, 1), (10, 100)):

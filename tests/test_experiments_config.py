@@ -28,6 +28,8 @@ PRESETS = options("experiment")
 MODEL_KWARGS = {
     "digits_cnn": {"num_classes": 10},
     "mlp": {"num_classes": 10},
+    "mnist1d_mlp": {"num_classes": 10, "d_in": 40},
+    "mnist1d_cnn": {"num_classes": 10, "d_in": 40},
     "resnet32": {"num_classes": 10},
     "resnet110": {"num_classes": 10, "depth": 8},
     "resnet50": {"num_classes": 5, "width_divisor": 16},
@@ -47,6 +49,7 @@ def test_all_groups_and_presets_exist():
         "dp_kfac_auto",
         "dp_kfac_overlap",
         "dp_kfac_owner",
+        "dp_kfac_owner_overlap",
         "d_kfac",
         "d_kfac_eager",
         "d_kfac_triangle",
@@ -64,6 +67,8 @@ def test_all_groups_and_presets_exist():
     assert {"wandb", "none"} <= set(options("logger"))
     assert {
         "digits_cnn",
+        "mnist1d_mlp",
+        "mnist1d_cnn",
         "cifar10_resnet32",
         "cifar10_resnet110",
         "imagenet_resnet50",

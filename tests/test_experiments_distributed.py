@@ -100,3 +100,31 @@ def test_resume_under_torchrun_is_bitwise(tiny, tmp_path):
     for name, entry in layers_a.items():
         assert torch.equal(entry["A"], layers_b[name]["A"]), name
         assert torch.equal(entry["G"], layers_b[name]["G"]), name
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("extra", "path"),
+    [
+        (["trainer.precision=fp16"], "DDP's buckets, from its communication hook"),
+        (["trainer.ddp=false"], "own hooks"),
+    ],
+)
+def test_owner_overlap_under_torchrun(extra, path, tmp_path):
+    """The training entry point's DDP and fp16 runs take the overlapped owner reduction."""
+    proc = torchrun(
+        tmp_path,
+        "experiment=digits_cnn",
+        "strategy=dp_kfac_owner_overlap",
+        "trainer.max_steps=4",
+        *extra,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    final = json.loads((tmp_path / "metrics.json").read_text())["final"]
+    assert final["steps"] == 4 and final["gradient_path"].startswith(
+        "reduced onto their owners, updates all-gathered inside the backward pass"
+    )
+    assert path in final["gradient_path"]
+    assert "replicas diverged" not in proc.stderr
+

@@ -44,6 +44,7 @@ PRESET = {"hardware": "cpu_gloo_local"}
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     **STRATEGY_VARIANTS,
     "dp_kfac_overlap": ("dp_kfac", {"overlap": True}),
+    "dp_kfac_owner_overlap": ("dp_kfac", {"grad_reduction": "owner", "overlap": True}),
 }
 
 
@@ -303,6 +304,7 @@ EXACT_VARIANTS = (
     "dp_kfac",
     "dp_kfac_overlap",
     "dp_kfac_owner",
+    "dp_kfac_owner_overlap",
     "d_kfac",
     "kaisa_comm_opt",
     "kaisa_mem_opt",

@@ -222,10 +222,13 @@ def test_overlap_refuses_non_bools() -> None:
         DPKFACOptions(overlap="yes")  # type: ignore[arg-type]
 
 
-def test_overlap_refuses_a_grad_scaler() -> None:
+def test_with_a_grad_scaler_step_takes_the_scaled_gradients() -> None:
+    """The overlapped mode runs before the scaler unscales (tests/test_overlap_owner.py)."""
     scaler = torch.amp.GradScaler("cpu")
-    with pytest.raises(ValueError, match="grad_scaler"):
-        dpkfac.KFACPreconditioner(make_model(), overlap=True, grad_scaler=scaler)
+    pre = dpkfac.KFACPreconditioner(make_model(), overlap=True, grad_scaler=scaler)
+    assert pre.takes_scaled_gradients
+    assert "before the loss scaler unscales them" in pre.gradient_path
+    assert not dpkfac.KFACPreconditioner(make_model(), grad_scaler=scaler).takes_scaled_gradients
 
 
 def _ddp_with_a_hook(rank: int, world_size: int) -> str:

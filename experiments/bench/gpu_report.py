@@ -45,6 +45,7 @@ CHECKED = (
     "dp_kfac",
     "dp_kfac_owner",
     "dp_kfac_overlap",
+    "dp_kfac_owner_overlap",
     "d_kfac",
     "d_kfac_eager",
     "spd_kfac",

@@ -35,6 +35,7 @@ STRATEGY_ORDER = [
     "dp_kfac",
     "dp_kfac_overlap",
     "dp_kfac_owner",
+    "dp_kfac_owner_overlap",
     "dp_kfac_auto",
     "d_kfac_eager",
     "d_kfac_triangle",
