@@ -35,6 +35,7 @@ from experiments.config import ExperimentError
 VARIANTS: dict[str, dict[str, Any]] = {
     "dp_kfac": {"strategy": "dp_kfac", "grad_reduction": "allreduce"},
     "dp_kfac_owner": {"strategy": "dp_kfac", "grad_reduction": "owner"},
+    "dp_kfac_owner_overlap": {"strategy": "dp_kfac", "grad_reduction": "owner", "overlap": True},
     "d_kfac": {"strategy": "d_kfac"},
     "spd_kfac": {
         "strategy": "spd_kfac",
