@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -68,12 +68,20 @@ def _invalid(key: str, value: Any, expected: str) -> ExperimentError:
     return ExperimentError(f"invalid value {key}={value!r}: expected {expected}")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _integer(key: str, value: Any, expected: str, ok: Callable[[int], bool]) -> int:
+    """``value`` if it is an int (not a bool) that passes ``ok``; else the named error."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and ok(value)):
+        raise _invalid(key, value, expected)
+    return value
 
 
-def _is_fraction(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
+def _fraction(key: str, value: Any, expected: str, ok: Callable[[float], bool]) -> float:
+    """``value`` as a float if it is a number in [0, 1) that passes ``ok``; else the named error."""
+    if not (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
+    ) or not ok(float(value)):
+        raise _invalid(key, value, expected)
+    return float(value)
 
 
 def generation_args(
@@ -234,7 +242,9 @@ class MNIST1DData(DataModule):
             into the run's scratch folder instead.
 
     Raises:
-        ExperimentError: A missing or invalid value, named with its key.
+        ExperimentError: A missing or invalid value, named with its key (the
+            defaults are None so that a key deleted from the config,
+            ``~data.num_samples``, is named too instead of ending in a TypeError).
     """
 
     name = "mnist1d"
@@ -249,15 +259,20 @@ class MNIST1DData(DataModule):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if not (_is_int(num_samples) and num_samples >= NUM_CLASSES and num_samples % 10 == 0):
-            raise _invalid("data.num_samples", num_samples, "a positive multiple of 10")
-        if not _is_int(seed):
-            raise _invalid("data.seed", seed, "an integer")
-        if not _is_fraction(val_fraction):
-            raise _invalid("data.val_fraction", val_fraction, "a number in [0, 1)")
-        if not (_is_fraction(test_fraction) and test_fraction > 0):
-            raise _invalid("data.test_fraction", test_fraction, "a number in (0, 1)")
-        if split_sizes(num_samples, val_fraction, test_fraction)[0] <= 0:
+        self.num_samples = _integer(
+            "data.num_samples",
+            num_samples,
+            "a positive multiple of 10",
+            lambda n: n > 0 and n % 10 == 0,
+        )
+        self.seed = _integer("data.seed", seed, "an integer", lambda _: True)
+        self.val_fraction = _fraction(
+            "data.val_fraction", val_fraction, "a number in [0, 1)", lambda _: True
+        )
+        self.test_fraction = _fraction(
+            "data.test_fraction", test_fraction, "a number in (0, 1)", lambda f: f > 0
+        )
+        if split_sizes(self.num_samples, self.val_fraction, self.test_fraction)[0] <= 0:
             raise _invalid(
                 "data.val_fraction",
                 val_fraction,
@@ -269,10 +284,6 @@ class MNIST1DData(DataModule):
             )
         if not self.fake and self.root is None:
             raise _invalid("data.root", None, "the folder that caches the generated samples")
-        self.num_samples = num_samples
-        self.seed = seed
-        self.val_fraction = float(val_fraction)
-        self.test_fraction = float(test_fraction)
         self.generator_args = dict(generator_args or {})
         self.length = 0
 
