@@ -40,6 +40,9 @@ def compose() -> Callable[..., object]:
 # going through the preset's real model class, data path and strategy settings.
 _TINY: dict[str, list[str]] = {
     "digits_cnn": ["data.batch_size=16"],
+    # Fake MNIST-1D: 400 samples generated into the run's scratch folder (a tenth of a second).
+    "mnist1d_mlp": ["data.batch_size=16"],
+    "mnist1d_cnn": ["data.batch_size=16"],
     "cifar10_resnet32": ["data.batch_size=4", "data.num_workers=0"],
     "cifar10_resnet110": ["data.batch_size=4", "data.num_workers=0"],
     # ResNet-50 keeps its architecture; K-FAC covers the stem and layer1 only, since
