@@ -397,8 +397,8 @@ class Communicator:
         gloo's and NCCL's works take the timeout themselves. A work that wraps a
         future (an in-process group's, made by ``_create_work_from_future``)
         refuses any finite timeout; it is polled with ``is_completed()`` up to
-        the deadline instead, so a hang on it still fails, then waited on
-        without one (which raises what the collective raised).
+        the deadline instead, so a hang on it still fails, and then waited on
+        without one.
         """
         try:
             work.wait(timeout=datetime.timedelta(seconds=timeout))

@@ -746,16 +746,20 @@ class KFACPreconditioner:
         checks = [
             (layer, w, ok) for layer in self._layer_list for w, ok in layer.finite_checks().items()
         ]
+        scaler = self.grad_scaler is not None
+        identical = self.ddp or not self.strategy.traits.owner_grad_reduction
+        # Where ranks hold different gradients, agreeing is a collective: every rank takes
+        # part, those without factors to fold too.
+        overflow = scaler and not identical and self._agree_overflow()
         if not checks:
             return
         device = checks[0][2].device
         flags = [ok.to(device) for _, _, ok in checks]
-        agreed = self.ddp or not self.strategy.traits.owner_grad_reduction
-        if self.grad_scaler is not None and agreed:
+        if scaler and identical:
             flags.append(self._gradients_finite().to(device))
         read = self.host.flags(torch.stack(flags))
-        if self.grad_scaler is not None:
-            overflow = not read[-1] if agreed else self._agree_overflow()
+        if scaler:
+            overflow = overflow or (identical and not read[-1])
             if overflow:
                 # The scaler skips this step: so do the factors, all of them and without
                 # a warning (this is routine).

@@ -12,12 +12,14 @@ For every example it asserts:
 * a refused configuration raises ValueError naming the option, on every rank;
 * no rank hangs (every run has a deadline that names the missing ranks);
 * replicas are bitwise identical after every step;
-* the update equals its reference wherever the design says it must: the
-  D-KFAC family (d_kfac, spd_kfac, kaisa, grouped with k = P) equals one
-  process on the concatenated batch; the local-curvature family (dp_kfac, its
-  owner reduction and overlap, grouped with k = 1) equals dp_kfac at the same
-  P; accumulation over micro-batches equals one batch (float64: 1e-9 after the first
-  update, 1e-5 after four, see TOL);
+* the update equals its reference wherever the design says it must (the
+  overlapped modes with and without DDP, with ``no_sync`` accumulation and a
+  loss scaler, at every P): the D-KFAC family (d_kfac, spd_kfac, kaisa,
+  grouped with k = P) equals one process on the concatenated batch; the
+  local-curvature family (dp_kfac, its owner reduction and overlap, grouped
+  with k = 1) equals dp_kfac at the same P; accumulation over micro-batches
+  equals one batch (float64: 1e-9 after the first update, 1e-5 after four,
+  see TOL);
 * a run resumed from ``state_dict()`` mid-run is bitwise the uninterrupted one;
 * without quirks, the bytes handed to collectives on every rank equal the cost
   model's prediction for that rank;
@@ -32,6 +34,7 @@ Profiles: ``fast`` (default, ``derandomize``: the same examples every run, in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -226,6 +229,9 @@ def _variants(p: int) -> dict[str, st.SearchStrategy[tuple[str, str, dict[str, A
         "dp_kfac": st.just(("local", "dp_kfac", {})),
         "dp_kfac_owner": st.just(("local", "dp_kfac", {"grad_reduction": "owner"})),
         "dp_kfac_overlap": st.just(("local", "dp_kfac", {"overlap": True})),
+        "dp_kfac_owner_overlap": st.just(
+            ("local", "dp_kfac", {"grad_reduction": "owner", "overlap": True})
+        ),
         "d_kfac": st.builds(
             lambda lazy, tri: ("replicated", "d_kfac", {"lazy_factor_sync": lazy, "triangle": tri}),
             st.booleans(),
@@ -242,7 +248,16 @@ def _variants(p: int) -> dict[str, st.SearchStrategy[tuple[str, str, dict[str, A
     }
 
 
-KINDS = ("dp_kfac", "dp_kfac_owner", "dp_kfac_overlap", "d_kfac", "spd_kfac", "kaisa", "grouped")
+KINDS = (
+    "dp_kfac",
+    "dp_kfac_owner",
+    "dp_kfac_overlap",
+    "dp_kfac_owner_overlap",
+    "d_kfac",
+    "spd_kfac",
+    "kaisa",
+    "grouped",
+)
 
 
 @dataclass(frozen=True)
@@ -254,7 +269,10 @@ class RunSpec:
     kfac: dict[str, Any] = field(hash=False)
     accumulation: int = 1
     resume_at: int | None = None
-    loss_scale: float | None = None  # a GradScaler's scale (one rank: it needs DDP beyond)
+    # A GradScaler's scale: on one rank, and at any P under the overlapped mode (which
+    # takes the scaled gradients and leaves every rank the same ones).
+    loss_scale: float | None = None
+    ddp: bool = False  # the model wrapped in DDP (P > 1, quirk-free nets)
 
     def kwargs(self) -> dict[str, Any]:
         return {"strategy": self.strategy, **self.options, **self.kfac}
@@ -278,6 +296,12 @@ def run_specs(draw: st.DrawFn, p: int, kind: str) -> RunSpec:
     if kfac["compute_method"] == "inverse":
         kfac["pi_damping"] = draw(st.booleans())
     accumulation = draw(st.sampled_from([1, 2]))
+    overlapped = options.get("overlap") is True
+    # The overlapped mode is DDP's communication hook on a DDP model (quirks are drawn
+    # without DDP: a layer unused in some steps or unfrozen mid-run is not DDP's case).
+    ddp = overlapped and p > 1 and draw(st.booleans())
+    if ddp and net.quirky:
+        net = draw(net_specs(quirks=False))
     return RunSpec(
         net=net,
         family=family,
@@ -287,10 +311,9 @@ def run_specs(draw: st.DrawFn, p: int, kind: str) -> RunSpec:
         accumulation=accumulation,
         resume_at=draw(st.one_of(st.none(), st.integers(1, STEPS - 1))),
         loss_scale=(
-            draw(st.sampled_from([None, 2.0**16, 2.0**70]))
-            if p == 1 and not options.get("overlap")
-            else None
+            draw(st.sampled_from([None, 2.0**16, 2.0**70])) if p == 1 or overlapped else None
         ),
+        ddp=ddp,
     )
 
 
@@ -316,14 +339,19 @@ def _train(
     kwargs = strategy_kwargs if strategy_kwargs is not None else run.kwargs()
     scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale or 1.0, enabled=bool(loss_scale))
 
+    ddp = run.ddp and strategy_kwargs is None
+
     def build() -> tuple[DrawnNet, dpkfac.KFACPreconditioner, torch.optim.Optimizer]:
         model = DrawnNet(run.net)
         if run.net.frozen_until is not None:
             model.first_layer().requires_grad_(False)
         extra = {"grad_scaler": scaler} if loss_scale else {}
-        pre = dpkfac.KFACPreconditioner(model, accumulation_steps=accumulation, **kwargs, **extra)
+        wrapped = nn.parallel.DistributedDataParallel(model) if ddp else model
+        pre = dpkfac.KFACPreconditioner(wrapped, accumulation_steps=accumulation, **kwargs, **extra)
+        forward[0] = wrapped
         return model, pre, torch.optim.SGD(model.parameters(), lr=0.05)
 
+    forward: list[nn.Module] = [nn.Identity()]
     model, pre, opt = build()
     params, stats = [], []
     for step, micro in enumerate(batches):
@@ -345,8 +373,12 @@ def _train(
         pre.reset_stats()
         for i, (x, y) in enumerate(micro):
             model.micro = i
-            scaler.scale(F.cross_entropy(model(x), y) / len(micro)).backward()
-        scaler.unscale_(opt)
+            last = i == len(micro) - 1
+            sync = forward[0].no_sync() if ddp and not last else contextlib.nullcontext()
+            with sync:
+                scaler.scale(F.cross_entropy(forward[0](x), y) / len(micro)).backward()
+        if not pre.takes_scaled_gradients:
+            scaler.unscale_(opt)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             pre.step()
@@ -467,7 +499,7 @@ def _check_prediction(run: RunSpec, world_size: int, results: list[dict[str, Any
     options = strategy_options(run.strategy, {**run.options})
     x, _ = _micro(run, 0, 0, run.accumulation)[0]
     pred = predict(
-        shapes_from_model(DrawnNet(run.net), x),
+        shapes_from_model(DrawnNet(run.net), x, ready_order=run.ddp),
         strategy=run.strategy,
         world_size=world_size,
         hardware=PRESETS["v100_ib100"],
@@ -475,14 +507,20 @@ def _check_prediction(run: RunSpec, world_size: int, results: list[dict[str, Any
         options=options,
         param_itemsize=8,
         backend="gloo",  # the runs' backend
+        ddp=run.ddp,
     )
     for rank, result in enumerate(results):
         assert result["stats"][last] == pred.update.comm_of(rank), (rank, run)
         assert result["memory"] == pred.memory[rank], (rank, run)
 
 
-def _bitwise_resume(run: RunSpec) -> bool:
+def _bitwise_resume(run: RunSpec, world_size: int) -> bool:
     """Whether a resumed run must equal the uninterrupted one bit for bit.
+
+    Not under DDP with three or more ranks: a new DDP wrapper reduces its first
+    iteration in the buckets of registration order and rebuilds them after it, so
+    the resumed run sums in other buffers, and a ring all-reduce's rounding
+    depends on where a value sits in the buffer (DDP's property, SGD's too).
 
     Not under lazy factor sync (``state_dict()`` averages the ranks' running
     factors first), and not under spd_kfac, whose fusion plan comes from factor
@@ -490,7 +528,7 @@ def _bitwise_resume(run: RunSpec) -> bool:
     one all-reduce, and with three or more ranks the reduction's rounding
     depends on where a value sits in the buffer.
     """
-    return not (run.strategy == "spd_kfac" or _lazy(run))
+    return not (run.strategy == "spd_kfac" or _lazy(run) or (run.ddp and world_size >= 3))
 
 
 def _lazy(run: RunSpec) -> bool:
@@ -512,6 +550,8 @@ def check_example(run: RunSpec, world_size: int) -> None:
             return pool.run(_rank_run, run, kind, timeout=timeout)
 
     event(f"{run.strategy} ({run.family})")
+    if run.ddp:
+        event("DDP")
     verdicts = pool_run("construct")
     if any(v[0] == "refused" for v in verdicts):
         assert all(v == verdicts[0] for v in verdicts), verdicts  # every rank alike
@@ -541,7 +581,7 @@ def check_example(run: RunSpec, world_size: int) -> None:
         )
     if run.resume_at is not None:
         resumed = pool_run("resumed")
-        if not _bitwise_resume(run):
+        if not _bitwise_resume(run, world_size):
             _assert_close(resumed[0], main[0], label + " resumed")
             return
         for rank in range(world_size):

@@ -536,6 +536,8 @@ def predict(
             factor_itemsize=fi,
             decomposition_itemsize=di,
             accumulation_steps=kfac.accumulation_steps,
+            # Under DDP the layers fold bucket by bucket, as DDP hands them over.
+            fold_groups=[b.layers for b in overlap] if overlap is not None and ddp else None,
         )
         if roles is not None
         else [{"factors_bytes": 0, "decompositions_bytes": 0, "buffers_bytes": 0} for _ in range(p)]

@@ -317,6 +317,7 @@ def memory_per_rank(
     factor_itemsize: int,
     decomposition_itemsize: int,
     accumulation_steps: int = 1,
+    fold_groups: Sequence[Sequence[int]] | None = None,
 ) -> list[dict[str, int]]:
     """``memory_usage()`` of each rank after a factor and decomposition step.
 
@@ -328,16 +329,21 @@ def memory_per_rank(
     strategy, which folds each layer as its backward completes, the largest
     pending set along the backward pass (with one micro-batch per step: with
     more, every G of the earlier micro-batches waits too, so all of them).
+    ``fold_groups``: the layers folded together, in the order they fold (under
+    DDP, per bucket: the layers whose last parameter it holds, folded when DDP
+    hands the bucket over); None: one layer at a time, in reverse module order.
     """
     out = []
     for r in range(plan.world_size):
         factors = decomps = 0
         held = []  # (A bytes, G bytes) of the layers this rank captures, in module order
+        sizes: dict[int, tuple[int, int]] = {}
         for i, s in enumerate(model):
             if not model.captured[i]:
                 continue
             if plan.captures(r, i):
                 held.append((s.a_dim**2 * factor_itemsize, s.g_dim**2 * factor_itemsize))
+                sizes[i] = held[-1]
                 factors += sum(held[-1])
             if plan.preconditions(r, i):
                 decomps += (
@@ -345,7 +351,17 @@ def memory_per_rank(
                     * decomposition_itemsize
                 )
         buffers = factors
-        if plan.traits.overlapped_precondition and held and accumulation_steps == 1:
+        overlapped = plan.traits.overlapped_precondition and held and accumulation_steps == 1
+        if overlapped and fold_groups is not None:
+            # When a group folds, the A factors of it and of every later group still wait,
+            # and the G factors of the group.
+            groups = [[sizes[i] for i in g if i in sizes] for g in fold_groups]
+            buffers = max(
+                sum(a for later in groups[k:] for a, _ in later) + sum(g for _, g in group)
+                for k, group in enumerate(groups)
+                if group
+            )
+        elif overlapped:
             # Folded layer by layer in the backward pass (reverse module order): when
             # layer j folds, the A factors of layers up to j still wait, and G of j alone.
             buffers = max(sum(a for a, _ in held[: j + 1]) + g for j, (_, g) in enumerate(held))

@@ -22,6 +22,11 @@ EXAMPLES: tuple[tuple[str, str, Mapping[str, Any]], ...] = (
     ("dp_kfac", "dp_kfac", {}),
     ("dp_kfac, owner reduction", "dp_kfac", {"grad_reduction": "owner"}),
     ("dp_kfac, overlap", "dp_kfac", {"overlap": True}),
+    (
+        "dp_kfac, owner reduction, overlap",
+        "dp_kfac",
+        {"grad_reduction": "owner", "overlap": True},
+    ),
     ("d_kfac", "d_kfac", {}),
     ("spd_kfac", "spd_kfac", {"hardware": "v100_ib100"}),
     ("kaisa, f = 1 (COMM-OPT)", "kaisa", {"grad_worker_fraction": "comm_opt"}),
