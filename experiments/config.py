@@ -229,7 +229,7 @@ def validate_strategy(node: DictConfig, prefix: str = "strategy") -> None:
 #: The Hydra tree of both entry points.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 #: Config groups whose keys are fixed by their files in conf/ (``+key`` additions refused).
-STRICT_GROUPS = ("trainer", "data", "logger", "paths")
+STRICT_GROUPS = ("trainer", "data", "logger", "paths", "launcher")
 
 
 def known_keys(group: str) -> set[str]:
@@ -288,6 +288,59 @@ def validate(cfg: DictConfig) -> None:
     if resume is not None and not isinstance(resume, str):
         raise ExperimentError(
             f"invalid value trainer.resume={resume!r}: expected auto, a path or null"
+        )
+    validate_launcher(cfg)
+
+
+#: Values of ``launcher.name`` (conf/launcher/).
+LAUNCHERS = ("torchrun", "threads")
+
+
+def launcher_name(cfg: DictConfig) -> str:
+    """``launcher.name``: how the run's ranks start (``torchrun`` when the group is absent)."""
+    launcher = cfg.get("launcher") or {}
+    return str(launcher.get("name", "torchrun"))
+
+
+def validate_launcher(cfg: DictConfig) -> None:
+    """Check the ``launcher`` group: how the ranks of a training run are started.
+
+    ``threads`` (experiments/threads.py) runs every rank in this process: it
+    needs a positive ``launcher.world_size``, the CPU (its process group moves
+    CPU tensors) and loaders without worker processes (forking a process whose
+    other threads are mid-run is not safe, and P ranks would fork P pools).
+
+    Raises:
+        ExperimentError: Naming the key, its value and what is allowed.
+    """
+    launcher = cfg.get("launcher") or {}
+    name = launcher_name(cfg)
+    if name not in LAUNCHERS:
+        raise ExperimentError(f"invalid value launcher.name={name!r}: expected torchrun or threads")
+    world_size = launcher.get("world_size")
+    if name == "torchrun":
+        if world_size is not None:
+            raise ExperimentError(
+                f"launcher.world_size={world_size} is the rank count of launcher=threads; "
+                "with torchrun the ranks are --nproc_per_node (and --nnodes)"
+            )
+        return
+    if not _positive_int(world_size):
+        raise ExperimentError(
+            f"invalid value launcher.world_size={world_size!r}: expected a positive integer"
+        )
+    device = str(cfg.trainer.get("device", "auto"))
+    if device not in ("auto", "cpu"):
+        raise ExperimentError(
+            f"trainer.device={device} with launcher=threads: its ranks share this process "
+            "and its process group moves CPU tensors; use trainer.device=cpu (or auto)"
+        )
+    workers = cfg.data.get("num_workers", 0)
+    if workers:
+        raise ExperimentError(
+            f"data.num_workers={workers} with launcher=threads: each rank would fork its own "
+            "loader processes from a process whose other threads are running; use "
+            "data.num_workers=0"
         )
 
 
