@@ -15,8 +15,8 @@ One engine, two sources of gradient buckets:
   hook receives each bucket in index order on every rank and returns a future
   that completes once the bucket is reduced.
 * **Without DDP**: a ``register_post_accumulate_grad_hook`` on every
-  trainable parameter counts down buckets the engine cuts itself, in
-  reverse registration order (:func:`backward_buckets`); a complete bucket
+  trainable parameter counts down buckets the engine cuts itself by DDP's
+  rule, in reverse registration order (:func:`backward_buckets`); a complete bucket
   is launched, buckets strictly in order, so every rank issues the same
   collectives whatever the timing of its hooks.
 
@@ -81,7 +81,7 @@ from dpkfac.comm import Communicator, Handle
 from dpkfac.curvature.layer import KFACLayer, MaskedFold, warn_non_finite
 from dpkfac.device import HostReader
 from dpkfac.plan import Plan
-from dpkfac.plan.fusion import size_cap_buckets
+from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap
 from dpkfac.stats import PhaseTimer
 from dpkfac.strategies.base import (
     Preconditioned,
@@ -165,7 +165,9 @@ class OverlapContext:
 
 def backward_buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[list[int]]:
     """Consecutive buckets of ``params`` (already in backward order): one dtype and device each,
-    split at ``cap_bytes`` by :func:`dpkfac.plan.fusion.size_cap_buckets`."""
+    cut by DDP's own rule (:func:`dpkfac.plan.fusion.ddp_buckets`: a bucket closes once it
+    holds the cap, the first one at :func:`~dpkfac.plan.fusion.ddp_first_cap`, 1 MiB at the
+    default cap), so the first reduction starts early in the backward pass, as DDP's does."""
     runs: list[list[int]] = []
     for i, p in enumerate(params):
         if runs and (params[runs[-1][0]].dtype, params[runs[-1][0]].device) == (p.dtype, p.device):
@@ -175,7 +177,8 @@ def backward_buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[lis
     buckets: list[list[int]] = []
     for run in runs:
         sizes = [params[i].numel() * params[i].element_size() for i in run]
-        buckets += [[run[j] for j in b] for b in size_cap_buckets(sizes, cap_bytes)]
+        cut = ddp_buckets(sizes, cap_bytes, ddp_first_cap(cap_bytes))
+        buckets += [[run[j] for j in b] for b in cut]
     return buckets
 
 

@@ -94,3 +94,94 @@ def test_autocast_with_a_grad_scaler(dtype: torch.dtype) -> None:
     for layer in pre.layers.values():
         assert layer.a_factor.dtype == torch.float32
         assert torch.isfinite(layer.g_factor).all()
+
+
+# ---------------------------------------------- the owner reduction overlapped, inside DDP
+def _owner_overlap(
+    rank: int, world_size: int, device: str, fp16: bool
+) -> dict[str, torch.Tensor | list[bool]]:
+    """dp_kfac_owner_overlap under DDP: the hooks (DDP's communication hook) never
+    synchronise the device; with fp16 the loss scaler decides after pre.step()."""
+    inner = make_model().float().to(device)
+    dev = torch.device(device)
+    model = torch.nn.parallel.DistributedDataParallel(
+        inner, device_ids=[dev.index] if dev.type == "cuda" else None
+    )
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10) if fp16 else None
+    pre = dpkfac.KFACPreconditioner(
+        model,
+        grad_reduction="owner",
+        overlap=True,
+        grad_scaler=scaler,
+        kl_clip=0.01,
+        damping=0.01,
+        inv_update_steps=4,  # decompositions (which check eigh on the host) at step 0 only
+    )
+    opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+    skipped = []
+    for step in range(4):
+        x, y = (t.to(device) for t in batch(step, rank))
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16, enabled=fp16):
+            loss = F.cross_entropy(model(x.float()), y)
+        if step > 0:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        pre.step()
+        if scaler is not None:
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.get_scale() < before)
+        else:
+            opt.step()
+    out: dict[str, torch.Tensor | list[bool]] = {
+        n: p.detach().cpu() for n, p in inner.named_parameters()
+    }
+    out["skipped"] = skipped
+    return out
+
+
+@pytest.mark.distributed
+def test_owner_overlap_inside_ddp_two_ranks_share_one_gpu() -> None:
+    """Over gloo with CUDA tensors: the same parameters as the CPU run, replicas equal."""
+    gpu = run_ranks(_owner_overlap, 2, "cuda:0", False, start_method="spawn")
+    cpu = run_ranks(_owner_overlap_cpu, 2, start_method="spawn")
+    for name, t in gpu[0].items():
+        if name != "skipped":
+            assert torch.equal(t, gpu[1][name]), name
+            assert max_rel_err({name: t}, {name: cpu[0][name]}) < 1e-4, name
+
+
+def _owner_overlap_cpu(rank: int, world_size: int) -> dict[str, torch.Tensor | list[bool]]:
+    inner = make_model().float()
+    model = torch.nn.parallel.DistributedDataParallel(inner)
+    pre = dpkfac.KFACPreconditioner(
+        model, grad_reduction="owner", overlap=True, kl_clip=0.01, damping=0.01, inv_update_steps=4
+    )
+    opt = torch.optim.SGD(inner.parameters(), lr=0.1)
+    for step in range(4):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        F.cross_entropy(model(x.float()), y).backward()
+        pre.step()
+        opt.step()
+    return {n: p.detach() for n, p in inner.named_parameters()}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_owner_overlap_on_nccl_with_fp16() -> None:
+    """NCCL: the reduce-scatter completes DDP's future, the updates travel by one all-gather
+    of uneven shards; with fp16 every rank skips the same steps."""
+    results = run_ranks(_nccl_owner_overlap, 2, backend="nccl", start_method="spawn")
+    assert results[0]["skipped"] == results[1]["skipped"]
+    for name, t in results[0].items():
+        if name != "skipped":
+            assert torch.equal(t, results[1][name]), name
+
+
+def _nccl_owner_overlap(rank: int, world_size: int) -> dict[str, torch.Tensor | list[bool]]:
+    return _owner_overlap(rank, world_size, f"cuda:{rank}", True)

@@ -189,7 +189,8 @@ def test_predicted_bytes_and_calls_equal_measured(world_size: int, how: str | No
     )
     for rank, stats in enumerate(measured):
         assert stats == pred.update.comm_of(rank), (rank, stats, pred.update.comm_of(rank))
-    assert measured[0]["grad_allreduce"]["calls"] > world_size  # several buckets
+    # Two buckets at least (one would be one reduce-scatter and one all-reduce).
+    assert measured[0]["grad_allreduce"]["calls"] >= 3
 
 
 # ------------------------------------------------------------------ loss scaler

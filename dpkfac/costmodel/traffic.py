@@ -407,7 +407,7 @@ def overlap_buckets(
     """The overlapped mode's backward buckets, each with its reduction and update exchange.
 
     Without DDP the parameters, in reverse model order (the order a
-    sequential backward produces them), are cut into buckets under the cap
+    sequential backward produces them), are cut into buckets by DDP's rule
     (:func:`dpkfac.overlap.backward_buckets`, one dtype); under DDP they are
     DDP's own buckets (:func:`ddp_bucket_params`), which its communication
     hook hands over. A layer is sent once the last bucket holding one of its
@@ -426,7 +426,8 @@ def overlap_buckets(
         ]
     else:
         params = list(model.param_order())[::-1]
-        runs = size_cap_buckets([n * itemsize for _, n in params], cap_bytes)
+        sizes = [n * itemsize for _, n in params]
+        runs = ddp_buckets(sizes, cap_bytes, ddp_first_cap(cap_bytes))
         buckets = [tuple(params[i] for i in run) for run in runs]
     owner_of = [plan.preconditioners[i][0] for i in range(len(model))]
     last: dict[int, int] = {}
