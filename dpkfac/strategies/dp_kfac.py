@@ -13,15 +13,17 @@ the average of its own layers' gradients), and the broadcasts of the updates
 by one all-gather, as ZeRO-style training does: a reduce-scatter plus an
 all-gather move what one all-reduce moves, so K-FAC then costs the
 communication of plain SGD, in two collectives per bucket round whatever P is
-(:meth:`~dpkfac.comm.Communicator.reduce_scatter_mean`). Shards are padded to
-the largest owner's in each round; the padding travels and is accounted.
-Where the K-FAC gradients are of several dtypes, one rooted reduce per owner
-and the broadcasts are used instead.
+(:meth:`~dpkfac.comm.Communicator.reduce_scatter_mean`). Shards are unpadded:
+each owner's is as large as its layers (uneven collectives). Where the K-FAC
+gradients are of several dtypes, one rooted reduce per owner is used instead of
+the reduce-scatter, and the all-gather runs once per dtype. On gloo, which
+cannot all-gather uneven shards, the updates travel by one broadcast per owner.
 
 ``overlap=True`` asks the preconditioner for its overlapped execution mode
-(:mod:`dpkfac.overlap`): the gradient reduction, the owners' factor folds,
-decompositions and preconditioning, and the broadcasts of the updates run
-inside the backward pass, from gradient hooks. The update is the same.
+(:mod:`dpkfac.overlap`): the gradient reduction (either kind), the owners'
+factor folds, decompositions and preconditioning, and the exchange of the
+updates run inside the backward pass, from DDP's communication hook on a DDP
+model or from gradient hooks otherwise. The update is the same.
 """
 
 from __future__ import annotations
