@@ -122,6 +122,7 @@ def test_ablation_preset_states_every_switch() -> None:
         "dp_kfac",
         "dp_kfac_overlap",
         "dp_kfac_owner",
+        "dp_kfac_owner_overlap",
         "grouped_local_decomp",
         "grouped_auto",
     ]
@@ -138,6 +139,8 @@ def test_ablation_preset_states_every_switch() -> None:
     assert kfac["kaisa_mem_opt"]["grad_worker_fraction"] == "mem_opt"
     assert kfac["dp_kfac_owner"]["grad_reduction"] == "owner"
     assert kfac["dp_kfac_overlap"]["overlap"] is True
+    owner_overlap = kfac["dp_kfac_owner_overlap"]
+    assert (owner_overlap["grad_reduction"], owner_overlap["overlap"]) == ("owner", True)
     assert (
         kfac["grouped_local_decomp"]["factor_group_size"],
         kfac["grouped_local_decomp"]["grad_worker_fraction"],
