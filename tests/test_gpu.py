@@ -172,6 +172,17 @@ def _owner_overlap_cpu(rank: int, world_size: int) -> dict[str, torch.Tensor | l
     return {n: p.detach() for n, p in inner.named_parameters()}
 
 
+@pytest.mark.distributed
+def test_owner_overlap_inside_ddp_with_fp16_on_one_gpu() -> None:
+    """fp16 autocast and a loss scaler on a shared GPU (gloo): the ranks skip alike."""
+    results = run_ranks(_owner_overlap, 2, "cuda:0", True, start_method="spawn")
+    assert results[0]["skipped"] == results[1]["skipped"]
+    for name, t in results[0].items():
+        if name != "skipped":
+            assert torch.equal(t, results[1][name]), name
+            assert isinstance(t, torch.Tensor) and torch.isfinite(t).all(), name
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_owner_overlap_on_nccl_with_fp16() -> None:
     """NCCL: the reduce-scatter completes DDP's future, the updates travel by one all-gather
