@@ -20,12 +20,13 @@ layer produced, whereas the module backward hook errors out.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import warnings
 from collections.abc import Iterable
 from dataclasses import fields
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from dpkfac.device import HostReader
 from dpkfac.fidelity import FidelityProbe, select_layers
 from dpkfac.options import KFACOptions, Scalar, Schedule
 from dpkfac.overlap import OverlapContext, OverlapEngine
-from dpkfac.plan import SCHEMES, Scheme, StrategyOptions, scheme_of, scheme_options
+from dpkfac.plan import SCHEMES, Scheme, StrategyOptions, name_key, scheme_of, scheme_options
 from dpkfac.probes import start_up_hardware
 from dpkfac.report import format_table, layer_rows, skipped_modules, slow_factors
 from dpkfac.stats import CommStats, PhaseTimer
@@ -72,7 +73,19 @@ def _scheme_and_options(
             )
         return matches[0], strategy
     scheme = scheme_of(strategy)
-    return scheme, scheme_options(scheme.name, values)
+    return scheme, scheme_options(scheme.name, values, common=_common_keywords())
+
+
+@cache
+def _common_keywords() -> tuple[str, ...]:
+    """The preconditioner's own keyword arguments, read from its signature.
+
+    An unknown keyword lands among a strategy's options, but it is more often
+    a common option misspelt (``dampening``): its message lists these too, and
+    the signature is the one list that cannot drift from what is accepted.
+    """
+    parameters = inspect.signature(KFACPreconditioner.__init__).parameters.values()
+    return tuple(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def _common_options(given: KFACOptions | None, keywords: KFACOptions) -> KFACOptions:
@@ -102,7 +115,7 @@ class KFACPreconditioner:
     Args:
         model: the model, possibly wrapped in ``DistributedDataParallel``.
         strategy: "dp_kfac" (default), "d_kfac", "spd_kfac", "kaisa" or "grouped"
-            (the hyphenated spellings are accepted too), or a scheme's options
+            (in any case, with ``-`` or ``_``: "DP-KFAC"), or a scheme's options
             instance (e.g. :class:`~dpkfac.plan.DPKFACOptions`), which names
             the scheme and holds its options.
         options: the common options as one :class:`~dpkfac.options.KFACOptions`
@@ -159,7 +172,7 @@ class KFACPreconditioner:
         **strategy_options: the strategy's own options as keywords, when
             ``strategy`` is a name (the fields of its scheme's ``Options``,
             e.g. :class:`~dpkfac.plan.DPKFACOptions`). Unknown options raise
-            ValueError.
+            ValueError naming the closest accepted keyword, common or the strategy's.
 
     Every argument after ``model`` is keyword-only.
 
@@ -977,8 +990,8 @@ class KFACPreconditioner:
                 without ``allow_world_size_change``, or layers this model lacks.
         """
         saved = dict(state)
-        if isinstance(saved.get("strategy"), str):  # checkpoints of the hyphenated spelling
-            saved["strategy"] = saved["strategy"].replace("-", "_")
+        if isinstance(saved.get("strategy"), str):  # checkpoints of another spelling
+            saved["strategy"] = name_key(saved["strategy"])
         for key, mine in (
             ("strategy", self.strategy_name),
             ("compute_method", self.options.compute_method),

@@ -130,3 +130,71 @@ def test_the_guard_sees_backward_under_ddp() -> None:
         assert pre.steps == 2
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ errors that teach
+def test_an_unknown_keyword_names_the_closest_option_and_every_accepted_one() -> None:
+    with pytest.raises(ValueError) as raised:
+        dpkfac.KFACPreconditioner(make_model(), dampening=0.003)
+    assert str(raised.value) == (
+        "unknown option 'dampening' for strategy 'dp_kfac'; did you mean 'damping'? Accepted: "
+        "common options: ['accumulation_steps', 'bucket_cap_mb', 'collective_timeout', "
+        "'compute_method', 'damping', 'decomposition_dtype', 'factor_decay', 'factor_dtype', "
+        "'factor_method', 'factor_update_steps', 'fidelity_every', 'fidelity_layers', "
+        "'grad_scaler', 'host_reader', 'inv_update_steps', 'kl_clip', 'lr', 'options', "
+        "'pi_damping', 'process_group', 'skip_layers', 'strategy', 'timing', 'weight_sharing']; "
+        "options of strategy 'dp_kfac': ['assignment', 'assignment_cost', 'auto_intervals', "
+        "'auto_tolerance', 'grad_reduction', 'hardware', 'overlap']"
+    )
+
+
+def test_several_unknown_keywords_get_a_suggestion_each_where_one_is_close() -> None:
+    with pytest.raises(ValueError) as raised:
+        dpkfac.KFACPreconditioner(
+            make_model(), strategy="kaisa", grad_worker_frac=0.5, lrr=0.1, zzz=1
+        )
+    assert str(raised.value).startswith(
+        "unknown options ['grad_worker_frac', 'lrr', 'zzz'] for strategy 'kaisa'; did you mean "
+        "'grad_worker_fraction' for 'grad_worker_frac', 'lr' for 'lrr'? Accepted: common options: "
+    )
+    assert str(raised.value).endswith(
+        "options of strategy 'kaisa': ['grad_worker_fraction', 'lazy_factor_sync', 'placement', "
+        "'triangle']"
+    )
+
+
+def test_a_keyword_near_nothing_lists_what_is_accepted_without_a_guess() -> None:
+    with pytest.raises(ValueError) as raised:
+        dpkfac.KFACPreconditioner(make_model(), strategy="d_kfac", qqqq=1)
+    assert str(raised.value).startswith(
+        "unknown option 'qqqq' for strategy 'd_kfac'. Accepted: common options: ['accumulation_"
+    )
+
+
+@pytest.mark.parametrize("spelling", ["dp_kfac", "DP-KFAC", "Dp_Kfac", "dp-kfac", "DP_KFAC"])
+def test_strategy_names_are_read_in_any_case_with_dash_or_underscore(spelling: str) -> None:
+    pre = dpkfac.KFACPreconditioner(make_model(), strategy=spelling)
+    assert pre.strategy_name == "dp_kfac"  # and written in the one registered spelling
+
+
+def test_an_unknown_strategy_name_gets_the_closest_one() -> None:
+    with pytest.raises(ValueError) as raised:
+        dpkfac.KFACPreconditioner(make_model(), strategy="DP-KFCA")
+    assert str(raised.value) == (
+        "unknown strategy 'DP-KFCA'; did you mean 'dp_kfac'? Expected one of ['d_kfac', "
+        "'dp_kfac', 'grouped', 'kaisa', 'spd_kfac'], in any case, with '-' or '_'"
+    )
+    with pytest.raises(ValueError) as raised:
+        dpkfac.KFACPreconditioner(make_model(), strategy="adam")
+    assert str(raised.value) == (
+        "unknown strategy 'adam'; expected one of ['d_kfac', 'dp_kfac', 'grouped', 'kaisa', "
+        "'spd_kfac'], in any case, with '-' or '_'"
+    )
+
+
+def test_a_checkpoint_of_another_spelling_loads() -> None:
+    model = make_model()
+    pre = dpkfac.KFACPreconditioner(model, kl_clip=0.01)
+    _steps(pre, model, 1)
+    state = {**pre.state_dict(), "strategy": "DP-KFAC"}
+    dpkfac.KFACPreconditioner(make_model(), kl_clip=0.01).load_state_dict(state)

@@ -17,14 +17,15 @@ cost model (:mod:`dpkfac.costmodel`) prices the same one.
 
 Every scheme has one name, spelled the same in Python, Hydra (``strategy=``),
 the command line, tables and W&B: ``dp_kfac``, ``d_kfac``, ``spd_kfac``,
-``kaisa`` and ``grouped``. The hyphenated spellings of the papers
-(``dp-kfac``, ...) are accepted as input and normalised by
-:func:`canonical_name`; nothing is ever written with them.
+``kaisa`` and ``grouped``. As input a name is read in any case and with ``-``
+for ``_`` (the papers' ``DP-KFAC``, ``dp-kfac``): :func:`name_key` is that
+rule, :func:`canonical_name` applies it and checks the name; nothing is ever
+written in another spelling.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from dpkfac.plan.assignment import LayerShape, Placement
@@ -32,7 +33,7 @@ from dpkfac.plan.d_kfac import DKFACOptions, DKFACScheme
 from dpkfac.plan.dp_kfac import DPKFACOptions, DPKFACScheme
 from dpkfac.plan.grouped import GroupedOptions, GroupedScheme
 from dpkfac.plan.kaisa import KAISAOptions, KAISAScheme
-from dpkfac.plan.options import StrategyOptions, make_options
+from dpkfac.plan.options import StrategyOptions, did_you_mean, make_options
 from dpkfac.plan.roles import Plan
 from dpkfac.plan.scheme import Scheme, Tuning
 from dpkfac.plan.spd_kfac import SPDKFACOptions, SPDKFACScheme
@@ -53,6 +54,7 @@ __all__ = [
     "Traits",
     "Tuning",
     "canonical_name",
+    "name_key",
     "scheme_of",
     "scheme_options",
 ]
@@ -63,15 +65,30 @@ SCHEMES: dict[str, type[Scheme]] = {
 }
 
 
+def name_key(name: str) -> str:
+    """A strategy name as registered spellings are written: lower case, ``_`` for ``-``.
+
+    The one home of the spelling rule. Names come from papers (``DP-KFAC``,
+    ``dp-kfac``), configs and old checkpoints; reading them all alike means
+    no spelling is refused for its case or its dash.
+    """
+    return name.lower().replace("-", "_")
+
+
 def canonical_name(name: str) -> str:
-    """The registered spelling of a strategy name.
+    """The registered spelling of a strategy name given in any accepted spelling.
 
     Raises:
-        ValueError: the name is not a registered strategy.
+        ValueError: the name is not a registered strategy (with the closest one).
     """
-    key = name.replace("-", "_") if isinstance(name, str) else name
+    key = name_key(name) if isinstance(name, str) else name
     if key not in SCHEMES:
-        raise ValueError(f"unknown strategy {name!r}; expected one of {sorted(SCHEMES)}")
+        hint = did_you_mean([key], SCHEMES) if isinstance(key, str) else ""
+        expected = "Expected" if hint else "expected"
+        raise ValueError(
+            f"unknown strategy {name!r};{hint} {expected} one of {sorted(SCHEMES)}, in any case, "
+            "with '-' or '_'"
+        )
     return key
 
 
@@ -81,10 +98,17 @@ def scheme_of(name: str) -> type[Scheme]:
 
 
 def scheme_options(
-    name: str, values: Mapping[str, Any] | StrategyOptions | None = None
+    name: str,
+    values: Mapping[str, Any] | StrategyOptions | None = None,
+    *,
+    common: Collection[str] = (),
 ) -> StrategyOptions:
     """Validated options of strategy ``name``: its ``Options`` as given, or built from
     keyword arguments.
+
+    ``common``: the names the caller accepts beside the strategy's own (the
+    preconditioner's common options), named in the message for an unknown
+    key (:func:`~dpkfac.plan.options.make_options`).
 
     Raises:
         ValueError: an unknown strategy, an unknown option or a bad value.
@@ -93,4 +117,6 @@ def scheme_options(
     scheme = scheme_of(name)
     if isinstance(values, StrategyOptions):
         return scheme.check(values)
-    return make_options(scheme.Options, dict(values or {}), f"strategy {scheme.name!r}")
+    return make_options(
+        scheme.Options, dict(values or {}), f"strategy {scheme.name!r}", common=common
+    )

@@ -8,9 +8,10 @@ options without the runtime.
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,6 +26,7 @@ __all__ = [
     "check_choice",
     "check_positive",
     "checked_at",
+    "did_you_mean",
     "make_options",
 ]
 
@@ -114,19 +116,54 @@ class StrategyOptions:
 OptionsT = TypeVar("OptionsT", bound="DataclassInstance")
 
 
-def make_options(cls: type[OptionsT], values: Mapping[str, Any], owner: str) -> OptionsT:
+def did_you_mean(unknown: Collection[str], known: Collection[str]) -> str:
+    """`` did you mean 'damping'?`` for the known names closest to the unknown ones, or "".
+
+    A misspelt option or name is the commonest mistake, and the list of
+    everything accepted is long: the closest name is what the reader needs.
+    """
+    pairs = [
+        (name, close[0])
+        for name in sorted(unknown)
+        if (close := difflib.get_close_matches(name, sorted(known), n=1))
+    ]
+    if not pairs:
+        return ""
+    if len(unknown) == 1:
+        return f" did you mean {pairs[0][1]!r}?"
+    return " did you mean " + ", ".join(f"{c!r} for {n!r}" for n, c in pairs) + "?"
+
+
+def make_options(
+    cls: type[OptionsT],
+    values: Mapping[str, Any],
+    owner: str,
+    *,
+    common: Collection[str] = (),
+) -> OptionsT:
     """Build ``cls`` from keyword arguments, naming unknown keys and their owner.
 
     Args:
         cls: an options dataclass.
         values: keyword arguments.
         owner: what the options belong to, for the message ("strategy 'dp_kfac'").
+        common: the other names the caller accepts beside ``cls``'s (the
+            preconditioner's common options): an unknown key is more often one
+            of them misspelt (``dampening``) than one of the strategy's, so the
+            message lists them too and looks for the closest name among all.
 
     Raises:
-        ValueError: unknown keys, or a value the dataclass rejects.
+        ValueError: unknown keys, with the closest accepted name; or a value
+            the dataclass rejects.
     """
     names = [f.name for f in fields(cls)]
     unknown = sorted(set(values) - set(names))
     if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for {owner}; accepted: {names or 'none'}")
+        what = f"option {unknown[0]!r}" if len(unknown) == 1 else f"options {unknown}"
+        hint = did_you_mean(unknown, [*names, *common])
+        accepted = f"common options: {sorted(common)}; " if common else ""
+        raise ValueError(
+            f"unknown {what} for {owner}{f';{hint}' if hint else '.'} Accepted: {accepted}"
+            f"options of {owner}: {sorted(names) or 'none'}"
+        )
     return cls(**values)

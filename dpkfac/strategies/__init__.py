@@ -8,7 +8,7 @@ maps each name to the class that runs it. Names are those of
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from dpkfac.plan import SCHEMES, StrategyOptions, Traits, canonical_name, scheme_options
@@ -32,10 +32,13 @@ def strategy_class(name: str) -> type[Strategy]:
 
 
 def strategy_options(
-    name: str, values: Mapping[str, Any] | StrategyOptions | None = None
+    name: str,
+    values: Mapping[str, Any] | StrategyOptions | None = None,
+    *,
+    common: Collection[str] = (),
 ) -> StrategyOptions:
     """Validated options of strategy ``name`` (see :func:`dpkfac.plan.scheme_options`)."""
-    return scheme_options(name, values)
+    return scheme_options(name, values, common=common)
 
 
 __all__ = [
