@@ -202,7 +202,9 @@ def validate_strategy(node: DictConfig, prefix: str = "strategy") -> None:
     algorithm = node.get("algorithm")
     try:
         algorithm = canonical_name(algorithm)
-    except (TypeError, ValueError):
+    except ValueError as err:  # the library's words: the closest name, the spelling rule
+        raise ExperimentError(f"invalid value {prefix}.algorithm={algorithm!r}: {err}") from None
+    except TypeError:
         raise ExperimentError(
             f"invalid value {prefix}.algorithm={algorithm!r}: expected one of {sorted(STRATEGIES)}"
         ) from None
@@ -223,7 +225,9 @@ def validate_strategy(node: DictConfig, prefix: str = "strategy") -> None:
     common = {k: v for k, v in options.items() if k in common_keys}
     own = {k: v for k, v in options.items() if k not in common_keys}
     _build_each(lambda values: KFACOptions(**values), common, prefix)
-    _build_each(lambda values: strategy_options(algorithm, values), own, prefix)
+    # An unknown key lands among the strategy's own options; the message names the common
+    # ones too, since a misspelt common option (dampening) is the likelier mistake.
+    _build_each(lambda values: strategy_options(algorithm, values, common=common_keys), own, prefix)
 
 
 #: The Hydra tree of both entry points.

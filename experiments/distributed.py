@@ -111,7 +111,9 @@ def _pick_device(setting: str, local_rank: int) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ExperimentError(
-                f"trainer.device={setting} but CUDA is not available on this machine"
+                f"trainer.device={setting} but CUDA is not available on this machine; use "
+                "trainer.device=auto (a GPU where there is one, else the CPU) or "
+                "trainer.device=cpu"
             )
         count = torch.cuda.device_count()
         if device.index is None:

@@ -236,6 +236,23 @@ def test_bad_values_are_named(compose, override, named):
     assert "\n" not in str(info.value)
 
 
+def test_a_misspelt_strategy_key_or_algorithm_gets_the_closest_name(compose):
+    with pytest.raises(ExperimentError) as raised:
+        validate(compose("+strategy.dampening=0.003"))
+    assert str(raised.value).startswith(
+        "invalid value strategy.dampening=0.003: unknown option 'dampening' for strategy "
+        "'dp_kfac'; did you mean 'damping'? Accepted: common options: ['accumulation_steps', "
+    )
+    with pytest.raises(ExperimentError) as raised:
+        validate(compose("strategy.algorithm=dp-kfca"))
+    assert str(raised.value) == (
+        "invalid value strategy.algorithm='dp-kfca': unknown strategy 'dp-kfca'; did you mean "
+        "'dp_kfac'? Expected one of ['d_kfac', 'dp_kfac', 'grouped', 'kaisa', 'spd_kfac'], in "
+        "any case, with '-' or '_'"
+    )
+    validate(compose("strategy.algorithm=DP-KFAC"))  # the papers' spelling is read
+
+
 def test_strategy_options_mixing_badly_are_named(compose):
     """Options that are only wrong together are named from the library's message."""
     with pytest.raises(
