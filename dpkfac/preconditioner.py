@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dpkfac.amp import check_grad_scaler, inverse_loss_scale
+from dpkfac.call_order import CALL_ORDER, WATCH, GradientLedger
 from dpkfac.comm import Communicator
 from dpkfac.costmodel.auto import Candidate, log_choice, resolve
 from dpkfac.curvature import COMPUTE_METHODS, KFACLayer, helper_for
@@ -294,8 +295,13 @@ class KFACPreconditioner:
         )
         self._buffer_peak = 0
         self._capture = self._is_factor_step(0)
-        # Whether a backward pass wrote a K-FAC gradient since the last step().
-        self._fresh_gradients = False
+        # What the backward passes since the last step() left in the K-FAC gradients, and
+        # whether an optimizer stepped with them first (the order of calls, checked per step).
+        self._ledger = GradientLedger()
+        WATCH.watch(self._ledger, [x.helper.module.weight for x in self._layer_list])
+        # The device flag "some K-FAC gradient is nonzero" of this step, read with the
+        # factor step's finiteness checks (None: no zero_grad can have zeroed them).
+        self._nonzero: torch.Tensor | None = None
         # 1/s of the loss scaler per device, for the G hooks of the current step.
         self._inverse_scales: dict[torch.device, torch.Tensor] = {}
         # Set by a checkpoint of another world size that lacks some decompositions.
@@ -526,7 +532,7 @@ class KFACPreconditioner:
 
     def _gradient_arrived(self, param: nn.Parameter) -> None:
         """A backward pass wrote a K-FAC layer's gradient: the next ``step()`` has work."""
-        self._fresh_gradients = True
+        self._ledger.arrived(param)
 
     def _is_factor_step(self, step: int) -> bool:
         return step % self.options.at("factor_update_steps", step) == 0
@@ -660,18 +666,24 @@ class KFACPreconditioner:
     # -------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self) -> None:
-        """Average gradients, update curvature as scheduled and precondition in place."""
-        if self._layer_list and not self._fresh_gradients:
+        """Average gradients, update curvature as scheduled and precondition in place.
+
+        Raises:
+            RuntimeError: the loop calls it out of order (:data:`CALL_ORDER`): an
+                optimizer stepped with the last backward pass's gradients, or
+                ``zero_grad()`` cleared them, before this call. Nothing is done.
+        """
+        if self._layer_list and not self._ledger.fresh:
             warnings.warn(
                 "dpkfac: step() was called without a backward pass since the last step() "
                 f"(step {self.steps}): nothing was done, and the gradients were left as they are "
-                "(call loss.backward() before pre.step(); the same gradients are never "
-                "preconditioned twice)",
+                "(the same gradients are never preconditioned twice); the order of calls is "
+                f"{CALL_ORDER}",
                 RuntimeWarning,
                 stacklevel=3,
             )
             return
-        self._fresh_gradients = False
+        self._check_order()
         self._inverse_scales = {}  # the next backward may run under another loss scale
         step = self.steps
         strat = self.strategy
@@ -722,6 +734,46 @@ class KFACPreconditioner:
         self.steps += 1
         self._arm(self.steps)
 
+    def _check_order(self) -> None:
+        """Refuse gradients the optimizer already used or ``zero_grad()`` cleared; arm the
+        zero check.
+
+        Both facts are host metadata, so the check costs no device read. Under
+        the overlapped mode the backward pass launched the step's collectives:
+        they are waited for (every rank of a misordered loop refuses at the same
+        call) and their updates dropped, so that a caller who catches the error
+        finds the next step consistent.
+        """
+        ledger = self._ledger
+        misuse = ledger.misuse()
+        # The zero check rides on the ordinary step's read of a factor step: elsewhere
+        # there is no read to join (the overlapped mode reads in its own finish()).
+        overlapped = self._overlap is not None and self._overlap.ctx.flags.overlapped
+        reads = self._capture and not overlapped
+        self._nonzero = ledger.zero_flag() if misuse is None and reads else None
+        ledger.reset()
+        if misuse is None:
+            return
+        if self._overlap is not None:
+            self._overlap.finish()
+        raise RuntimeError(
+            f"dpkfac: step() at step {self.steps} found the gradients of the last backward pass "
+            f"already {misuse}: the model takes plain SGD steps, not K-FAC's. Nothing was done. "
+            f"The order of calls is {CALL_ORDER} (pre.step() after loss.backward(), before "
+            "optimizer.step())"
+        )
+
+    def _warn_zero_gradients(self, step: int) -> None:
+        """Every K-FAC gradient is zero after something zeroed them: say what that means."""
+        warnings.warn(
+            f"dpkfac: step() at step {step} found the gradient of every K-FAC layer zero, set "
+            "after the backward pass wrote it (as zero_grad(set_to_none=False) does): if "
+            "pre.step() runs before loss.backward(), K-FAC preconditions zeros and the model "
+            f"takes plain SGD steps. The order of calls is {CALL_ORDER}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
     def _decompose_layer(self, layer: KFACLayer, damping: float) -> None:
         """The layer's decompositions this rank computes: the one routine of ``step()`` and of
         the overlapped mode's hooks."""
@@ -764,13 +816,18 @@ class KFACPreconditioner:
         # Where ranks hold different gradients, agreeing is a collective: every rank takes
         # part, those without factors to fold too.
         overflow = scaler and not identical and self._agree_overflow()
+        nonzero, self._nonzero = self._nonzero, None
         if not checks:
             return
         device = checks[0][2].device
         flags = [ok.to(device) for _, _, ok in checks]
         if scaler and identical:
             flags.append(self._gradients_finite().to(device))
+        if nonzero is not None:
+            flags.append(nonzero.to(device))
         read = self.host.flags(torch.stack(flags))
+        if nonzero is not None and not read.pop():
+            self._warn_zero_gradients(self.steps)
         if scaler:
             overflow = overflow or (identical and not read[-1])
             if overflow:
