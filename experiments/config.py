@@ -90,10 +90,10 @@ _TRAINING: Checks = {
     "optimizer.weight_decay": (_optional(_non_negative), "a non-negative number"),
 }
 
-#: What a benchmark job does: the first two write benchmark rows (a table preset's callback
+#: What a benchmark job does: the first three write benchmark rows (a table preset's callback
 #: turns a sweep's rows into its table); the others are the jobs of table presets that
 #: write their own files (conf/table/fidelity.yaml, factor_kernels.yaml, scale_sim.yaml).
-ROW_TASKS = ("timing", "convergence")
+ROW_TASKS = ("timing", "convergence", "convergence_scale")
 TABLE_TASKS = ("fidelity", "factor_kernels", "scale_sim")
 TASKS = (*ROW_TASKS, *TABLE_TASKS)
 #: Values of ``trainer.precision`` (Hydra reads a bare 32 as an int).
@@ -375,6 +375,8 @@ def validate_benchmark(cfg: DictConfig) -> None:
         _check_fidelity_runs(cfg.fidelity)
     if cfg.task == "scale_sim":
         _check_scale_sim(cfg.scale_sim)
+    if cfg.task == "convergence_scale":
+        _check_convergence_scale(cfg.convergence_scale)
     validate_strategy(cfg.strategy)
     if cfg.task == "timing":
         check_update_intervals(cfg.strategy, cfg.setting)
@@ -476,6 +478,55 @@ def _check_scale_sim(node: DictConfig) -> None:
                 f"invalid value scale_sim.{key}.ranks={ranks!r}: expected a list of ranks "
                 '(integers, negative from the end, or "middle") or null'
             )
+
+
+def _check_convergence_scale(node: DictConfig) -> None:
+    """``convergence_scale``: a known preset with a target, positive sizes and rates, a
+    known hardware preset, and limits keyed as the sweep needs them.
+
+    Checked before a job trains: a typo in a sweep of hundreds of runs should cost a
+    second, not the first run's minutes.
+    """
+    from dpkfac.plan.presets import PRESETS
+
+    def bad(key: str, expected: str) -> ExperimentError:
+        value = node.get(key)
+        shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        return ExperimentError(
+            f"invalid value convergence_scale.{key}={shown!r}: expected {expected}"
+        )
+
+    presets = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+    if node.get("experiment") not in presets:
+        raise bad("experiment", f"one of {presets}")
+    checks: Checks = {
+        "batch_size": (_positive_int, "a positive integer"),
+        "base_batch": (_positive_int, "a positive integer"),
+        "base_lr": (_positive, "a positive number"),
+        "lr_multiplier": (_positive, "a positive number"),
+        "fidelity_every": (lambda v: _is_int(v) and v >= 0, "a non-negative integer (0: off)"),
+    }
+    for key, (check, expected) in checks.items():
+        if not check(node.get(key)):
+            raise bad(key, expected)
+    if node.get("hardware") not in PRESETS:
+        raise bad("hardware", f"one of {sorted(PRESETS)}")
+    targets = node.get("targets")
+    target = targets.get(node.experiment) if isinstance(targets, DictConfig) else None
+    if not (_is_number(target) and 0 < target <= 1):
+        raise bad("targets", f"a test accuracy in (0, 1] for {node.experiment}")
+    seeds_at = node.get("seeds_at")
+    if (seeds_at is not None and not isinstance(seeds_at, DictConfig)) or not all(
+        _positive_int(k) and _positive_int(v) for k, v in (seeds_at or {}).items()
+    ):
+        raise bad("seeds_at", "null or a mapping of world sizes to positive seed counts")
+    limits = node.get("max_world_size")
+    if (limits is not None and not isinstance(limits, DictConfig)) or not all(
+        str(k) in presets and _positive_int(v) for k, v in (limits or {}).items()
+    ):
+        raise bad("max_world_size", "null or a mapping of experiment presets to positive P")
+    if not isinstance(node.get("overrides"), ListConfig):
+        raise bad("overrides", "a list of training overrides")
 
 
 def _check_fidelity_runs(node: DictConfig) -> None:

@@ -24,7 +24,9 @@ sizes without a shell loop::
 
 Under ``torchrun --nproc_per_node=N -m experiments.bench world_size=N``
 every rank measures itself and rank 0 writes the row. ``task=convergence``
-trains with the training entry point instead (:mod:`experiments.bench.convergence`).
+trains with the training entry point instead (:mod:`experiments.bench.convergence`),
+and ``task=convergence_scale`` trains one run with every rank a thread of the job's
+process (:mod:`experiments.bench.convergence_scale`).
 
 Three table presets are single jobs that write their table themselves rather than
 rows for a callback: ``table=fidelity`` (``task=fidelity``:
@@ -401,6 +403,12 @@ def run(
     from experiments.bench.launch import launch
     from experiments.bench.measure import run_rank
 
+    if cfg.task == "convergence_scale":  # its ranks are threads of this process
+        from experiments.bench import convergence_scale
+
+        validate_benchmark(cfg)
+        out = Path(output_dir) if output_dir is not None else Path(cfg.paths.log_dir) / "adhoc"
+        return convergence_scale.run_job(cfg, out)
     spec = job_spec(cfg, overrides, output_dir)
     fn, make_rows = (
         (run_rank, timing_rows) if spec["task"] == "timing" else (run_convergence, convergence_rows)
@@ -509,6 +517,13 @@ def write_rows(rows: list[dict[str, Any]], out_dir: Path, extra_csv: str | None 
 
 
 def _summary(row: dict[str, Any]) -> str:
+    if row.get("task") == "convergence_scale":
+        return (
+            f"{row['model']} {row['strategy']} P={row['world_size']} lr {row['lr']:.4g} seed "
+            f"{row['seed']}: final test accuracy {row['final_acc']:.4f} (val "
+            f"{row['final_val_acc']:.4f}), steps to {row['target']}: {row['steps_to_target']}, "
+            f"{row['seconds']:.1f} s"
+        )
     if row.get("task") == "convergence":
         return (
             f"{row['strategy']} P={row['world_size']}: final test accuracy "
@@ -564,6 +579,8 @@ def main(cfg: DictConfig) -> None:
                 "task": cfg.task,
                 "model": cfg.convergence.experiment
                 if cfg.task == "convergence"
+                else cfg.convergence_scale.experiment
+                if cfg.task == "convergence_scale"
                 else cfg.workload.name,
                 "label": cfg.workload.label,
                 "strategy": name,

@@ -21,6 +21,9 @@ Tables (see docs/reproduction.md, "One command per table", for what each column 
   model's predictions (:mod:`experiments.bench.predict`);
 * ``convergence``: digits test accuracy per epoch, and the presets' smoke status
   (from the JUnit report ``make smoke-report`` writes);
+* ``convergence_scale``: steps to a target accuracy of MNIST-1D runs at up to
+  256 in-process ranks, the learning rate chosen on validation, the fidelity
+  probe, and time to target predicted (:mod:`experiments.bench.convergence_scale`);
 * ``ablation``: from the published D-KFAC to DP-KFAC one switch at a time,
   measured at P=2 and predicted at P=64 for the paper-size models;
 * ``paper``: the DP-KFAC paper's 64-GPU ratios predicted for its models beside
@@ -45,7 +48,7 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from experiments.bench import plots, smoke, takeaways, workloads
+from experiments.bench import convergence_scale, plots, smoke, takeaways, workloads
 from experiments.bench.aggregate import ITERATION_PARTS
 from experiments.bench.plots import COMPARED, REFERENCE
 
@@ -713,6 +716,7 @@ WRITERS: dict[str, Callable[[pd.DataFrame, Path], dict[str, Path]]] = {
     "scaling": write_scaling,
     "convergence": write_convergence,
     "ablation": write_ablation,
+    "convergence_scale": convergence_scale.write_convergence_scale,
 }
 
 

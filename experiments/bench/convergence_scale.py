@@ -1,0 +1,799 @@
+"""The ``convergence_scale`` table: steps to a target accuracy as P grows, and their cost.
+
+The DP-KFAC paper says DP-KFAC keeps D-KFAC's convergence. Its factors come
+from one rank's batch (1/P of the global one), so that claim can only fail at
+large P, where no run of this project had looked. This module runs the check
+with the real training code (``experiments.train.run``) under the in-process
+launcher (``launcher=threads``), so P = 1 ... 256 ranks fit on one small
+machine, and turns the runs into ``results/convergence_scale.{csv,md,png}``.
+
+One benchmark job (``python -m experiments.bench task=convergence_scale``) is
+one training run: an experiment preset (``convergence_scale.experiment``), a
+strategy config, ``world_size`` ranks, a learning-rate multiplier and a seed.
+What the job fixes, and why:
+
+* **Per-rank batch** ``convergence_scale.batch_size`` (16): the global batch
+  grows with P, as in a data-parallel job that adds GPUs, which is where the
+  owner's share of the batch (what its factors see) shrinks.
+* **Learning-rate rule**: linear scaling from the preset's learning rate at
+  its batch, ``lr = base_lr * (batch_size * P / base_batch) * multiplier``,
+  with a small grid of multipliers swept; :func:`choose_lr` picks one per
+  (model, configuration, P) on the validation split's final accuracy (mean
+  over seeds), never on the test set, and every grid point stays in the CSV.
+* **The fidelity probe** (``strategy.fidelity_every``): the owner's
+  preconditioned gradient from its own batch's factors against the one from
+  factors averaged over all ranks, logged by the trainer and recorded by
+  :class:`ScaleLogger`.
+* **grouped_auto** chooses its (k, f) for ``convergence_scale.hardware``
+  (``v100_ib100``), the hardware whose step time is predicted, not for the
+  in-process group, whose "links" are a thread hand-over.
+
+Each row also carries the cost model's predicted seconds per step for the
+same model, per-rank batch, strategy options and P on that hardware
+(:func:`predicted_iteration`), so the writer can put time-to-accuracy
+(steps to target x seconds per step) beside the steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.config import ExperimentError
+from experiments.loggers import NullLogger
+from experiments.preconditioning import strategy_name, uses_preconditioner
+
+log = logging.getLogger(__name__)
+
+TASK = "convergence_scale"
+#: What :class:`ScaleLogger` writes in the run folder.
+RECORD = "convergence_scale.jsonl"
+#: P at and below which the measured CPU time per step is reported (the ranks of a
+#: threads run take turns on one process: above a few ranks the figure says little).
+MEASURED_MAX_P = 4
+#: The first-order baseline and the pair the takeaway compares.
+SGD, REFERENCE, BASELINE = "none", "dp_kfac", "d_kfac"
+
+
+# ------------------------------------------------------------------ the job
+class ScaleLogger(NullLogger):
+    """Rank 0's logger in a job: appends step times and fidelity values to a JSON-lines file.
+
+    The trainer logs ``train/step_time_s`` (mean over a logging interval) and
+    ``fidelity/<layer>/{cosine,rel_error}`` (at probe steps); nothing else is
+    kept. Takes and ignores the other arguments of the ``logger`` node, so it
+    replaces W&B with ``logger._target_=experiments.bench.convergence_scale.ScaleLogger``.
+    """
+
+    def __init__(self, dir: str | Path | None = None, **_: Any) -> None:
+        self.path = Path(dir or ".") / RECORD
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        """Append this call's step time and fidelity values, if it has any."""
+        lines = []
+        if "train/step_time_s" in metrics:
+            lines.append({"step": step, "step_time_s": float(metrics["train/step_time_s"])})
+        layers: dict[str, dict[str, Any]] = {}
+        for key, value in metrics.items():
+            if key.startswith("fidelity/"):
+                layer, _, name = key.removeprefix("fidelity/").rpartition("/")
+                layers.setdefault(layer, {"step": step, "layer": layer})[name] = float(value)
+        lines += layers.values()
+        if lines:
+            with self.path.open("a") as f:
+                f.writelines(json.dumps(line) + "\n" for line in lines)
+
+
+def learning_rate(node: DictConfig | Mapping[str, Any], world_size: int) -> float:
+    """The job's learning rate: linear scaling from the preset's, times the grid's multiplier.
+
+    ``base_lr * (batch_size * world_size / base_batch) * lr_multiplier``.
+    """
+    global_batch = int(node["batch_size"]) * int(world_size)
+    return (
+        float(node["base_lr"])
+        * global_batch
+        / int(node["base_batch"])
+        * float(node["lr_multiplier"])
+    )
+
+
+def skip_reason(cfg: DictConfig) -> str | None:
+    """Why this grid point is not run (None: run it).
+
+    A Hydra sweep is a full product; the preset keeps fewer seeds at large P
+    (``seeds_at``: P -> seeds) and stops an experiment at the P its data allows
+    (``max_world_size``: experiment -> P).
+    """
+    node = cfg.convergence_scale
+    p, experiment = int(cfg.world_size), str(node.experiment)
+    limit = (node.get("max_world_size") or {}).get(experiment)
+    if limit is not None and p > int(limit):
+        return f"{experiment} runs up to P={limit}"
+    seeds = (node.get("seeds_at") or {}).get(p)
+    if seeds is not None and int(cfg.seed) >= int(seeds):
+        return f"P={p} runs seeds 0..{int(seeds) - 1}"
+    return None
+
+
+def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
+    """The training config of this job: the preset, the strategy, P threads, the lr rule.
+
+    Only what the study fixes is added to the preset (per-rank batch, the
+    learning rate of :func:`learning_rate`, the in-process launcher, the
+    fidelity probe, a logger that records step times and probe values, no
+    resuming, the replica check on) and then ``convergence_scale.overrides``.
+    """
+    from hydra.errors import HydraException
+
+    from experiments.bench.run import compose_config
+    from experiments.config import validate
+
+    node = cfg.convergence_scale
+    p = int(cfg.world_size)
+    overrides = [
+        f"experiment={node.experiment}",
+        f"strategy={strategy_name(cfg.strategy)}",
+        "launcher=threads",
+        f"launcher.world_size={p}",
+        f"data.batch_size={int(node.batch_size)}",
+        f"optimizer.lr={learning_rate(node, p)!r}",
+        "trainer.scale_lr=false",
+        "logger=none",
+        f"logger._target_={ScaleLogger.__module__}.{ScaleLogger.__name__}",
+        "trainer.progress_bar=false",
+        "trainer.check_replicas=true",
+        "trainer.checkpoint_every_steps=null",
+        "trainer.resume=null",
+        "trainer.device=cpu",
+        f"trainer.dist_timeout_s={cfg.timeout_s}",
+        f"seed={int(cfg.seed)}",
+        f"output_dir={output_dir}",
+        *node.overrides,
+    ]
+    try:
+        train_cfg = compose_config("config", overrides)
+    except HydraException as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ExperimentError(
+            f"cannot compose the convergence_scale training config: {first}"
+        ) from None
+    if uses_preconditioner(train_cfg.strategy):
+        train_cfg.strategy.fidelity_every = int(node.fidelity_every)
+        if "hardware" in train_cfg.strategy and train_cfg.strategy.hardware is None:
+            train_cfg.strategy.hardware = str(node.hardware)
+    validate(train_cfg)
+    return train_cfg
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def model_and_input(train_cfg: DictConfig) -> tuple[Any, Any]:
+    """The job's model (as training builds it) and one input of its data.
+
+    The data module is set up once on one rank (MNIST-1D loads its cache) for
+    what only it knows: the model's arguments (classes, signal length) and the
+    input's shape.
+    """
+    import torch
+    from hydra.utils import instantiate
+
+    from experiments.distributed import DistEnv
+
+    data = instantiate(train_cfg.data)
+    with tempfile.TemporaryDirectory(prefix="dpkfac-shapes-") as scratch:
+        env = DistEnv(0, 1, 0, torch.device("cpu"))
+        data.setup(env, Path(scratch))
+        x = next(iter(data.eval_loader(env)))[0][:1]
+        model = instantiate(train_cfg.model, **data.model_kwargs())
+    return model, x
+
+
+def predicted_iteration(
+    train_cfg: DictConfig, world_size: int, hardware: str, model: Any, example: Any
+) -> dict[str, Any]:
+    """The cost model's seconds per step of this job's model, batch and strategy at P ranks.
+
+    Shapes from the model itself (:func:`dpkfac.costmodel.shapes_from_model`,
+    the per-rank batch), the strategy config's options with the preset's
+    update intervals, :func:`dpkfac.costmodel.predict` on the ``hardware``
+    preset; ``iteration_avg`` averages the step kinds over the intervals.
+    SGD is plain data parallelism (DDP's overlapped all-reduces).
+
+    Returns:
+        ``pred_iteration_s``, ``pred_hardware`` and ``pred_chosen`` (what an
+        ``auto`` option resolved to, e.g. grouped's k and f; "" if none).
+    """
+    from dpkfac.costmodel import PRESETS, predict, shapes_from_model
+    from dpkfac.options import KFACOptions
+    from experiments.bench.predict import _KFAC_FIELDS
+    from experiments.preconditioning import preconditioner_kwargs
+
+    batch = int(train_cfg.data.batch_size)
+    options = preconditioner_kwargs(train_cfg.strategy)
+    skip = (options or {}).get("skip_layers", [])
+    shapes = shapes_from_model(model, example, batch, skip_layers=skip, ready_order=True)
+    hw = PRESETS[hardware]
+    if options is None:
+        prediction = predict(shapes, strategy=None, world_size=world_size, hardware=hw)
+        return {
+            "pred_iteration_s": prediction.iteration_avg,
+            "pred_hardware": hardware,
+            "pred_chosen": "",
+        }
+    values = {k: _plain(v) for k, v in options.items()}
+    name = values.pop("strategy")
+    common = {k: values.pop(k) for k in list(values) if k in _KFAC_FIELDS}
+    common = {
+        k: v for k, v in common.items() if k not in ("timing", "fidelity_every", "fidelity_layers")
+    }
+    for key in ("factor_update_steps", "inv_update_steps"):
+        common[key] = int(common.get(key) or 1)
+    prediction = predict(
+        shapes,
+        strategy=name,
+        world_size=world_size,
+        hardware=hw,
+        kfac=KFACOptions(**common),
+        options=values,
+    )
+    chosen = ""
+    if prediction.options is not None:
+        picked = {
+            k: getattr(prediction.options, k)
+            for k in ("factor_group_size", "grad_worker_fraction")
+            if values.get(k) == "auto" and hasattr(prediction.options, k)
+        }
+        chosen = ", ".join(f"{k}={v}" for k, v in picked.items())
+    return {
+        "pred_iteration_s": prediction.iteration_avg,
+        "pred_hardware": hardware,
+        "pred_chosen": chosen,
+    }
+
+
+def reached(history: Sequence[Mapping[str, Any]], target: float) -> tuple[float, float]:
+    """(steps, epochs) of the first evaluation at or above ``target`` test accuracy (NaN: never)."""
+    for h in history:
+        if float(h.get("accuracy", -1.0)) >= target:
+            return float(h["step"]), float(h["epoch"])
+    return math.nan, math.nan
+
+
+def _records(path: Path) -> tuple[list[float], list[dict[str, Any]]]:
+    """Step times and fidelity entries from :class:`ScaleLogger`'s file."""
+    times, probes = [], []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            if "step_time_s" in entry:
+                times.append(float(entry["step_time_s"]))
+            elif "cosine" in entry:
+                probes.append(entry)
+    return times, probes
+
+
+def layer_kinds(model: Any) -> dict[str, str]:
+    """Module class name of every named module of a model (``Linear``, ``Conv2d``)."""
+    return {name: type(m).__name__ for name, m in model.named_modules()}
+
+
+def fidelity_by_kind(probes: Sequence[Mapping[str, Any]], kinds: Mapping[str, str]) -> dict:
+    """Mean probe cosine per layer kind over a run (every probe of every layer of that kind)."""
+    values: dict[str, list[float]] = {}
+    for p in probes:
+        values.setdefault(kinds.get(str(p["layer"]), "?"), []).append(float(p["cosine"]))
+    return {kind: statistics.fmean(v) for kind, v in sorted(values.items())}
+
+
+def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
+    """Train this grid point (every rank a thread of this process); its one row, or none.
+
+    Raises:
+        ExperimentError: a value the checks reject.
+    """
+    import torch
+
+    from experiments.train import run
+
+    reason = skip_reason(cfg)
+    if reason is not None:
+        log.info("convergence_scale: skipped (%s)", reason)
+        return []
+    node = cfg.convergence_scale
+    p = int(cfg.world_size)
+    train_dir = output_dir / "train"
+    train_cfg = training_config(cfg, train_dir)
+    torch.set_num_threads(int(cfg.threads))
+    log.info(
+        "convergence_scale: %s %s P=%d lr %.4g (x%s) seed %d",
+        node.experiment,
+        strategy_name(cfg.strategy),
+        p,
+        float(train_cfg.optimizer.lr),
+        node.lr_multiplier,
+        int(cfg.seed),
+    )
+    started = time.perf_counter()
+    result = run(train_cfg)
+    seconds = time.perf_counter() - started
+    history = json.loads((train_dir / "metrics.json").read_text())["history"]
+    target = float(node.targets[str(node.experiment)])
+    steps, epochs = reached(history, target)
+    times, probes = _records(train_dir / RECORD)
+    model, example = model_and_input(train_cfg)
+    per_kind = fidelity_by_kind(probes, layer_kinds(model))
+    predicted = predicted_iteration(train_cfg, p, str(node.hardware), model, example)
+    kfac = _plain(train_cfg.strategy) if uses_preconditioner(train_cfg.strategy) else None
+    row = {
+        "task": TASK,
+        "model": str(node.experiment),
+        "label": f"{train_cfg.model._target_.rsplit('.', 1)[-1]} ({node.experiment} preset)",
+        "strategy": strategy_name(cfg.strategy),
+        "world_size": p,
+        "seed": int(cfg.seed),
+        "batch_size": int(node.batch_size),
+        "global_batch": int(node.batch_size) * p,
+        "lr_multiplier": float(node.lr_multiplier),
+        "lr": float(train_cfg.optimizer.lr),
+        "lr_rule": (
+            f"lr = {float(node.base_lr)} x (batch {int(node.batch_size)} x P / "
+            f"{int(node.base_batch)}) x multiplier"
+        ),
+        "target": target,
+        "steps_per_epoch": round(result["steps"] / result["epochs"]) if result["epochs"] else 0,
+        "steps": int(result["steps"]),
+        "epochs": float(result["epochs"]),
+        "final_acc": float(result.get("accuracy", math.nan)),
+        "final_val_acc": float(result.get("val_accuracy", math.nan)),
+        "steps_to_target": steps,
+        "epochs_to_target": epochs,
+        "curve": json.dumps(
+            [
+                {
+                    "step": int(h["step"]),
+                    "epoch": round(float(h["epoch"]), 4),
+                    "test_acc": float(h["accuracy"]),
+                    "val_acc": float(h.get("val_accuracy", math.nan)),
+                    "train_loss": float(h.get("train_loss", math.nan)),
+                }
+                for h in history
+                if "accuracy" in h
+            ]
+        ),
+        "fidelity_every": int(node.fidelity_every) if kfac is not None else 0,
+        "fidelity_probes": len(probes),
+        "fidelity_cosine": json.dumps(per_kind),
+        # Median over logging intervals: an interval that held an evaluation is slower.
+        "step_s": statistics.median(times) if times else math.nan,
+        "seconds": seconds,
+        # The trainer compares every rank's parameters bitwise at the end and fails otherwise.
+        "replicas_identical": bool(train_cfg.trainer.check_replicas) and p > 1,
+        "kfac_options": json.dumps(kfac, default=str),
+        "threads": int(cfg.threads),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **predicted,
+        "error": "",
+    }
+    return [row]
+
+
+# ---------------------------------------------------------------- the table
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    finite = [float(v) for v in values if v == v]
+    if not finite:
+        return math.nan, math.nan
+    return statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0
+
+
+CELL = ["model", "strategy", "world_size"]
+
+
+def choose_lr(runs: pd.DataFrame) -> pd.DataFrame:
+    """Every run with ``chosen``: its multiplier is its cell's best on validation accuracy.
+
+    Per (model, strategy config, P), the multiplier whose runs have the highest
+    mean final validation accuracy over seeds (the first in grid order on a tie);
+    the test accuracy plays no part. A cell without validation accuracy gets
+    no choice (``chosen`` false everywhere) rather than one made on the test set.
+    """
+    runs = runs.copy()
+    runs["val_mean"] = runs.groupby([*CELL, "lr_multiplier"])["final_val_acc"].transform("mean")
+    runs["chosen"] = False
+    for _, cell in runs.groupby(CELL, sort=False):
+        means = cell.groupby("lr_multiplier", sort=True)["val_mean"].first().dropna()
+        if means.empty:
+            continue
+        best = means.idxmax()
+        runs.loc[cell.index, "chosen"] = cell["lr_multiplier"] == best
+    return runs
+
+
+def cells_frame(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per (model, configuration, P) at the chosen learning rate.
+
+    Steps and epochs to target: mean and standard deviation over the seeds that
+    reached it (``reached``: how many of ``seeds``), and their min and max (the
+    seed spread the takeaway uses); final test accuracy mean and std; the
+    fidelity cosine per layer kind (mean over seeds); replicas; the predicted
+    seconds per step and time to target; the measured CPU time per step at
+    small P (the in-process step of all P ranks divided by P).
+    """
+    rows = []
+    chosen = runs[runs["chosen"]]
+    for (model, strategy, p), cell in chosen.groupby(CELL, sort=False):
+        grid = sorted(
+            runs[
+                (runs["model"] == model)
+                & (runs["strategy"] == strategy)
+                & (runs["world_size"] == p)
+            ]["lr_multiplier"].unique()
+        )
+        m = float(cell["lr_multiplier"].iloc[0])
+        steps = [float(v) for v in cell["steps_to_target"]]
+        hit = [v for v in steps if v == v]
+        s_mean, s_std = _mean_std(steps)
+        e_mean, e_std = _mean_std(list(cell["epochs_to_target"]))
+        a_mean, a_std = _mean_std(list(cell["final_acc"]))
+        kinds: dict[str, list[float]] = {}
+        for value in cell["fidelity_cosine"]:
+            for kind, c in (json.loads(value) if isinstance(value, str) and value else {}).items():
+                kinds.setdefault(kind, []).append(float(c))
+        pred = float(cell["pred_iteration_s"].astype(float).mean())
+        measured = (
+            float(cell["step_s"].astype(float).median()) / p if p <= MEASURED_MAX_P else math.nan
+        )
+        entry = {
+            "model": model,
+            "strategy": strategy,
+            "P": int(p),
+            "global_batch": int(cell["global_batch"].iloc[0]),
+            "target": float(cell["target"].iloc[0]),
+            "lr": float(cell["lr"].iloc[0]),
+            "lr_multiplier": m,
+            "lr_at_grid_edge": len(grid) > 1 and m in (grid[0], grid[-1]),
+            "val_acc": float(cell["final_val_acc"].mean()),
+            "seeds": len(cell),
+            "reached": len(hit),
+            "steps_to_target": s_mean,
+            "steps_std": s_std,
+            "steps_min": min(hit) if hit else math.nan,
+            "steps_max": max(hit) if hit else math.nan,
+            "steps_per_epoch": int(cell["steps_per_epoch"].iloc[0]),
+            "epochs_to_target": e_mean,
+            "epochs_std": e_std,
+            "final_acc": a_mean,
+            "final_acc_std": a_std,
+            **{f"cosine_{k}": statistics.fmean(v) for k, v in sorted(kinds.items())},
+            "replicas_identical": bool(cell["replicas_identical"].astype(bool).all())
+            if p > 1
+            else None,
+            "pred_hardware": str(cell["pred_hardware"].iloc[0]),
+            "pred_iteration_ms": 1e3 * pred,
+            "pred_time_to_target_s": s_mean * pred if len(hit) == len(cell) else math.nan,
+            "measured_ms_per_rank": 1e3 * measured,
+            "measured_time_to_target_s": s_mean * measured if len(hit) == len(cell) else math.nan,
+            "pred_chosen": str(cell["pred_chosen"].iloc[0] or "") if "pred_chosen" in cell else "",
+        }
+        rows.append(entry)
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return frame
+    from experiments.bench.plots import ordered
+
+    rank = {s: i for i, s in enumerate(ordered(list(frame["strategy"])))}
+    frame["_o"] = frame["strategy"].map(rank)
+    frame = frame.sort_values(["model", "P", "_o"], kind="stable").drop(columns="_o")
+    return frame.reset_index(drop=True)
+
+
+def _within(dp: pd.Series, d: pd.Series) -> bool | None:
+    """Whether dp_kfac's steps to target sit in d_kfac's seed spread, widened by one
+    evaluation (steps to target are only known to the evaluation interval, one epoch).
+
+    None when neither reached the target in every seed (nothing to compare); False when
+    d_kfac reached it in every seed and dp_kfac did not.
+    """
+    d_all = d["reached"] == d["seeds"]
+    dp_all = dp["reached"] == dp["seeds"]
+    if not d_all:
+        return None if not dp_all else True
+    if not dp_all:
+        return False
+    slack = float(d["steps_per_epoch"])
+    return bool(d["steps_min"] - slack <= dp["steps_to_target"] <= d["steps_max"] + slack)
+
+
+def takeaway(cells: pd.DataFrame) -> list[str]:
+    """The claim, computed: does dp_kfac stay within d_kfac's seed spread as P grows?"""
+    if cells.empty:
+        return []
+    lines = []
+    for model, g in cells.groupby("model", sort=False):
+        by = {(r["strategy"], int(r["P"])): r for _, r in g.iterrows()}
+        sizes = sorted({p for s, p in by if s == REFERENCE and (BASELINE, p) in by})
+        if not sizes:
+            continue
+        verdicts = {p: _within(by[(REFERENCE, p)], by[(BASELINE, p)]) for p in sizes}
+        target = float(g["target"].iloc[0])
+        outside = [p for p, v in verdicts.items() if v is False]
+        within = [p for p, v in verdicts.items() if v is True]
+        unknown = [p for p, v in verdicts.items() if v is None]
+        head = f"**Takeaway ({model}).** dp_kfac's steps to {target:.2f} test accuracy"
+        if outside:
+            first = outside[0]
+            dp, d = by[(REFERENCE, first)], by[(BASELINE, first)]
+            text = (
+                f"{head} leave d_kfac's seed spread (± one evaluation) from P={first} "
+                f"(dp_kfac {_steps_text(dp)}, d_kfac {d['steps_min']:.0f}–{d['steps_max']:.0f}"
+                f" over {int(d['seeds'])} seed(s))"
+            )
+            if len(outside) > 1:
+                text += f"; outside at P={', '.join(str(p) for p in outside)}"
+            if within:
+                text += f"; within at P={', '.join(str(p) for p in within)}"
+        elif within:
+            text = (
+                f"{head} stay within d_kfac's seed spread (± one evaluation) at every P "
+                f"where both reached it ({', '.join(str(p) for p in within)})"
+            )
+        else:
+            text = f"{head}: no P where d_kfac reached the target in every seed"
+        if unknown:
+            text += (
+                f"; not comparable at P={', '.join(str(p) for p in unknown)} "
+                "(d_kfac did not reach the target in every seed)"
+            )
+        lines.append(text + ".")
+        lines += _time_sentence(model, by, sizes)
+    return lines
+
+
+def _steps_text(r: Mapping[str, Any]) -> str:
+    if r["reached"] < r["seeds"]:
+        return f"reached in {int(r['reached'])} of {int(r['seeds'])} seed(s)"
+    return f"{r['steps_to_target']:.0f} steps"
+
+
+def _time_sentence(
+    model: str, by: Mapping[tuple[str, int], Any], sizes: Sequence[int]
+) -> list[str]:
+    """Which factor wins for dp_kfac against SGD: fewer steps, or cheaper steps (predicted)."""
+    parts = []
+    for p in sizes:
+        if (SGD, p) not in by:
+            continue
+        dp, sgd = by[(REFERENCE, p)], by[(SGD, p)]
+        if not (dp["reached"] == dp["seeds"] and sgd["reached"] == sgd["seeds"]):
+            continue
+        fewer = sgd["steps_to_target"] / dp["steps_to_target"]
+        dearer = dp["pred_iteration_ms"] / sgd["pred_iteration_ms"]
+        winner = "fewer steps win" if fewer > dearer else "cheaper steps win"
+        parts.append(
+            f"P={p}: {fewer:.2f}x fewer steps, each {dearer:.2f}x dearer, {winner} "
+            f"({dearer / fewer:.2f}x SGD's time to target)"
+        )
+    if not parts:
+        return []
+    return [
+        f"Time to target ({model}), dp_kfac against SGD, steps measured here x seconds per "
+        f"step predicted on `{by[(REFERENCE, sizes[0])]['pred_hardware']}`: "
+        + "; ".join(parts)
+        + "."
+    ]
+
+
+def curves_frame(runs: pd.DataFrame) -> pd.DataFrame:
+    """Test accuracy per evaluation of the chosen runs, averaged over seeds."""
+    points = []
+    for r in runs[runs["chosen"]].to_dict("records"):
+        for c in json.loads(r["curve"]):
+            points.append({k: r[k] for k in CELL} | c)
+    frame = pd.DataFrame(points)
+    if frame.empty:
+        return frame
+    return frame.groupby([*CELL, "step"], as_index=False, sort=False).agg(
+        test_acc=("test_acc", "mean"), val_acc=("val_acc", "mean"), epoch=("epoch", "first")
+    )
+
+
+def figure(curves: pd.DataFrame, cells: pd.DataFrame) -> Any:
+    """Per model a row of panels: test accuracy against steps, one per P; steps to target vs P."""
+    from matplotlib.lines import Line2D
+
+    from experiments.bench import plots
+
+    models = list(dict.fromkeys(cells["model"]))
+    sizes = sorted(cells["P"].unique())
+    fig, axes = plots._figure(
+        len(models), len(sizes) + 1, (3.6 * (len(sizes) + 1), 3.2 * len(models))
+    )
+    strategies = plots.ordered(list(cells["strategy"]))
+    for row, model in zip(axes, models, strict=True):
+        target = float(cells[cells["model"] == model]["target"].iloc[0])
+        for ax, p in zip(row, sizes, strict=False):
+            sub = curves[(curves["model"] == model) & (curves["world_size"] == p)]
+            for s in plots.ordered(list(sub["strategy"])):
+                line = sub[sub["strategy"] == s].sort_values("step")
+                ax.plot(line["step"], line["test_acc"], marker=".", color=plots.strategy_color(s))
+            ax.axhline(target, color="0.5", linestyle=":", linewidth=1)
+            ax.set_title(f"{model}, P={p}")
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel("test accuracy")
+        ax = row[-1]
+        mine = cells[cells["model"] == model]
+        for s in strategies:
+            line = mine[(mine["strategy"] == s) & (mine["reached"] == mine["seeds"])]
+            if line.empty:
+                continue
+            ax.errorbar(
+                line["P"],
+                line["steps_to_target"],
+                yerr=line["steps_std"],
+                marker="o",
+                capsize=3,
+                color=plots.strategy_color(s),
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"{model}: steps to {target:.2f} test accuracy")
+        ax.set_xlabel("P (ranks, per-rank batch fixed)")
+        ax.set_ylabel("steps to target")
+    plots._strategy_legend(
+        fig, [Line2D([], [], color=plots.strategy_color(s), label=s) for s in strategies]
+    )
+    return fig
+
+
+#: Columns of the markdown's main table and their headers.
+_SHOWN = {
+    "strategy": "configuration",
+    "P": "P",
+    "global_batch": "global batch",
+    "lr": "lr (chosen on val)",
+    "seeds": "seeds",
+    "steps": "steps to target",
+    "epochs": "epochs to target",
+    "acc": "final test acc",
+    "replicas": "replicas bitwise",
+    "pred_iteration_ms": "pred. ms/step",
+    "pred_time_to_target_s": "pred. s to target",
+    "measured_ms_per_rank": "CPU ms/step/rank",
+    "measured_time_to_target_s": "CPU s to target",
+}
+
+
+def _pm(mean: float, std: float, digits: int) -> str:
+    return "–" if mean != mean else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _markdown_frame(cells: pd.DataFrame) -> pd.DataFrame:
+    show = cells.copy()
+    show["lr"] = [
+        f"{r.lr:.4g} (x{r.lr_multiplier:g}{', grid edge' if r.lr_at_grid_edge else ''})"
+        for r in show.itertuples()
+    ]
+    show["steps"] = [
+        _pm(r.steps_to_target, r.steps_std, 0)
+        + (f" ({r.reached}/{r.seeds} reached)" if r.reached < r.seeds else "")
+        for r in show.itertuples()
+    ]
+    show["epochs"] = [_pm(r.epochs_to_target, r.epochs_std, 1) for r in show.itertuples()]
+    show["acc"] = [_pm(r.final_acc, r.final_acc_std, 4) for r in show.itertuples()]
+    show["replicas"] = [
+        "–" if v is None or v != v else ("yes" if v else "NO") for v in show["replicas_identical"]
+    ]
+    kinds = [c for c in show.columns if c.startswith("cosine_")]
+    columns = {**_SHOWN}
+    for k in kinds:
+        columns[k] = f"cosine {k.removeprefix('cosine_')}"
+    return show[list(columns)].rename(columns=columns)
+
+
+def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
+    """``results/convergence_scale.*``: every grid point (CSV), chosen cells (md), figure."""
+    from experiments.bench.tables import _footer, _with_takeaway, _write, ok_rows, to_markdown
+
+    runs = ok_rows(df, TASK)
+    paths = {"csv": out / "convergence_scale.csv"}
+    if runs.empty:
+        pd.DataFrame().to_csv(paths["csv"], index=False)
+        md = ["# Convergence as P grows (MNIST-1D)", "", "No successful runs."]
+        paths["md"] = _write(out / "convergence_scale.md", md + _footer(df))
+        return paths
+    runs = choose_lr(runs)
+    grid = runs[
+        [
+            "model",
+            "strategy",
+            "world_size",
+            "global_batch",
+            "lr_multiplier",
+            "lr",
+            "seed",
+            "final_val_acc",
+            "val_mean",
+            "chosen",
+            "final_acc",
+            "steps_to_target",
+            "epochs_to_target",
+            "steps",
+            "epochs",
+            "fidelity_cosine",
+            "step_s",
+            "pred_iteration_s",
+            "replicas_identical",
+            "seconds",
+        ]
+    ].rename(columns={"val_mean": "val_acc_mean_over_seeds"})
+    grid.to_csv(paths["csv"], index=False)
+    cells = cells_frame(runs)
+    cells.to_csv(out / "convergence_scale_cells.csv", index=False)
+    paths["cells"] = out / "convergence_scale_cells.csv"
+    first = runs.iloc[0]
+    md = [
+        "# Convergence as P grows: steps to a target accuracy, and their cost",
+        "",
+        "Every rank a thread of one process (`launcher=threads`), the training entry point's",
+        f"own loop; per-rank batch {int(first['batch_size'])} (the global batch grows with P);",
+        f"learning-rate rule: {first['lr_rule']}, the multiplier chosen per (model,",
+        "configuration, P) on the validation split's final accuracy (mean over seeds), never",
+        "on the test set (every grid point is in `convergence_scale.csv`; `grid edge`: the",
+        "best multiplier is the grid's smallest or largest). Steps and epochs to target: the",
+        "first evaluation (one per epoch) at or above the target test accuracy, mean ± std",
+        "over the seeds that reached it; the takeaway's spread is d_kfac's min–max over",
+        "seeds widened by one evaluation interval. cosine: the fidelity probe (owner-local",
+        "against all-ranks factors, on the owner; every strategy config measures it, only",
+        "those that precondition with local factors apply the local one), mean per layer",
+        "kind. pred.: the cost model's seconds per step (`dpkfac.costmodel.predict`,",
+        f"`iteration_avg`) on `{first['pred_hardware']}` for the same model, per-rank batch",
+        "and P, times the steps to target. CPU ms/step/rank: the measured in-process step of",
+        f"all P ranks divided by P, at P ≤ {MEASURED_MAX_P} only (2 shared CPU cores).",
+        "Targets: "
+        + ", ".join(
+            f"{m} {t:.2f}" for m, t in runs.groupby("model", sort=False)["target"].first().items()
+        )
+        + ".",
+    ]
+    for model, g in cells.groupby("model", sort=False):
+        md += [
+            "",
+            f"## {model}",
+            "",
+            to_markdown(
+                _markdown_frame(g),
+                {
+                    "pred. ms/step": 3,
+                    "CPU ms/step/rank": 2,
+                    "pred. s to target": 2,
+                    "CPU s to target": 1,
+                    "cosine Linear": 3,
+                    "cosine Conv2d": 3,
+                },
+            ),
+        ]
+        chosen = g[g["pred_chosen"].astype(bool)]
+        for r in chosen.itertuples():
+            md.append(f"\n{r.strategy} at P={r.P}: the cost model chose {r.pred_chosen}.")
+    md += _footer(df)
+    paths["md"] = _write(out / "convergence_scale.md", _with_takeaway(md, takeaway(cells)))
+    from experiments.bench import plots
+
+    paths["png"] = plots.save(figure(curves_frame(runs), cells), out / "convergence_scale.png")
+    return paths

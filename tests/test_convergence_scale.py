@@ -1,0 +1,235 @@
+"""The ``convergence_scale`` table: its preset, its checks, its writer and one tiny sweep.
+
+The real sweep trains hundreds of runs for many hours; what can be checked in
+seconds is checked here: the preset composes and its bad values are named, the
+learning-rate rule and the skip rules, the writer on synthetic rows (the
+learning rate chosen on validation and never on test, the seed spread and the
+takeaway computed from it, time to target = steps x predicted seconds per
+step), and one end-to-end sweep through ``python -m experiments.bench -m
+table=convergence_scale`` at P in {1, 4} on 400 generated samples that writes
+the table into a temporary results folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from experiments.bench import convergence_scale as cs
+from experiments.bench import tables
+from experiments.bench.run import compose_config
+from experiments.config import ExperimentError, validate_benchmark
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------- preset
+def _compose(*overrides: str) -> Any:
+    return compose_config("benchmark", ["table=convergence_scale", *overrides])
+
+
+def test_the_preset_composes_and_validates() -> None:
+    cfg = _compose()
+    validate_benchmark(cfg)
+    assert cfg.task == "convergence_scale" and cfg.table_name == "convergence_scale"
+    node = cfg.convergence_scale
+    assert node.batch_size == 16 and node.hardware == "v100_ib100"
+    assert dict(node.seeds_at) == {256: 1}
+    assert set(node.targets) == {"mnist1d_mlp", "mnist1d_cnn"}
+    preset = (ROOT / "conf" / "table" / "convergence_scale.yaml").read_text()
+    for sweep in (
+        "strategy: none,dp_kfac,d_kfac,kaisa_mem_opt,grouped_auto",
+        "world_size: 1,4,16,64,256",
+        "convergence_scale.experiment: mnist1d_mlp,mnist1d_cnn",
+        "seed: 0,1,2",
+    ):
+        assert sweep in preset, sweep
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("convergence_scale.batch_size=0", "convergence_scale.batch_size=0"),
+        ("convergence_scale.experiment=nope", "convergence_scale.experiment='nope'"),
+        ("convergence_scale.hardware=tpu", "convergence_scale.hardware='tpu'"),
+        ("convergence_scale.lr_multiplier=-1", "convergence_scale.lr_multiplier=-1"),
+        ("convergence_scale.fidelity_every=-2", "convergence_scale.fidelity_every=-2"),
+        ("convergence_scale.experiment=digits_cnn", "convergence_scale.targets="),
+        ("convergence_scale.targets.mnist1d_mlp=1.5", "convergence_scale.targets="),
+        ("convergence_scale.seeds_at={256:0}", "convergence_scale.seeds_at="),
+        ("convergence_scale.max_world_size={nope:4}", "convergence_scale.max_world_size="),
+    ],
+)
+def test_bad_values_are_named(override: str, named: str) -> None:
+    with pytest.raises(ExperimentError, match=f"invalid value {named}"):
+        validate_benchmark(_compose(override))
+
+
+def test_learning_rate_rule_and_skips() -> None:
+    node = {"batch_size": 16, "base_lr": 0.05, "base_batch": 64, "lr_multiplier": 0.5}
+    assert cs.learning_rate(node, 1) == pytest.approx(0.05 * 16 / 64 * 0.5)
+    assert cs.learning_rate(node, 256) == pytest.approx(0.05 * 4096 / 64 * 0.5)
+    assert cs.skip_reason(_compose("world_size=256", "seed=0")) is None
+    assert "seeds 0..0" in str(cs.skip_reason(_compose("world_size=256", "seed=1")))
+    assert cs.skip_reason(_compose("world_size=64", "seed=2")) is None
+    limited = _compose("world_size=64", "convergence_scale.max_world_size={mnist1d_mlp:16}")
+    assert "up to P=16" in str(cs.skip_reason(limited))
+
+
+# ------------------------------------------------------------------- writer
+def _row(strategy: str, p: int, seed: int, m: float, **values: Any) -> dict[str, Any]:
+    spe = 5000 // p
+    steps = values.pop("steps_to_target", 4 * spe)
+    curve = [
+        {"step": spe * e, "epoch": float(e), "test_acc": 0.5 + 0.1 * e, "val_acc": 0.5 + 0.1 * e}
+        for e in (1, 2, 3, 4)
+    ]
+    row = {
+        "task": "convergence_scale",
+        "model": "mnist1d_mlp",
+        "label": "MLP",
+        "strategy": strategy,
+        "world_size": p,
+        "seed": seed,
+        "batch_size": 16,
+        "global_batch": 16 * p,
+        "lr_multiplier": m,
+        "lr": 0.0125 * p * m,
+        "lr_rule": "lr = 0.05 x (batch 16 x P / 64) x multiplier",
+        "target": 0.85,
+        "steps_per_epoch": spe,
+        "steps": 4 * spe,
+        "epochs": 4.0,
+        "final_acc": 0.9,
+        "final_val_acc": 0.9,
+        "steps_to_target": steps,
+        "epochs_to_target": steps / spe if steps == steps else math.nan,
+        "curve": json.dumps(curve),
+        "fidelity_cosine": json.dumps({} if strategy == "none" else {"Linear": 0.9}),
+        "step_s": 0.004 * p,
+        "seconds": 10.0,
+        "replicas_identical": p > 1,
+        "pred_iteration_s": 0.001 if strategy == "none" else 0.0015,
+        "pred_hardware": "v100_ib100",
+        "pred_chosen": "",
+        "error": "",
+    }
+    row.update(values)
+    return row
+
+
+def _rows() -> pd.DataFrame:
+    """d_kfac reaches the target in 4 epochs (one seed in 3 at P=16); dp_kfac keeps up to
+    P=4, is two epochs late at P=16. SGD needs 6 epochs. The multiplier 2 has the best
+    test accuracy everywhere but the worse validation accuracy: it must never be chosen."""
+    rows = []
+    for p in (1, 4, 16):
+        spe = 5000 // p
+        for seed in (0, 1):
+            for m in (0.5, 2.0):
+                bad = {"final_val_acc": 0.5, "final_acc": 0.99} if m == 2.0 else {}
+                d_steps = (3 if (p == 16 and seed == 1) else 4) * spe
+                dp_steps = (6 if p == 16 else 4) * spe
+                rows += [
+                    _row("d_kfac", p, seed, m, steps_to_target=d_steps, **bad),
+                    _row("dp_kfac", p, seed, m, steps_to_target=dp_steps, **bad),
+                    _row("none", p, seed, m, steps_to_target=6 * spe, **bad),
+                ]
+    return pd.DataFrame(rows)
+
+
+def test_the_writer_chooses_on_validation_and_states_the_claim(tmp_path: Path) -> None:
+    paths = tables.write_table("convergence_scale", _rows(), tmp_path)
+    grid = pd.read_csv(paths["csv"])
+    assert len(grid) == 3 * 3 * 2 * 2  # every grid point, chosen or not
+    assert set(grid.loc[grid["chosen"], "lr_multiplier"]) == {0.5}  # val, never test
+    cells = pd.read_csv(paths["cells"])
+    assert len(cells) == 9 and set(cells["lr_multiplier"]) == {0.5}
+    d16 = cells[(cells["strategy"] == "d_kfac") & (cells["P"] == 16)].iloc[0]
+    assert (d16["steps_min"], d16["steps_max"]) == (3 * 312, 4 * 312)
+    assert d16["steps_to_target"] == pytest.approx(3.5 * 312)
+    dp4 = cells[(cells["strategy"] == "dp_kfac") & (cells["P"] == 4)].iloc[0]
+    assert dp4["pred_time_to_target_s"] == pytest.approx(4 * 1250 * 0.0015)
+    assert dp4["measured_ms_per_rank"] == pytest.approx(4.0)  # in-process step / P
+    assert math.isnan(d16["measured_ms_per_rank"])  # P > 4: not reported
+    assert dp4["cosine_Linear"] == pytest.approx(0.9)
+    md = paths["md"].read_text().split("\n")
+    assert md[0].startswith("# ") and md[2].startswith("**Takeaway (mnist1d_mlp).**")
+    assert "leave d_kfac's seed spread (± one evaluation) from P=16" in md[2]
+    assert "Time to target (mnist1d_mlp)" in md[3]
+    # P=1: SGD 6 epochs, dp_kfac 4 at 1.5x the cost per step: 1.5x fewer, 1.5x dearer.
+    assert "P=4: 1.50x fewer steps, each 1.50x dearer, cheaper steps win" in md[3]
+    assert paths["png"].exists()
+
+
+def test_the_takeaway_when_dp_kfac_keeps_up() -> None:
+    rows = _rows()
+    late = (rows["strategy"] == "dp_kfac") & (rows["world_size"] == 16)
+    rows.loc[late, "steps_to_target"] = 4 * 312  # within d_kfac's 3..4 epochs
+    cells = cs.cells_frame(cs.choose_lr(tables.ok_rows(rows, cs.TASK)))
+    text = cs.takeaway(cells)[0]
+    assert "stay within d_kfac's seed spread (± one evaluation) at every P where both" in text
+    assert text.endswith("(1, 4, 16).")
+
+
+def test_a_cell_that_misses_the_target_is_outside_and_said_so() -> None:
+    rows = _rows()
+    late = (rows["strategy"] == "dp_kfac") & (rows["world_size"] == 4) & (rows["seed"] == 1)
+    rows.loc[late, ["steps_to_target", "epochs_to_target"]] = math.nan
+    cells = cs.cells_frame(cs.choose_lr(tables.ok_rows(rows, cs.TASK)))
+    dp4 = cells[(cells["strategy"] == "dp_kfac") & (cells["P"] == 4)].iloc[0]
+    assert (dp4["reached"], dp4["seeds"]) == (1, 2) and math.isnan(dp4["pred_time_to_target_s"])
+    text = cs.takeaway(cells)[0]
+    assert "from P=4 (dp_kfac reached in 1 of 2 seed(s)" in text
+
+
+def test_no_choice_without_validation_accuracy() -> None:
+    rows = _rows()
+    rows["final_val_acc"] = math.nan
+    assert not cs.choose_lr(tables.ok_rows(rows, cs.TASK))["chosen"].any()
+
+
+# --------------------------------------------------------- end to end, tiny
+def test_a_tiny_sweep_writes_the_table(tmp_path: Path) -> None:
+    """The real command at P in {1, 4}, 3 configurations, 2 learning rates, 1 seed, 400
+    generated samples, one epoch; every rank a thread, the table into tmp_path."""
+    results = tmp_path / "results"
+    command = [
+        sys.executable,
+        "-m",
+        "experiments.bench",
+        "-m",
+        "table=convergence_scale",
+        "convergence_scale.experiment=mnist1d_mlp",
+        "strategy=none,dp_kfac,d_kfac",
+        "world_size=1,4",
+        "seed=0",
+        "convergence_scale.lr_multiplier=0.5,2",
+        'convergence_scale.overrides=["data.fake=true","trainer.max_epochs=1"]',
+        "convergence_scale.targets.mnist1d_mlp=0.2",
+        "convergence_scale.fidelity_every=2",
+        f"results_dir={results}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grid = pd.read_csv(results / "convergence_scale.csv")
+    assert len(grid) == 3 * 2 * 2
+    assert grid.groupby(["strategy", "world_size"])["chosen"].sum().eq(1).all()
+    kfac4 = grid[(grid["world_size"] == 4) & (grid["strategy"] != "none")]
+    assert kfac4["replicas_identical"].all()
+    assert all(json.loads(v)["Linear"] <= 1.0 + 1e-9 for v in kfac4["fidelity_cosine"])
+    assert (grid["pred_iteration_s"] > 0).all()
+    md = (results / "convergence_scale.md").read_text().split("\n")
+    assert md[2].startswith("**Takeaway (mnist1d_mlp).**")
+    assert (results / "convergence_scale.png").exists()
+    assert (results / "raw" / "convergence_scale.csv").exists()
