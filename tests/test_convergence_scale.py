@@ -165,8 +165,9 @@ def test_the_writer_chooses_on_validation_and_states_the_claim(tmp_path: Path) -
     assert md[0].startswith("# ") and md[2].startswith("**Takeaway (mnist1d_mlp).**")
     assert "leave d_kfac's seed spread (± one evaluation) from P=16" in md[2]
     assert "Time to target (mnist1d_mlp)" in md[3]
-    # P=1: SGD 6 epochs, dp_kfac 4 at 1.5x the cost per step: 1.5x fewer, 1.5x dearer.
-    assert "P=4: 1.50x fewer steps, each 1.50x dearer, cheaper steps win" in md[3]
+    # SGD 6 epochs; dp_kfac 4 (6 at P=16) at 1.5x SGD's predicted seconds per step.
+    assert "P=4: 1.50x fewer steps, each 1.50x dearer, neither wins (1.00x SGD's" in md[3]
+    assert "P=16: 1.00x fewer steps, each 1.50x dearer, cheaper steps win (1.50x" in md[3]
     assert paths["png"].exists()
 
 
@@ -174,8 +175,10 @@ def test_the_takeaway_when_dp_kfac_keeps_up() -> None:
     rows = _rows()
     late = (rows["strategy"] == "dp_kfac") & (rows["world_size"] == 16)
     rows.loc[late, "steps_to_target"] = 4 * 312  # within d_kfac's 3..4 epochs
+    rows.loc[rows["strategy"] == "dp_kfac", "pred_iteration_s"] = 0.0012
     cells = cs.cells_frame(cs.choose_lr(tables.ok_rows(rows, cs.TASK)))
-    text = cs.takeaway(cells)[0]
+    text, time = cs.takeaway(cells)
+    assert "P=16: 1.50x fewer steps, each 1.20x dearer, fewer steps win (0.80x" in time
     assert "stay within d_kfac's seed spread (± one evaluation) at every P where both" in text
     assert text.endswith("(1, 4, 16).")
 

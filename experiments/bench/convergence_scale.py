@@ -584,7 +584,14 @@ def _time_sentence(
             continue
         fewer = sgd["steps_to_target"] / dp["steps_to_target"]
         dearer = dp["pred_iteration_ms"] / sgd["pred_iteration_ms"]
-        winner = "fewer steps win" if fewer > dearer else "cheaper steps win"
+        # Within 1% of each other neither factor wins: the ratios are rounded to 0.01.
+        winner = (
+            "fewer steps win"
+            if fewer > 1.01 * dearer
+            else "cheaper steps win"
+            if dearer > 1.01 * fewer
+            else "neither wins"
+        )
         parts.append(
             f"P={p}: {fewer:.2f}x fewer steps, each {dearer:.2f}x dearer, {winner} "
             f"({dearer / fewer:.2f}x SGD's time to target)"
@@ -614,50 +621,59 @@ def curves_frame(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def figure(curves: pd.DataFrame, cells: pd.DataFrame) -> Any:
-    """Per model a row of panels: test accuracy against steps, one per P; steps to target vs P."""
+    """Per model a row of panels: test accuracy against steps, one per P; steps to target vs P.
+
+    Configurations that coincide (every K-FAC config at P=1) would hide one another:
+    each gets its own marker and dash, as in the ``convergence`` figure.
+    """
     from matplotlib.lines import Line2D
 
     from experiments.bench import plots
 
     models = list(dict.fromkeys(cells["model"]))
     sizes = sorted(cells["P"].unique())
-    fig, axes = plots._figure(
-        len(models), len(sizes) + 1, (3.6 * (len(sizes) + 1), 3.2 * len(models))
-    )
+    cols = len(sizes) + 1
+    fig, axes = plots._figure(len(models), cols, (3.6 * cols, 3.2 * len(models)))
     strategies = plots.ordered(list(cells["strategy"]))
+    looks = {
+        s: {
+            "color": plots.strategy_color(s),
+            "marker": plots.CURVE_MARKERS[k % len(plots.CURVE_MARKERS)],
+            "linestyle": "--" if k % 2 else "-",
+            "markersize": max(7 - k, 3),
+        }
+        for k, s in enumerate(strategies)
+    }
     for row, model in zip(axes, models, strict=True):
         target = float(cells[cells["model"] == model]["target"].iloc[0])
         for ax, p in zip(row, sizes, strict=False):
             sub = curves[(curves["model"] == model) & (curves["world_size"] == p)]
             for s in plots.ordered(list(sub["strategy"])):
                 line = sub[sub["strategy"] == s].sort_values("step")
-                ax.plot(line["step"], line["test_acc"], marker=".", color=plots.strategy_color(s))
+                ax.plot(line["step"], line["test_acc"], **looks[s])
             ax.axhline(target, color="0.5", linestyle=":", linewidth=1)
             ax.set_title(f"{model}, P={p}")
             ax.set_xlabel("optimizer step")
             ax.set_ylabel("test accuracy")
         ax = row[-1]
         mine = cells[cells["model"] == model]
+        drawn = False
         for s in strategies:
             line = mine[(mine["strategy"] == s) & (mine["reached"] == mine["seeds"])]
             if line.empty:
                 continue
+            drawn = True
             ax.errorbar(
-                line["P"],
-                line["steps_to_target"],
-                yerr=line["steps_std"],
-                marker="o",
-                capsize=3,
-                color=plots.strategy_color(s),
+                line["P"], line["steps_to_target"], yerr=line["steps_std"], capsize=3, **looks[s]
             )
+        if not drawn:
+            ax.text(0.5, 0.5, "target not reached", ha="center", transform=ax.transAxes)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(f"{model}: steps to {target:.2f} test accuracy")
-        ax.set_xlabel("P (ranks, per-rank batch fixed)")
+        ax.set_title(f"steps to {target:.2f} test accuracy")
+        ax.set_xlabel("P (ranks; per-rank batch fixed)")
         ax.set_ylabel("steps to target")
-    plots._strategy_legend(
-        fig, [Line2D([], [], color=plots.strategy_color(s), label=s) for s in strategies]
-    )
+    plots._strategy_legend(fig, [Line2D([], [], label=s, **looks[s]) for s in strategies])
     return fig
 
 
