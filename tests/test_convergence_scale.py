@@ -171,6 +171,23 @@ def test_the_writer_chooses_on_validation_and_states_the_claim(tmp_path: Path) -
     assert paths["png"].exists()
 
 
+def test_a_failed_job_is_listed_not_dropped(tmp_path: Path) -> None:
+    failed = {
+        "task": "convergence_scale",
+        "model": "mnist1d_mlp",
+        "label": "MLP",
+        "strategy": "grouped_auto",
+        "world_size": 64,
+        "setting": "paper",
+        "error": "RankFailed: rank 3 raised",
+    }
+    rows = pd.concat([_rows(), pd.DataFrame([failed])], ignore_index=True)
+    paths = tables.write_table("convergence_scale", rows, tmp_path)
+    md = paths["md"].read_text()
+    assert "## Failed jobs" in md and "grouped_auto P=64 paper: RankFailed: rank 3 raised" in md
+    assert len(pd.read_csv(paths["csv"])) == 36  # the failed job is no grid point
+
+
 def test_the_takeaway_when_dp_kfac_keeps_up() -> None:
     rows = _rows()
     late = (rows["strategy"] == "dp_kfac") & (rows["world_size"] == 16)

@@ -776,11 +776,13 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         "over the seeds that reached it; the takeaway's spread is d_kfac's min–max over",
         "seeds widened by one evaluation interval. cosine: the fidelity probe (owner-local",
         "against all-ranks factors, on the owner; every strategy config measures it, only",
-        "those that precondition with local factors apply the local one), mean per layer",
-        "kind. pred.: the cost model's seconds per step (`dpkfac.costmodel.predict`,",
-        f"`iteration_avg`) on `{first['pred_hardware']}` for the same model, per-rank batch",
-        "and P, times the steps to target. CPU ms/step/rank: the measured in-process step of",
-        f"all P ranks divided by P, at P ≤ {MEASURED_MAX_P} only (2 shared CPU cores).",
+        "those that precondition with local factors apply the local one; 1 at P=1 by",
+        "construction), mean per layer kind over the run's probes. pred.: the cost model's",
+        "seconds per step (`dpkfac.costmodel.predict`, `iteration_avg`) on",
+        f"`{first['pred_hardware']}` for the same model, per-rank batch and P, times the steps",
+        "to target. CPU ms/step/rank: the measured in-process step of all P ranks divided by",
+        f"P, at P ≤ {MEASURED_MAX_P} only ({first.get('cpus', '?')} CPU cores, shared with",
+        "whatever else ran).",
         "Targets: "
         + ", ".join(
             f"{m} {t:.2f}" for m, t in runs.groupby("model", sort=False)["target"].first().items()
