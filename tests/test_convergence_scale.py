@@ -84,6 +84,27 @@ def test_learning_rate_rule_and_skips() -> None:
     assert "up to P=16" in str(cs.skip_reason(limited))
 
 
+def test_the_job_trains_what_the_study_fixes_and_prices_it(tmp_path: Path) -> None:
+    """The training config of a job, and the cost model's price of its step, without training."""
+    fake = 'convergence_scale.overrides=["data.fake=true"]'
+    cfg = _compose(
+        "strategy=grouped_auto", "world_size=64", "convergence_scale.lr_multiplier=0.5", fake
+    )
+    train = cs.training_config(cfg, tmp_path)
+    assert train.launcher.name == "threads" and train.launcher.world_size == 64
+    assert train.data.batch_size == 16 and train.optimizer.lr == pytest.approx(0.05 * 16 * 0.5)
+    assert not train.trainer.scale_lr and train.trainer.check_replicas
+    assert train.strategy.fidelity_every == 20 and train.strategy.hardware == "v100_ib100"
+    model, x = cs.model_and_input(train)
+    grouped = cs.predicted_iteration(train, 64, "v100_ib100", model, x)
+    assert grouped["pred_iteration_s"] > 0 and "factor_group_size=" in grouped["pred_chosen"]
+    sgd_train = cs.training_config(_compose("strategy=none", "world_size=64", fake), tmp_path)
+    assert "fidelity_every" not in sgd_train.strategy
+    sgd = cs.predicted_iteration(sgd_train, 64, "v100_ib100", model, x)
+    assert 0 < sgd["pred_iteration_s"] < grouped["pred_iteration_s"]
+    assert cs.layer_kinds(model)["0"] == "Linear"
+
+
 # ------------------------------------------------------------------- writer
 def _row(strategy: str, p: int, seed: int, m: float, **values: Any) -> dict[str, Any]:
     spe = 5000 // p

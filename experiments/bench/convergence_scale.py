@@ -218,9 +218,10 @@ def predicted_iteration(
         ``pred_iteration_s``, ``pred_hardware`` and ``pred_chosen`` (what an
         ``auto`` option resolved to, e.g. grouped's k and f; "" if none).
     """
+    from dataclasses import fields
+
     from dpkfac.costmodel import PRESETS, predict, shapes_from_model
     from dpkfac.options import KFACOptions
-    from experiments.bench.predict import _KFAC_FIELDS
     from experiments.preconditioning import preconditioner_kwargs
 
     batch = int(train_cfg.data.batch_size)
@@ -237,9 +238,16 @@ def predicted_iteration(
         }
     values = {k: _plain(v) for k, v in options.items()}
     name = values.pop("strategy")
-    common = {k: values.pop(k) for k in list(values) if k in _KFAC_FIELDS}
+    known = {f.name for f in fields(KFACOptions)}
+    common = {k: values.pop(k) for k in list(values) if k in known}
+    # Left out of the price: the fidelity probe (a measurement aid, not the algorithm)
+    # and schedules of the step (damping's changes nothing priced; an interval's would
+    # be priced as every step).
     common = {
-        k: v for k, v in common.items() if k not in ("timing", "fidelity_every", "fidelity_layers")
+        k: v
+        for k, v in common.items()
+        if k not in ("fidelity_every", "fidelity_layers")
+        and not (isinstance(v, dict) and "_target_" in v)
     }
     for key in ("factor_update_steps", "inv_update_steps"):
         common[key] = int(common.get(key) or 1)
