@@ -575,13 +575,7 @@ class Communicator:
         bucket per owner: the same bytes, in more calls.
         """
         if futures and self.active and not reduce_scatter_future(self.backend):
-            handle = Handle(category, overlapped=overlapped)
-            for dst, tensors in enumerate(shards):
-                self._rooted(dist.reduce, tensors, dst, category, cap_bytes, True, handle)
-            handle.done = not handle.works
-            if not async_op:
-                self.wait(handle)
-            return handle
+            return self._per_root(dist.reduce, shards, category, cap_bytes, async_op, overlapped)
         return self._sharded(
             shards, category, cap_bytes, async_op, gather=False, overlapped=overlapped
         )
@@ -603,14 +597,27 @@ class Communicator:
         each rank's tensors from it instead, one capped bucket per rank.
         """
         if self.active and not uneven_all_gather(self.backend):
-            handle = Handle(category)
-            for src, tensors in enumerate(shards):
-                self._rooted(dist.broadcast, tensors, src, category, cap_bytes, True, handle)
-            handle.done = not handle.works
-            if not async_op:
-                self.wait(handle)
-            return handle
+            return self._per_root(dist.broadcast, shards, category, cap_bytes, async_op)
         return self._sharded(shards, category, cap_bytes, async_op, gather=True)
+
+    def _per_root(
+        self,
+        fn: Callable[..., object],
+        shards: Sequence[Sequence[torch.Tensor]],
+        category: str,
+        cap_bytes: int | None,
+        async_op: bool,
+        overlapped: bool = False,
+    ) -> Handle:
+        """A sharded collective as one rooted ``fn`` (broadcast or reduce) per rank's shard,
+        in one handle: what a backend without the uneven collective runs instead."""
+        handle = Handle(category, overlapped=overlapped)
+        for root, tensors in enumerate(shards):
+            self._rooted(fn, tensors, root, category, cap_bytes, True, handle)
+        handle.done = not handle.works
+        if not async_op:
+            self.wait(handle)
+        return handle
 
     def _sharded(
         self,
