@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from experiments.bench import tables
 from experiments.bench.aggregate import aggregate, kind_weights
-from experiments.bench.measure import step_kinds
+from experiments.bench.measure import flushed_denormals, step_kinds
 from experiments.bench.predict import measured_phases
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,6 +203,16 @@ def convergence_rows() -> pd.DataFrame:
 
 
 # ------------------------------------------------------------------ aggregation
+def test_timed_steps_flush_subnormals_and_restore_them() -> None:
+    """A fitted fixed batch makes subnormal gradients; timed steps flush them, then not."""
+    tiny = 1e-40  # subnormal in float32
+    with flushed_denormals():
+        if torch.tensor([tiny]).item() != 0.0:
+            pytest.skip("this CPU cannot flush subnormals")
+        assert (torch.tensor([1e-20]) * torch.tensor([1e-20])).item() == 0.0
+    assert torch.tensor([tiny]).item() != 0.0
+
+
 def test_step_kinds_and_weights() -> None:
     assert step_kinds(1, 1) == ["decomp"]
     assert step_kinds(10, 100) == ["decomp", "factor", "plain"]

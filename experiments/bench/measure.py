@@ -6,7 +6,8 @@ preconditioner, runs ``warmup`` untimed steps (the first step places layers
 and, for spd_kfac, profiles and fixes the fusion plan) and then ``steps``
 measured ones. Before every step the ranks meet at a barrier, so each step is
 timed from a common start and waiting caused by the previous step does not
-leak into the next one.
+leak into the next one. Subnormal floats are flushed to zero while the steps
+run (:func:`flushed_denormals`).
 
 Per step and rank this records wall-clock seconds of forward+backward,
 ``pre.step()``, ``optimizer.step()`` and the whole iteration, the
@@ -85,6 +86,27 @@ def _schedule(kinds: list[str], due: tuple[str, ...]) -> Callable[[int], int]:
         return 1 if kinds[step % len(kinds)] in due else step + 1
 
     return interval
+
+
+@contextlib.contextmanager
+def flushed_denormals() -> Iterator[None]:
+    """Flush subnormal floats to zero while the steps are timed, then restore the default.
+
+    Every rank trains on one fixed batch, which the model soon fits: the loss
+    reaches ~0, the output gradients ~1e-20, and the K-FAC factors built from
+    them (and the backward pass itself) fill with subnormal numbers, which an
+    x86 core computes on tens of times slower. One strategy then took 3-7x
+    longer per step than its twin for a stretch of steps, at whatever place
+    in ``strategies`` it happened to be: a property of the batch, not of the
+    strategy. GPUs run subnormals at full speed, or flush them, so flushing
+    here measures what a user's run meets. Restored on exit, since a world
+    size of 1 runs in the caller's process.
+    """
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
 @contextlib.contextmanager
@@ -244,10 +266,13 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
     torch.set_num_threads(int(spec.get("threads", 1)))
     strategies = spec["strategies"]
     warmup = int(spec["warmup"])
-    with process_group(spec.get("device", "auto"), float(spec.get("timeout_s", 300))) as (
-        rank,
-        size,
-        device,
+    with (
+        flushed_denormals(),
+        process_group(spec.get("device", "auto"), float(spec.get("timeout_s", 300))) as (
+            rank,
+            size,
+            device,
+        ),
     ):
         # The links as this job's steps meet them, before any model is built.
         probes = probe_links(device) if spec.get("probe_links", True) else []
