@@ -355,6 +355,30 @@ def test_scaling_predicts_to_256_and_reports_errors(tmp_path: Path) -> None:
     assert "median |error| %" in paths["md"].read_text()
 
 
+def test_ratios_carry_their_range_over_repeated_runs(tmp_path: Path) -> None:
+    """Each run's ratio to SGD is taken within that run; the table shows the median run's
+    ratio with the lowest and highest over runs, and a job run once shows the ratio alone."""
+    rows = []
+    # (seed, SGD ms, dp_kfac ms): ratios 1.2, 1.5, 1.1; seed 0 is the median job.
+    for seed, sgd, dp in ((0, 20.0, 24.0), (1, 10.0, 15.0), (2, 30.0, 33.0)):
+        rows.append({**fake_row("none", 2), "seed": seed, "iteration_s": sgd / 1e3})
+        rows.append({**fake_row("dp_kfac", 2), "seed": seed, "iteration_s": dp / 1e3})
+    df = pd.DataFrame(rows)
+    spread = tables.vs_sgd_spread(df).set_index("strategy")
+    assert spread.loc["dp_kfac", "vs_sgd_min"] == pytest.approx(1.1)
+    assert spread.loc["dp_kfac", "vs_sgd_max"] == pytest.approx(1.5)
+    assert spread.loc["dp_kfac", "runs"] == 3
+    wide = tables.breakdown_frame(df).set_index("strategy")
+    assert wide.loc["dp_kfac", "vs_sgd"] == pytest.approx(1.2)
+    assert tables.ratio_text(1.2, 1.1, 1.5, 3) == "1.20 (1.10–1.50)"
+    assert tables.ratio_text(1.0, 1.0, 1.0, 3) == "1.00"  # SGD against itself
+    assert tables.ratio_text(1.2, float("nan"), float("nan"), 1) == "1.20"
+    md = tables.write_table("time_breakdown", df, tmp_path)["md"].read_text()
+    assert "| 1.20 (1.10–1.50) |" in md
+    once = tables.breakdown_frame(pd.DataFrame(rows[:2])).set_index("strategy")
+    assert once.loc["dp_kfac", "runs"] == 1
+
+
 def test_repeated_jobs_keep_the_median_job_whole() -> None:
     """A seed sweep repeats each job: the job with the median total iteration time is kept with
     all its rows (ratios stay within one run); jobs run once pass unchanged; the lower middle

@@ -175,6 +175,56 @@ def median_runs(df: pd.DataFrame) -> pd.DataFrame:
     return df[keep]
 
 
+def vs_sgd_spread(df: pd.DataFrame) -> pd.DataFrame:
+    """Iteration time over SGD's, per job and strategy config, across the repeated runs.
+
+    Each run's ratio is taken within that run (its K-FAC row over its own
+    first-order row, both measured in turns under one load), so the spread is
+    that of the ratio a table prints, not of absolute times. Returns one row
+    per (``JOB``, ``strategy``) with ``vs_sgd_min``, ``vs_sgd_max`` and
+    ``runs`` (the number of runs with both rows); empty without first-order rows.
+    """
+    if df.empty:
+        return pd.DataFrame()
+    rows = df[(df["error"] == "") & (df.get("task", "timing") == "timing")].copy()
+    rows["seed"] = rows["seed"].fillna(-1) if "seed" in rows else -1
+    plain = rows[[first_order(r) for r in rows.to_dict("records")]]
+    if plain.empty:
+        return pd.DataFrame()
+    sgd = plain.groupby([*JOB, "seed"], dropna=False)["iteration_s"].first()
+    keys = list(zip(*(rows[c] for c in (*JOB, "seed")), strict=True))
+    rows["ratio"] = [
+        t / sgd[k] if k in sgd.index else float("nan")
+        for t, k in zip(rows["iteration_s"], keys, strict=True)
+    ]
+    out = rows.dropna(subset=["ratio"]).groupby([*JOB, "strategy"], dropna=False, sort=False)
+    return out["ratio"].agg(vs_sgd_min="min", vs_sgd_max="max", runs="count").reset_index()
+
+
+def with_spread(frame: pd.DataFrame, spread: pd.DataFrame, p_column: str) -> pd.DataFrame:
+    """``frame`` with :func:`vs_sgd_spread`'s columns joined on its job and strategy.
+
+    ``p_column`` names the frame's world-size column (tables call it ``P`` or
+    ``world_size``). Rows without repeats get NaN bounds and ``runs`` 1.
+    """
+    if spread.empty or frame.empty:
+        return frame.assign(vs_sgd_min=float("nan"), vs_sgd_max=float("nan"), runs=1)
+    right = spread.rename(columns={"world_size": p_column})
+    right[p_column] = right[p_column].astype(frame[p_column].dtype)
+    joined = frame.merge(right, on=["model", "setting", p_column, "strategy"], how="left")
+    joined["runs"] = joined["runs"].fillna(1).astype(int)
+    return joined
+
+
+def ratio_text(value: float, low: float, high: float, runs: int) -> str:
+    """``1.19 (1.15–1.23)``: a ratio and its range over ``runs`` repeated runs (if several)."""
+    if value != value:  # NaN
+        return "–"
+    if runs < 2 or low != low or low == high:
+        return f"{value:.2f}"
+    return f"{value:.2f} ({low:.2f}–{high:.2f})"
+
+
 def failures(df: pd.DataFrame) -> list[str]:
     """One line per failed job, for the table's footer."""
     if df.empty:
@@ -361,7 +411,7 @@ def write_second_order_update(df: pd.DataFrame, out: Path) -> dict[str, Path]:
 # ------------------------------------------------------------ time_breakdown
 def breakdown_frame(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (model, setting, P, strategy): milliseconds of every iteration part."""
-    df = ok_rows(df)
+    df_all, df = df, ok_rows(df)
     rows = []
     for r in df.to_dict("records"):
         entry = {k: r[k] for k in ("model", "label", "setting", "world_size", "strategy")}
@@ -381,6 +431,7 @@ def breakdown_frame(df: pd.DataFrame) -> pd.DataFrame:
         else float("nan")
         for r in wide.itertuples()
     ]
+    wide = with_spread(wide, vs_sgd_spread(df_all), "world_size")
     order = {s: i for i, s in enumerate(plots.ordered(wide["strategy"]))}
     return wide.sort_values(
         ["setting", "model", "world_size", "strategy"],
@@ -401,6 +452,8 @@ def write_time_breakdown(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         "it runs in the backward pass), so the parts add up to the iteration;",
         "`practical` is amortised per step at factors every 10 and decompositions every 100 steps.",
         "`sum` adds the parts; `iteration` is the measured wall time per step.",
+        "Each job ran several times (seeds): the median run is shown, and `vs SGD` carries in",
+        "brackets the lowest and highest ratio over the runs, each taken within its run.",
     ]
     # Barriers before collectives exist only in isolated runs (``isolate_comm``).
     parts = [
@@ -410,9 +463,8 @@ def write_time_breakdown(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     ]
     for (setting, _), frame in wide.groupby(["setting", "model"], sort=False):
         cols = ["strategy", *[f"{p}_ms" for p in parts], "sum_ms", "iteration_ms"]
-        show = frame[[*cols, "vs_sgd"]].rename(
-            columns={f"{p}_ms": p for p in (*parts, "sum", "iteration")}
-        )
+        show = frame[cols].rename(columns={f"{p}_ms": p for p in (*parts, "sum", "iteration")})
+        show["vs SGD"] = _spread_texts(frame)
         p = int(frame["world_size"].iloc[0])
         md += ["", f"## {frame['label'].iloc[0]}, {setting} setting, P={p}", ""]
         md.append(to_markdown(show, 1))
@@ -510,7 +562,7 @@ def ablation_frame(df: pd.DataFrame, predict_at: int | None = ABLATION_P) -> pd.
     """
     from experiments.bench import predict
 
-    df = ok_rows(df)
+    everything, df = df, ok_rows(df)
     if df.empty:
         return pd.DataFrame()
     records = df.to_dict("records")
@@ -572,7 +624,14 @@ def ablation_frame(df: pd.DataFrame, predict_at: int | None = ABLATION_P) -> pd.
             )
     rank = {g: i for i, g in enumerate(dict.fromkeys(groups))}
     order = sorted(range(len(frame)), key=lambda i: rank[groups[i]])  # stable within a group
-    return frame.iloc[order].reset_index(drop=True)
+    return with_spread(frame.iloc[order].reset_index(drop=True), vs_sgd_spread(everything), "P")
+
+
+def _spread_texts(frame: pd.DataFrame) -> list[str]:
+    """The ``vs SGD`` cells of a table: the median run's ratio and its range over runs."""
+    return [
+        ratio_text(r.vs_sgd, r.vs_sgd_min, r.vs_sgd_max, int(r.runs)) for r in frame.itertuples()
+    ]
 
 
 def write_ablation(df: pd.DataFrame, out: Path) -> dict[str, Path]:
@@ -591,6 +650,9 @@ def write_ablation(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         "grad comm = the gradient reduction; wire MB = what every collective, gradients",
         "included, puts on the wire per rank; memory = K-FAC state of the busiest rank (MiB);",
         "chosen = the (k, f) a `grouped` config chose for itself (`auto`) where one did.",
+        "Where the job was run several times (seeds), the median run is shown and `vs SGD`",
+        "carries in brackets the lowest and highest ratio over the runs, each run's ratio",
+        "taken within that run.",
     ]
     if predicted_p is not None:
         md += [
@@ -611,6 +673,7 @@ def write_ablation(df: pd.DataFrame, out: Path) -> dict[str, Path]:
             show = g[[*head, *[c for c in _ABLATION_MEASURED if c in g]]].rename(
                 columns=_ABLATION_MEASURED
             )
+            show["vs SGD"] = _spread_texts(g)
             if predicted_p is not None:
                 for column, header in _ABLATION_PREDICTED.items():
                     show[f"P={predicted_p} {header}"] = g[column].to_numpy()

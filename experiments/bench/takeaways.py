@@ -40,6 +40,14 @@ def _span(values: Sequence[float], digits: int = 2) -> str:
     )
 
 
+def _with_runs(strategy: str, row: pd.Series) -> str:
+    """``dp_kfac 1.19× (1.15–1.23)``: a config's ratio to SGD and its range over runs."""
+    low, high = row.get("vs_sgd_min", math.nan), row.get("vs_sgd_max", math.nan)
+    runs = int(row.get("runs", 1) or 1)
+    spread = f" ({low:.2f}–{high:.2f})" if runs > 1 and low == low and low != high else ""
+    return f"{strategy} {row['vs_sgd']:.2f}×{spread}"
+
+
 def _models(frame: pd.DataFrame) -> str:
     return ", ".join(dict.fromkeys(str(m) for m in frame["model"]))
 
@@ -124,7 +132,9 @@ def ablation(frame: pd.DataFrame) -> list[str]:
     kfac = frame[~frame["first_order"].astype(bool)]
     for setting, group in kfac.groupby("setting", sort=False):
         best = group.loc[group.groupby("model")["vs_sgd"].idxmin()]
-        parts = [f"{r.model}: {r.strategy} {r.vs_sgd:.2f}×" for r in best.itertuples()]
+        parts = [
+            f"{m}: {_with_runs(r['strategy'], r)}" for m, r in best.set_index("model").iterrows()
+        ]
         lines.append(
             f"**Takeaway ({setting} setting).** Fastest K-FAC config per model, iteration × "
             f"SGD: {'; '.join(parts)}."
@@ -213,17 +223,22 @@ def headline(results: Path) -> list[str]:
         practical = frame[frame["setting"] == "practical"]
         parts = []
         for model, group in practical.groupby("model", sort=False):
-            by = dict(zip(group["strategy"], group["vs_sgd"], strict=False))
             algorithm = group["algorithm"].fillna("")
             base = group[algorithm.isin(["d_kfac", "spd_kfac", "kaisa"])]["vs_sgd"]
-            if REFERENCE in by and len(base):
-                parts.append(
-                    f"{model} {REFERENCE} {by[REFERENCE]:.2f}× SGD (DDP), baselines {_span(base)}×"
-                )
+            kfac = group[~group["first_order"].astype(bool)]
+            if REFERENCE not in set(group["strategy"]) or not len(base):
+                continue
+            shown = [REFERENCE, *kfac.nsmallest(1, "vs_sgd")["strategy"]]
+            rows = group.set_index("strategy")
+            configs = ", ".join(_with_runs(s, rows.loc[s]) for s in dict.fromkeys(shown))
+            parts.append(f"{model} {configs}; baselines {_span(base)}×")
         if parts:
+            runs = int(practical["runs"].max()) if "runs" in practical else 1
+            spread = f", each the median of {runs} runs with its range" if runs > 1 else ""
             lines.append(
                 f"- **Iteration time, practical setting** (factors every 10 steps, decompositions "
-                f"every 100, P={_span(practical['P'], 0)}, measured): {'; '.join(parts)}."
+                f"every 100, P={_span(practical['P'], 0)}, measured, × SGD under DDP{spread}): "
+                f"{'. '.join(parts)}."
             )
     path = results / "scaling_errors.csv"
     if path.exists():
