@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dpkfac.amp import check_grad_scaler, inverse_loss_scale
+from dpkfac.attention import not_capturable
 from dpkfac.call_order import CALL_ORDER, WATCH, GradientLedger
 from dpkfac.comm import Communicator
 from dpkfac.costmodel.auto import Candidate, log_choice, resolve
@@ -436,9 +437,12 @@ class KFACPreconditioner:
     def _register(self) -> dict[str, KFACLayer]:
         """Wrap every supported, trainable, non-skipped module and hook it (module order)."""
         layers: dict[str, KFACLayer] = {}
+        # A Linear that nn.MultiheadAttention calls functionally can never be captured: it is
+        # not a layer (the report lists it with what to do), whatever its type says.
+        functional = not_capturable(self.module)
         for name, module in self.module.named_modules():
             helper = helper_for(module)
-            if helper is None or any(p.search(name) for p in self._skip):
+            if helper is None or name in functional or any(p.search(name) for p in self._skip):
                 continue
             if not all(p.requires_grad for p in helper.parameters()):
                 continue
@@ -527,7 +531,7 @@ class KFACPreconditioner:
             f"trainable now: {averaged}, but they are not preconditioned (build a new "
             "preconditioner after unfreezing to precondition their layers)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,  # the user's pre.step(): this method, step(), torch.no_grad's wrapper
         )
 
     def _gradient_arrived(self, param: nn.Parameter) -> None:
@@ -929,14 +933,15 @@ class KFACPreconditioner:
                 "its forward ran in eval mode during training steps (call model.train(); "
                 "from_pretrained() returns eval-mode models)"
                 if layer.seen_in_eval_mode
-                else "its forward hook never fired (it is probably called functionally, like "
-                "nn.MultiheadAttention.out_proj)"
+                else "its forward hook never fired (it is probably called functionally: its "
+                "weight used by F.linear or the like instead of calling the module)"
             )
+            # The user's pre.step() call: this method, step(), then torch.no_grad's wrapper.
             warnings.warn(
                 f"dpkfac: layer {layer.name!r} ({type(layer.module).__name__}) received a gradient "
                 f"but was never captured: {reason}; it keeps its averaged gradient",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
 
     # -------------------------------------------------------------- inspection

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from dpkfac.attention import not_capturable
 from dpkfac.curvature import KFACLayer, helper_for
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.plan.assignment import EIGH_COEFF
@@ -41,14 +42,22 @@ class Skipped:
 def skipped_modules(
     model: nn.Module, layers: Mapping[str, KFACLayer], skip: Sequence[re.Pattern[str]]
 ) -> list[Skipped]:
-    """Every parameter-bearing module (direct parameters) that is not a K-FAC layer."""
+    """Every parameter-bearing module (direct parameters) that is not a K-FAC layer.
+
+    What ``nn.MultiheadAttention`` applies functionally (its packed in-projection, its
+    ``out_proj``) is named with :func:`dpkfac.attention.not_capturable`'s reason, which says
+    how to make it K-FAC layers.
+    """
     out = []
+    functional = not_capturable(model)
     for name, module in model.named_modules():
         if name in layers or not any(True for _ in module.parameters(recurse=False)):
             continue
         kind = type(module).__name__
         matched = [p.pattern for p in skip if p.search(name)]
-        if helper_for(module) is None:
+        if name in functional:
+            reason = functional[name]
+        elif helper_for(module) is None:
             if isinstance(module, nn.Conv2d) and module.groups != 1:
                 reason = f"grouped convolution (groups={module.groups}): not one Kronecker block"
             else:

@@ -2,8 +2,10 @@
 
 * bad arguments raise ValueError naming the bad value;
 * factor_dtype / decomposition_dtype (never half-precision decompositions);
-* nn.MultiheadAttention: out_proj is called functionally, so its hooks never
-  fire: one warning naming it, its gradient is left alone;
+* nn.MultiheadAttention is left alone (its projections are applied functionally,
+  so none is a layer) unless split (dpkfac.split_attention); a Linear applied
+  functionally by the model is registered, but its hooks never fire: one
+  warning naming it, its gradient is left alone;
 * a non-finite batch factor is rejected with a warning and the previous
   factor kept; eigh failures retry in float64, then keep the previous
   decomposition (or fall back to the diagonal) with a warning.
@@ -159,11 +161,25 @@ class AttnNet(nn.Module):
         return self.head(h.mean(dim=1))
 
 
-def test_multihead_attention_out_proj_warns_once_and_keeps_gradient() -> None:
-    torch.manual_seed(0)
-    model = AttnNet().double()
-    pre = dpkfac.KFACPreconditioner(model, damping=0.01, kl_clip=None)
-    assert set(pre.layers) == {"embed", "attn.out_proj", "head"}
+class FunctionalNet(nn.Module):
+    """The middle Linear is applied with F.linear: registered, but its hooks never fire."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(F.linear(self.embed(x), self.mix.weight, self.mix.bias))
+        return self.head(h.mean(dim=1))
+
+
+def _three_steps(
+    model: nn.Module, pre: dpkfac.KFACPreconditioner, left_alone: str | None
+) -> list[str]:
+    """Three steps; parameters whose names start with ``left_alone`` keep their gradient, the
+    others are preconditioned. Returns the runtime warnings."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(1)
     with warnings.catch_warnings(record=True) as record:
@@ -176,16 +192,54 @@ def test_multihead_attention_out_proj_warns_once_and_keeps_gradient() -> None:
             before = {n: p.grad.clone() for n, p in model.named_parameters()}
             pre.step()
             for n, p in model.named_parameters():
-                if n.startswith("attn."):  # in_proj is not a module; out_proj never captured
+                if left_alone is not None and n.startswith(left_alone):
                     assert torch.equal(p.grad, before[n]), n
                 else:
                     assert not torch.allclose(p.grad, before[n]), n
             opt.step()
-    messages = runtime_warnings(record)
-    assert len(messages) == 1, messages
-    assert "attn.out_proj" in messages[0]
-    assert pre.layers["attn.out_proj"].a_factor is None
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    return runtime_warnings(record)
+
+
+def test_multihead_attention_is_left_alone_without_a_warning() -> None:
+    torch.manual_seed(0)
+    model = AttnNet().double()
+    pre = dpkfac.KFACPreconditioner(model, damping=0.01, kl_clip=None)
+    assert set(pre.layers) == {"embed", "head"}  # out_proj is called functionally
+    assert _three_steps(model, pre, "attn.") == []
+
+
+def test_split_multihead_attention_is_preconditioned() -> None:
+    torch.manual_seed(0)
+    model = dpkfac.split_attention(AttnNet().double())
+    pre = dpkfac.KFACPreconditioner(model, damping=0.01, kl_clip=None)
+    projections = {f"attn.{p}_proj" for p in "qkv"} | {"attn.out_proj"}
+    assert set(pre.layers) == {"embed", "head"} | projections
+    assert _three_steps(model, pre, None) == []
+
+
+def test_functionally_called_linear_warns_once_and_keeps_gradient() -> None:
+    torch.manual_seed(0)
+    model = FunctionalNet().double()
+    pre = dpkfac.KFACPreconditioner(model, damping=0.01, kl_clip=None)
+    assert set(pre.layers) == {"embed", "mix", "head"}
+    messages = _three_steps(model, pre, "mix.")
+    assert len(messages) == 1, messages
+    assert "'mix'" in messages[0]
+    assert pre.layers["mix"].a_factor is None
+
+
+def test_warnings_of_step_point_at_the_callers_line() -> None:
+    """step() runs under torch.no_grad's wrapper: the stack level counts that frame too."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)).double()
+    model[1].requires_grad_(False)
+    pre = dpkfac.KFACPreconditioner(model, kl_clip=None)
+    model[1].requires_grad_(True)  # unfrozen after construction: averaged, with a warning
+    x, y = data()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.warns(RuntimeWarning, match="were frozen when the preconditioner") as record:
+        pre.step()
+    assert [w.filename for w in record] == [__file__]
 
 
 # -------------------------------------------------------- numerical safety

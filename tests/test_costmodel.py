@@ -59,19 +59,41 @@ HW = PRESETS["v100_ib100"]
 NO_KL = KFACOptions(kl_clip=None)
 
 
+class FunctionalAttention(nn.Module):
+    """nn.MultiheadAttention's parameters (initialised by one) and function, its out_proj
+    called functionally as nn.MultiheadAttention calls it, without being one: a Linear that
+    K-FAC registers (nothing says it is called so) and whose hooks never fire. (A real
+    nn.MultiheadAttention's out_proj is no K-FAC layer: tests/test_attention.py.)"""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        ref = nn.MultiheadAttention(dim, heads)
+        self.heads = heads
+        self.in_proj_weight, self.in_proj_bias = ref.in_proj_weight, ref.in_proj_bias
+        self.out_proj = ref.out_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.transpose(0, 1)  # (positions, N, dim)
+        out, _ = F.multi_head_attention_forward(
+            *(h, h, h, h.shape[-1], self.heads, self.in_proj_weight, self.in_proj_bias),
+            *(None, None, False, 0.0, self.out_proj.weight, self.out_proj.bias),
+            training=self.training,
+        )
+        return out.transpose(0, 1)
+
+
 class AttnNet(nn.Module):
-    """Linear -> MultiheadAttention (out_proj registered but never captured) -> Linear."""
+    """Linear -> attention (out_proj registered but never captured) -> Linear."""
 
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(2, 8)
-        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.attn = FunctionalAttention(8, 2)
         self.head = nn.Linear(8, 4, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x.flatten(2).transpose(1, 2))  # (N, 16 positions, 8)
-        h, _ = self.attn(h, h, h)
-        return self.head(h.mean(1))
+        return self.head(self.attn(h).mean(1))
 
 
 def _model(kind: str) -> nn.Module:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -29,23 +30,56 @@ def test_a_transformer_layer_report(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="dpkfac"):
         pre = dpkfac.KFACPreconditioner(model)
     text = caplog.text
-    for name in ("encoder.linear1", "encoder.linear2", "encoder.self_attn.out_proj", "head"):
+    for name in ("encoder.linear1", "encoder.linear2", "head"):
         assert f"K-FAC layer {name} " in text, name
     assert "K-FAC layer head (Linear): A 9 x 9, G 3 x 3" in text
     assert "not preconditioned: embed (Embedding): unsupported type Embedding" in text
-    assert "not preconditioned: encoder.self_attn (MultiheadAttention): unsupported type" in text
+    # nn.MultiheadAttention applies its in-projection and out_proj functionally: neither is a
+    # K-FAC layer, and the report says how to make them ones (tests/test_attention.py).
+    split = "dpkfac.split_attention(model) makes its projections K-FAC layers"
+    assert "K-FAC layer encoder.self_attn.out_proj" not in text
+    assert "not preconditioned: encoder.self_attn (MultiheadAttention): nn.Multihead" in text
+    assert (
+        "not preconditioned: encoder.self_attn.out_proj (NonDynamicallyQuantizableLinear): "
+        "called functionally by nn.MultiheadAttention 'encoder.self_attn'"
+    ) in text
+    assert text.count(split) == 2
     assert "not preconditioned: encoder.norm1 (LayerNorm)" in text
     tokens = torch.randint(0, 11, (4, 5))
     model.zero_grad()
     F.cross_entropy(model(tokens), torch.randint(0, 3, (4,))).backward()
-    with pytest.warns(RuntimeWarning, match="out_proj.*never captured"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # every layer is captured
         pre.step()
     summary = pre.summary()
     out_proj = next(line for line in summary.splitlines() if "out_proj" in line)
-    assert "never captured: called functionally" in out_proj
+    assert split in out_proj
     assert "not preconditioned:" in summary and "embed (Embedding)" in summary
     assert "time per phase since reset_stats(), ms:" in summary
-    assert "not_preconditioned=4" in repr(pre)  # embed, self_attn, norm1, norm2
+    assert "not_preconditioned=5" in repr(pre)  # embed, self_attn, its out_proj, norm1, norm2
+
+
+def test_a_layer_never_captured_is_marked_in_the_summary() -> None:
+    """A Linear applied with F.linear is registered (nothing says it is called so), warned
+    about once and marked."""
+
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(F.linear(x, self.inner.weight, self.inner.bias))
+
+    torch.manual_seed(0)
+    model = Functional()
+    pre = dpkfac.KFACPreconditioner(model)
+    F.cross_entropy(model(torch.randn(4, 4)), torch.randint(0, 2, (4,))).backward()
+    with pytest.warns(RuntimeWarning, match="'inner'.*never captured"):
+        pre.step()
+    inner = next(line for line in pre.summary().splitlines() if line.startswith("inner "))
+    assert "never captured: called functionally" in inner
 
 
 def test_resnet18_warns_of_its_wide_factors(caplog: pytest.LogCaptureFixture) -> None:

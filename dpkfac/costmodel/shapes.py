@@ -6,9 +6,10 @@ buffers are split between *tensors* at the bucket cap and a layer's factors
 only travel when its hooks fire:
 
 * whether each K-FAC layer has a bias (its gradient is a separate tensor);
-* whether each layer's capture hooks fire (``nn.MultiheadAttention.out_proj``
-  is called functionally: registered, broadcast under dp_kfac, but never has
-  factors);
+* whether each layer's capture hooks fire (a Linear whose weight the model
+  applies functionally is registered, broadcast under dp_kfac, but never has
+  factors; ``nn.MultiheadAttention.out_proj``, known to be called so, is no
+  layer at all: :func:`dpkfac.attention.not_capturable`);
 * the element counts of the other trainable parameters, in
   ``model.parameters()`` order (their gradients are averaged too).
 
@@ -170,7 +171,8 @@ def shapes_from_model(
     """K-FAC layer shapes of a torch model, read from one forward pass.
 
     Layers are selected exactly as :class:`dpkfac.KFACPreconditioner` selects
-    them (:func:`dpkfac.curvature.helper_for`, ``skip_layers`` regexes
+    them (:func:`dpkfac.curvature.helper_for`, less what
+    :func:`dpkfac.attention.not_capturable` names, ``skip_layers`` regexes
     searched in module names, all parameters trainable), in
     ``named_modules()`` order. Forward hooks read each layer's input and
     output sizes: ``N`` is dim 0 of the input, ``T`` the output positions of
@@ -192,16 +194,18 @@ def shapes_from_model(
     """
     import torch
 
+    from dpkfac.attention import not_capturable
     from dpkfac.curvature import helper_for
 
     inner = getattr(model, "module", model)
     patterns = [
         re.compile(p) for p in ((skip_layers,) if isinstance(skip_layers, str) else skip_layers)
     ]
+    functional = not_capturable(inner)
     selected: dict[str, Any] = {}
     for name, module in inner.named_modules():
         helper = helper_for(module)
-        if helper is None or any(p.search(name) for p in patterns):
+        if helper is None or name in functional or any(p.search(name) for p in patterns):
             continue
         if all(p.requires_grad for p in helper.parameters()):
             selected[name] = helper
