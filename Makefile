@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: train test test-gpu gpu-report smoke-report fuzz lint venv clean
+.PHONY: train test test-gpu gpu-report smoke-report notebook fuzz lint venv clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,12 @@ gpu-report: $(STAMP)
 smoke-report: $(STAMP)
 	-$(PY) -m pytest -q -p no:cacheprovider tests/test_experiments_smoke.py::test_preset_runs_two_steps --junitxml=results/raw/smoke_junit.xml
 	$(PY) -m experiments.bench.tables convergence
+
+# After results/ changes: the README headline and the generated doc blocks, then the
+# results notebook re-executed in place (a test compares its saved outputs with the tables).
+notebook: $(STAMP)
+	$(PY) -m experiments.bench.takeaways
+	MPLBACKEND=Agg $(PY) -m nbconvert --to notebook --execute --inplace notebooks/results.ipynb
 
 # The long profile of the property-based differential test (tests/test_differential.py):
 # random examples, FUZZ_EXAMPLES per strategy kind and world size per round, rounds with a new

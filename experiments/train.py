@@ -36,7 +36,13 @@ from torch import nn
 
 from experiments.config import ExperimentError, launcher_name, validate
 from experiments.data.loading import DataModule
-from experiments.distributed import DistEnv, distributed_context, wrap_ddp
+from experiments.distributed import (
+    DistEnv,
+    available_cores,
+    distributed_context,
+    threads_per_rank,
+    wrap_ddp,
+)
 from experiments.loggers import NullLogger
 from experiments.preconditioning import strategy_name, uses_preconditioner
 from experiments.schedules import build_step_schedules
@@ -243,14 +249,22 @@ def run(cfg: DictConfig) -> dict[str, Any]:
         ExperimentError: A bad value, missing data or an unusable checkpoint.
     """
     validate(cfg)
-    if launcher_name(cfg) == "threads":
-        return _run_threads(cfg)
-    with distributed_context(
-        cfg.trainer.device, cfg.trainer.dist_timeout_s, job=_job_identity()
-    ) as env:
-        if not env.is_main:
-            logging.getLogger().setLevel(logging.WARNING)
-        return _run_rank(cfg, env)
+    threaded = launcher_name(cfg) == "threads"
+    previous = torch.get_num_threads()
+    torch.set_num_threads(
+        threads_per_rank(cfg.trainer.get("threads", "auto"), 1 if threaded else None)
+    )
+    try:
+        if threaded:
+            return _run_threads(cfg)
+        with distributed_context(
+            cfg.trainer.device, cfg.trainer.dist_timeout_s, job=_job_identity()
+        ) as env:
+            if not env.is_main:
+                logging.getLogger().setLevel(logging.WARNING)
+            return _run_rank(cfg, env)
+    finally:
+        torch.set_num_threads(previous)  # a caller's own setting (tests, notebooks)
 
 
 def _run_threads(cfg: DictConfig) -> dict[str, Any]:
@@ -321,11 +335,14 @@ def _run_rank(cfg: DictConfig, env: DistEnv) -> dict[str, Any]:
         )
         preconditioner = None
         log.info(
-            "strategy %s, %d rank(s), precision %s, %d micro-batch(es) per step",
+            "strategy %s, %d rank(s), precision %s, %d micro-batch(es) per step, "
+            "%d thread(s) per rank of %d core(s)",
             strategy_name(cfg.strategy),
             env.world_size,
             cfg.trainer.get("precision", 32),
             accumulate,
+            torch.get_num_threads(),
+            available_cores(),
         )
         if uses_preconditioner(cfg.strategy):
             preconditioner = _build_preconditioner(cfg, model, optimizer, steps_per_epoch, scaler)

@@ -456,6 +456,7 @@ class Trainer:
             "epochs": self.step / self.steps_per_epoch,
             "wall_time_s": time.perf_counter() - started_at,
             "world_size": self.env.world_size,
+            "threads_per_rank": torch.get_num_threads(),
             "strategy": self.strategy,
             "primary_metric": self.task.primary_metric,
         }

@@ -30,8 +30,10 @@ def compose() -> Callable[..., object]:
     from hydra import initialize_config_dir
 
     def _compose(*overrides: str) -> object:
+        # One thread per rank for tiny models on a shared 2-core machine (a test's
+        # own trainer.threads comes later and wins).
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            return hydra_compose("config", overrides=list(overrides))
+            return hydra_compose("config", overrides=["trainer.threads=1", *overrides])
 
     return _compose
 

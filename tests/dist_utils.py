@@ -43,6 +43,7 @@ def _worker(
     backend: str = "gloo",
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)  # what torchrun tells its ranks
     torch.set_num_threads(1)
     try:
         if backend == "nccl":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -675,6 +676,33 @@ def test_every_results_table_opens_with_its_takeaway(table: str) -> None:
         (Path(__file__).resolve().parents[1] / "results" / f"{table}.md").read_text().split("\n")
     )
     assert lines[0].startswith("# ") and lines[2].startswith("**Takeaway")
+
+
+def _texts(nb: Any) -> list[str]:
+    """A notebook's text outputs (streams and plain-text reprs), images left out."""
+    return [
+        out.get("text") or out.get("data", {}).get("text/plain", "")
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if "text" in out or "text/plain" in out.get("data", {})
+    ]
+
+
+def test_the_notebooks_saved_outputs_are_the_tables_of_today(monkeypatch, tmp_path) -> None:
+    """Executed on ``results/`` now, the notebook prints what it was committed with
+    (run ``make notebook`` after the results change)."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv("RESULTS_DIR", str(ROOT / "results"))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.delenv("RUN_FIDELITY", raising=False)
+    saved = nbformat.read(ROOT / "notebooks" / "results.ipynb", as_version=4)
+    fresh = nbformat.read(ROOT / "notebooks" / "results.ipynb", as_version=4)
+    nbclient.NotebookClient(
+        fresh, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    ).execute()
+    assert _texts(fresh) == _texts(saved), "notebook outputs are stale: run make notebook"
 
 
 def test_the_notebook_is_committed_with_its_outputs() -> None:

@@ -264,3 +264,42 @@ def test_mixed_precision_on_a_gpu(precision, train, tmp_path):
     )
     assert result["steps"] == 4 and math.isfinite(result["train_loss"])
     assert (_ckpt(out)["scaler"] is not None) == (precision == "fp16")
+
+
+# -- threads per rank ---------------------------------------------------------------------
+
+
+def test_threads_auto_divides_the_cores_among_the_local_ranks(monkeypatch):
+    from experiments.distributed import available_cores, threads_per_rank
+
+    cores = available_cores()
+    assert threads_per_rank(3) == 3
+    assert threads_per_rank("auto", 1) == cores
+    assert threads_per_rank("auto", 2 * cores) == 1  # never zero
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # what torchrun tells each rank
+    assert threads_per_rank("auto") == max(1, cores // 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert threads_per_rank("auto") == cores
+
+
+@pytest.mark.parametrize("value, shown", [("0", "0"), ("-1", "-1"), ("many", "'many'")])
+def test_bad_threads_are_named(train, value, shown):
+    with pytest.raises(ExperimentError) as raised:
+        train(f"trainer.threads={value}")
+    assert str(raised.value) == (
+        f"invalid value trainer.threads={shown}: expected auto or a positive integer"
+    )
+
+
+def test_threads_are_set_for_the_run_recorded_and_restored(train, tmp_path, caplog):
+    import json
+
+    before = torch.get_num_threads()
+    wanted = 2 if before != 2 else 1
+    with caplog.at_level(logging.INFO, logger="experiments.train"):
+        result = train(*DIGITS, "trainer.max_steps=1", f"trainer.threads={wanted}", out=tmp_path)
+    assert result["threads_per_rank"] == wanted
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["final"]["threads_per_rank"] == wanted
+    assert f"{wanted} thread(s) per rank" in caplog.text
+    assert torch.get_num_threads() == before  # the caller's own setting comes back

@@ -24,19 +24,17 @@ def run_convergence(spec: dict[str, Any]) -> dict[str, Any]:
 
     Args:
         spec: the benchmark's job spec: ``train_config`` (the resolved training
-            config) and ``threads``.
+            config, whose ``trainer.threads`` is the job's ``threads``).
 
     Returns:
         ``rank``, ``result`` (what :func:`experiments.train.run` returned) and,
         on rank 0, ``history`` (the trainer's evaluations, from ``metrics.json``).
     """
-    import torch
     from omegaconf import OmegaConf
 
     from experiments.train import run
 
-    torch.set_num_threads(int(spec.get("threads", 1)))
-    cfg = OmegaConf.create(spec["train_config"])
+    cfg = OmegaConf.create(spec["train_config"])  # its trainer.threads is the job's
     result = run(cfg)
     rank = int(os.environ.get("RANK", "0"))
     history = None

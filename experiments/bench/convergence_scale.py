@@ -159,6 +159,7 @@ def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
         "trainer.resume=null",
         "trainer.device=cpu",
         f"trainer.dist_timeout_s={cfg.timeout_s}",
+        f"trainer.threads={int(cfg.threads)}",
         f"seed={int(cfg.seed)}",
         f"output_dir={output_dir}",
         *node.overrides,
@@ -325,8 +326,7 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
     node = cfg.convergence_scale
     p = int(cfg.world_size)
     train_dir = output_dir / "train"
-    train_cfg = training_config(cfg, train_dir)
-    torch.set_num_threads(int(cfg.threads))
+    train_cfg = training_config(cfg, train_dir)  # its trainer.threads sets the pool
     log.info(
         "convergence_scale: %s %s P=%d lr %.4g (x%s) seed %d",
         node.experiment,

@@ -173,7 +173,7 @@ def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
 
     ``experiment=<convergence.experiment> strategy=<this job's strategy config>``
     with the preset's own values; only what belongs to the job (seed, device,
-    timeout, output folder, no tracker or progress bar, never resuming an earlier
+    timeout, threads per rank, output folder, no tracker or progress bar, never resuming an earlier
     job's checkpoints in the same folder) and ``convergence.overrides`` are added.
     """
     from hydra.errors import HydraException
@@ -187,6 +187,7 @@ def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
         f"seed={cfg.seed}",
         f"trainer.device={cfg.device}",
         f"trainer.dist_timeout_s={cfg.timeout_s}",
+        f"trainer.threads={cfg.threads}",
         f"output_dir={output_dir}",
         "trainer.resume=null",
         *cfg.convergence.overrides,
