@@ -714,3 +714,32 @@ def test_the_notebook_is_committed_with_its_outputs() -> None:
     assert "results from" in first  # it says which folder it read
     assert "not generated yet" not in "".join(o.get("text", "") for c in code for o in c["outputs"])
     assert "the cheapest of the baselines" in nb.cells[2].source
+
+
+def test_the_results_index_is_generated_from_the_results() -> None:
+    """``results/README.md`` lists every table with its runs and noise, read from the rows."""
+    from experiments.bench import results_index
+
+    text = (ROOT / "results" / "README.md").read_text()
+    assert text.rstrip("\n").split("\n") == results_index.index(ROOT / "results"), (
+        "results/README.md is stale: run make notebook"
+    )
+    for entry in results_index.TABLES:
+        if (ROOT / "results" / f"{entry.name}.md").exists():
+            assert f"[{entry.name}]({entry.name}.md)" in text
+
+
+def test_the_results_index_states_runs_and_noise(tmp_path: Path) -> None:
+    from experiments.bench import results_index
+
+    rows = []
+    for seed, sgd, dp in ((0, 20.0, 24.0), (1, 10.0, 15.0), (2, 30.0, 33.0)):
+        rows.append({**fake_row("none", 2), "seed": seed, "iteration_s": sgd / 1e3})
+        rows.append({**fake_row("dp_kfac", 2), "seed": seed, "iteration_s": dp / 1e3})
+    tables.write_table("time_breakdown", pd.DataFrame(rows), tmp_path)
+    line = next(x for x in results_index.index(tmp_path) if x.startswith("| [time_breakdown]"))
+    cells = [c.strip() for c in line.split("|")]
+    assert cells[5] == "3"  # runs
+    # dp_kfac's ratios 1.1-1.5 span 0.4 / 1.3 = 31% of themselves (SGD's own is left out).
+    assert cells[6].startswith("the ratio to SGD spans 31% of itself over the runs")
+    assert "31% at most" in cells[6]

@@ -450,3 +450,35 @@ def test_wandb_offline_run_holds_the_fidelity_metrics(compose, tmp_path: Path) -
         (1, ["fidelity/features.0/cosine", "fidelity/features.0/rel_error"]),
         (4, ["fidelity/features.2/cosine", "fidelity/features.2/rel_error"]),
     ]
+
+
+def test_the_fidelity_table_summarises_each_layer_under_a_computed_takeaway(tmp_path):
+    from experiments.bench import fidelity
+
+    rows = [
+        {
+            "run": "r",
+            "world_size": 2,
+            "strategy": "dp_kfac",
+            "step": s,
+            "layer": layer,
+            "cosine": c,
+            "rel_error": e,
+        }
+        for s, (layer, c, e) in enumerate(
+            [("conv", 1.0, 0.0), ("fc", 0.8, 0.5), ("conv", 0.98, 0.02), ("fc", 0.6, 1.5)]
+        )
+    ]
+    summary = {r["layer"]: r for r in fidelity.layer_summary(rows)}
+    assert summary["fc"]["cosine_mean"] == pytest.approx(0.7)
+    assert summary["fc"]["cosine_min"] == pytest.approx(0.6)
+    assert summary["fc"]["rel_error_mean"] == pytest.approx(1.0)
+    assert summary["conv"]["probes"] == 2
+    text = fidelity.write_markdown(rows, tmp_path / "fidelity.md").read_text()
+    assert text.split("\n")[2].startswith(
+        "**Takeaway.** At P=2, the update an owner builds from its own batch's factors has a "
+        "mean cosine of 0.700–0.990"
+    )
+    assert "1 of them stay at 0.99 or above" in text
+    assert "costs most at r's `fc` (mean cosine 0.700, worst 0.600" in text
+    assert "| r | 2 | dp_kfac | `fc` | 0.700 | 0.600 | 1.000 | 2 |" in text

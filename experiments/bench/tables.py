@@ -181,8 +181,9 @@ def vs_sgd_spread(df: pd.DataFrame) -> pd.DataFrame:
     Each run's ratio is taken within that run (its K-FAC row over its own
     first-order row, both measured in turns under one load), so the spread is
     that of the ratio a table prints, not of absolute times. Returns one row
-    per (``JOB``, ``strategy``) with ``vs_sgd_min``, ``vs_sgd_max`` and
-    ``runs`` (the number of runs with both rows); empty without first-order rows.
+    per (``JOB``, ``strategy``) with ``vs_sgd_min``, ``vs_sgd_max``, ``runs``
+    (the number of runs with both rows) and ``first_order`` (SGD's own row);
+    empty without first-order rows.
     """
     if df.empty:
         return pd.DataFrame()
@@ -197,8 +198,14 @@ def vs_sgd_spread(df: pd.DataFrame) -> pd.DataFrame:
         t / sgd[k] if k in sgd.index else float("nan")
         for t, k in zip(rows["iteration_s"], keys, strict=True)
     ]
+    rows["first_order"] = [first_order(r) for r in rows.to_dict("records")]
     out = rows.dropna(subset=["ratio"]).groupby([*JOB, "strategy"], dropna=False, sort=False)
-    return out["ratio"].agg(vs_sgd_min="min", vs_sgd_max="max", runs="count").reset_index()
+    return out.agg(
+        vs_sgd_min=("ratio", "min"),
+        vs_sgd_max=("ratio", "max"),
+        runs=("ratio", "count"),
+        first_order=("first_order", "first"),
+    ).reset_index()
 
 
 def with_spread(frame: pd.DataFrame, spread: pd.DataFrame, p_column: str) -> pd.DataFrame:
@@ -209,7 +216,7 @@ def with_spread(frame: pd.DataFrame, spread: pd.DataFrame, p_column: str) -> pd.
     """
     if spread.empty or frame.empty:
         return frame.assign(vs_sgd_min=float("nan"), vs_sgd_max=float("nan"), runs=1)
-    right = spread.rename(columns={"world_size": p_column})
+    right = spread.drop(columns="first_order").rename(columns={"world_size": p_column})
     right[p_column] = right[p_column].astype(frame[p_column].dtype)
     joined = frame.merge(right, on=["model", "setting", p_column, "strategy"], how="left")
     joined["runs"] = joined["runs"].fillna(1).astype(int)

@@ -301,12 +301,17 @@ def readme_block(readme: Path) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Rewrite the README's headline results.")
+    parser = argparse.ArgumentParser(
+        description="Rewrite the README's headline results and results/README.md."
+    )
     parser.add_argument("--readme", type=Path, default=Path("README.md"))
     parser.add_argument("--results", type=Path, default=Path("results"))
     args = parser.parse_args(argv)
     changed = update_readme(args.readme, args.results)
     print(f"{args.readme}: headline {'updated' if changed else 'unchanged'}")
+    from experiments.bench import results_index
+
+    print(f"{results_index.write(args.results)}: rewritten")
 
 
 if __name__ == "__main__":
