@@ -666,6 +666,48 @@ def test_the_readme_headline_is_generated_from_the_results() -> None:
     )
 
 
+def test_the_default_runs_figures_in_the_docs_are_generated() -> None:
+    """docs/experiments.md takes make train's time and accuracy from the convergence rows."""
+    from experiments.bench import takeaways
+
+    doc = ROOT / "docs" / "experiments.md"
+    expected = takeaways.default_run(ROOT / "results")
+    assert takeaways.block_lines(doc, takeaways.DEFAULT_RUN) == expected, (
+        "docs/experiments.md's default run is stale: run python -m experiments.bench.takeaways"
+    )
+
+
+def test_the_default_run_is_the_mean_of_its_seeds(tmp_path: Path) -> None:
+    from experiments.bench import takeaways
+
+    (tmp_path / "raw").mkdir()
+    rows = pd.DataFrame(
+        [
+            {
+                "strategy": s,
+                "world_size": p,
+                "final_acc": a,
+                "seconds": t,
+                "epochs": 10,
+                "threads": 1,
+                "cpus": 2,
+            }
+            for s, p, a, t in [
+                ("dp_kfac", 1, 0.98, 5.0),
+                ("dp_kfac", 1, 0.99, 7.0),
+                ("dp_kfac", 2, 0.5, 1.0),
+                ("none", 1, 0.1, 1.0),
+            ]
+        ]
+    )
+    rows.to_csv(tmp_path / "raw" / "convergence.csv", index=False)
+    assert takeaways.default_run(tmp_path) == [
+        "On this project's machine (2 CPU cores, 1 thread(s)) its 10 epochs train in 5.0–7.0 s "
+        "and reach 0.985 ± 0.007 test accuracy (mean ± std over 2 seeds; "
+        "`results/convergence.md`, dp_kfac at P=1)."
+    ]
+
+
 @pytest.mark.parametrize(
     "table", ["second_order_update", "time_breakdown", "scaling", "ablation", "convergence"]
 )
