@@ -210,8 +210,27 @@ def scale_sim(rows: pd.DataFrame, startup: pd.DataFrame) -> list[str]:
 
 
 # --------------------------------------------------------------------- README
+def _predicted_line(practical: pd.DataFrame) -> str:
+    """The ablation's prediction at scale: the fastest K-FAC config, dp_kfac, the baselines."""
+    p = int(practical["pred_P"].dropna().iloc[0])
+    parts = []
+    for model, group in practical.groupby("model", sort=False):
+        kfac = group[~group["first_order"].astype(bool)]
+        best = kfac.nsmallest(1, "pred_vs_sgd").iloc[0]
+        algorithm = group["algorithm"].fillna("")
+        base = group[algorithm.isin(["d_kfac", "spd_kfac", "kaisa"])]["pred_vs_sgd"]
+        shown = {best["strategy"]: best["pred_vs_sgd"]}
+        shown.setdefault(REFERENCE, group.set_index("strategy")["pred_vs_sgd"].get(REFERENCE))
+        configs = ", ".join(f"{s} {v:.2f}×" for s, v in shown.items() if v == v)
+        parts.append(f"{model} {configs}; baselines {_span(base)}×")
+    return (
+        f"- **Predicted at P={p}** (`v100_ib100`, paper-size models, practical setting, × DDP "
+        f"SGD's iteration): {'. '.join(parts)}."
+    )
+
+
 def headline(results: Path) -> list[str]:
-    """3–5 bullets for the README's first screen, from ``results/*.csv``."""
+    """3–6 bullets for the README's first screen, from ``results/*.csv``."""
     lines = []
     path = results / "second_order_update.csv"
     if path.exists():
@@ -250,6 +269,8 @@ def headline(results: Path) -> list[str]:
                 f"every 100, P={_span(practical['P'], 0)}, measured, × SGD under DDP{spread}): "
                 f"{'. '.join(parts)}."
             )
+        if "pred_vs_sgd" in practical and practical["pred_vs_sgd"].notna().any():
+            lines.append(_predicted_line(practical))
     path = results / "scaling_errors.csv"
     if path.exists():
         errors = pd.read_csv(path)
