@@ -28,7 +28,7 @@ from dpkfac.costmodel import PAPER_MODELS, PRESETS, Hardware, format_table, pred
 from dpkfac.costmodel.balance import balance_rows, format_balance
 from dpkfac.costmodel.calibration import calibrate_local
 from dpkfac.costmodel.zoo import ZOO
-from dpkfac.plan import SCHEMES, canonical_name
+from dpkfac.plan import SCHEMES, canonical_name, name_key
 from dpkfac.plan.assignment import COSTS
 
 #: Columns of ``table --format csv``.
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     hw = _hardware(args.hardware)
     if args.format == "csv":
         strategies = _names(
-            ",".join(n.replace("-", "_") for n in args.strategies.split(",")),
+            ",".join(name_key(n) for n in args.strategies.split(",")),
             list(SCHEMES),
             "strategy",
         )
