@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -227,37 +227,45 @@ class FidelityProbe:
         self._local = {}
 
     # ------------------------------------------------------------------ capture
-    def forward_hook(
+    def capture_input(
         self,
         layer: KFACLayer,
         module: nn.Module,
         args: tuple[Any, ...],
         kwargs: Mapping[str, Any],
-        output: Any,
         *,
         captured: bool,
-    ) -> None:
-        """Shadow-capture a probed layer the strategy does not capture this step.
+        grad_enabled: bool,
+    ) -> Callable[[torch.Tensor], None] | None:
+        """Shadow-capture A of a probed layer the strategy does not capture this step.
+
+        Called by the preconditioner's forward hook (eagerly, or from the
+        compiled graph's capture operator, see :mod:`dpkfac.compile`).
 
         Args:
             captured: whether the preconditioner's own hook builds this layer's
                 batch factors now (then :meth:`collect` copies those instead).
+            grad_enabled: whether the forward runs with gradients (read by the
+                caller: the compiled graph's operator runs without).
+
+        Returns:
+            The hook that shadow-captures G from the gradient of the layer's
+            output (the caller puts it there), or None when nothing was captured.
         """
         if captured or layer.name not in self.active:
-            return
-        if not (module.training and torch.is_grad_enabled()):
-            return
+            return None
+        if not (module.training and grad_enabled):
+            return None
         x = args[0] if args else kwargs.get("input")
         if not isinstance(x, torch.Tensor):
-            return
+            return None
         shadow = self._shadows.get(layer.name)
         if shadow is None:
             shadow = KFACLayer(layer.name, module, layer.helper, layer.accumulation_steps)
             self._shadows[layer.name] = shadow
         with self.timer.phase(PHASE):
             shadow.accumulate_a(x, self.weight_sharing, self.dtype_for(layer))
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(partial(self._grad_hook, layer, shadow))
+        return partial(self._grad_hook, layer, shadow)
 
     def _grad_hook(self, layer: KFACLayer, shadow: KFACLayer, grad: torch.Tensor) -> None:
         with self.timer.phase(PHASE):

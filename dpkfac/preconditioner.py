@@ -16,6 +16,10 @@ The G hook is registered on the layer's *output tensor* rather than with
 ``register_full_backward_hook``: a tensor hook registered before an in-place
 op (``nn.ReLU(inplace=True)``) still receives the gradient of the value the
 layer produced, whereas the module backward hook errors out.
+
+Under ``torch.compile`` the hooks are not traced: they put two operators into
+the model's graph that run the same capture when the graph runs (no graph
+break, one graph with the capture and one without; :mod:`dpkfac.compile`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from dpkfac.amp import check_grad_scaler, inverse_loss_scale
 from dpkfac.attention import not_capturable
 from dpkfac.call_order import CALL_ORDER, WATCH, GradientLedger
 from dpkfac.comm import Communicator
+from dpkfac.compile import CaptureSite, GradHook, uncaptured_hint, unwrap_compiled
 from dpkfac.costmodel.auto import Candidate, log_choice, resolve
 from dpkfac.curvature import COMPUTE_METHODS, KFACLayer, helper_for
 from dpkfac.curvature.layer import FACTORS
@@ -216,6 +221,8 @@ class KFACPreconditioner:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+        # torch.compile's wrapper holds the model: hook and name the model itself.
+        model = unwrap_compiled(model)
         scheme, own_options = _scheme_and_options(strategy, strategy_options_kwargs)
         self.strategy_name = scheme.name
         # skip_layers and fidelity_layers: KFACOptions converts a str or a list of them to
@@ -247,7 +254,7 @@ class KFACPreconditioner:
         self.ddp = isinstance(model, DistributedDataParallel)
         check_grad_scaler(grad_scaler)
         self.grad_scaler = grad_scaler
-        self.module: nn.Module = (
+        self.module: nn.Module = unwrap_compiled(
             model.module if isinstance(model, DistributedDataParallel) else model
         )
         self.method = COMPUTE_METHODS[self.options.compute_method]
@@ -285,6 +292,10 @@ class KFACPreconditioner:
         self.layers: dict[str, KFACLayer] = self._register()
         self._track_parameters()
         self._layer_list = list(self.layers.values())
+        # What a compiled graph calls in place of the forward hook (dpkfac/compile.py).
+        self._sites = {
+            x.name: CaptureSite(partial(self._capture_compiled, x)) for x in self._layer_list
+        }
         self._skipped = skipped_modules(self.module, self.layers, self._skip)
         self._report_construction()
         # Checked even while the probe is off: a typo should not wait for fidelity_every > 0.
@@ -382,6 +393,13 @@ class KFACPreconditioner:
         self._capture = self._is_factor_step(step)
         if self._fidelity is not None:
             self._fidelity.arm(step)
+        #: Whether the hooks of ``step`` capture anything (capture or a fidelity probe): a
+        #: compiled model guards on it, one graph with the capture operators, one without.
+        self._hooks_active = self._capture or (
+            self._fidelity is not None and bool(self._fidelity.active)
+        )
+        for site in self._sites.values():
+            site.reset()
         if self._overlap is None:
             return
         flags = self._overlap.ctx.flags
@@ -554,32 +572,72 @@ class KFACPreconditioner:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         output: Any,
-    ) -> None:
+    ) -> Any:
+        """Capture A now and hook the output's gradient for G (eager).
+
+        While Dynamo traces the model (``torch.compile``), the capture is not
+        traced: the hook puts the capture operators of :mod:`dpkfac.compile`
+        into the graph, which run :meth:`_capture_input` and the G hooks when
+        the graph runs; no graph break, and the same factors.
+        """
+        if torch.compiler.is_compiling():
+            # Grad mode first: a graph traced without gradients (evaluation) then guards on
+            # nothing of the schedule, and serves every step.
+            active = torch.is_grad_enabled() and self._hooks_active
+            return self._sites[layer.name].in_graph(active, args, kwargs, output)
+        hooks = self._capture_input(layer, args, kwargs, grad_enabled=torch.is_grad_enabled())
+        if hooks and isinstance(output, torch.Tensor) and output.requires_grad:
+            for hook in hooks:
+                output.register_hook(hook)
+        return None
+
+    def _capture_compiled(self, layer: KFACLayer, x: torch.Tensor | None) -> list[GradHook]:
+        """:meth:`_capture_input` as a compiled graph's capture operator calls it (its graph
+        calls it only where gradients are enabled; the operator runs without)."""
+        return self._capture_input(layer, (x,) if x is not None else (), {}, grad_enabled=True)
+
+    def _capture_input(
+        self,
+        layer: KFACLayer,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        grad_enabled: bool,
+    ) -> list[GradHook]:
+        """One call of a layer at this step: build its batch A (and the fidelity probe's
+        shadow A) from the input; returns the hooks that build G from the gradient of the
+        call's output (empty where nothing was captured)."""
+        module = layer.module
+        hooks: list[GradHook] = []
         probe = self._fidelity
         if probe is not None and layer.name in probe.active:
             # Probed layers are captured on every rank; where the strategy does not
             # capture now, the probe builds its own copy (never the layer's state).
             captured = self._capture and self.strategy.captures(layer)
-            probe.forward_hook(layer, module, args, kwargs, output, captured=captured)
-        if not (self._capture and module.training and torch.is_grad_enabled()):
-            if self._capture and torch.is_grad_enabled():
+            shadow = probe.capture_input(
+                layer, module, args, kwargs, captured=captured, grad_enabled=grad_enabled
+            )
+            if shadow is not None:
+                hooks.append(shadow)
+        if not (self._capture and module.training and grad_enabled):
+            if self._capture and grad_enabled:
                 layer.seen_in_eval_mode = True  # explains a missing capture in the warning
-            return
+            return hooks
         # On every rank, captured here or not: the ranks run the same forward, so each
         # knows which layers their owners have captured (grouped's receivers need it).
         layer.ever_seen = True
         if not self.strategy.captures(layer):
-            return
+            return hooks
         x = args[0] if args else kwargs.get("input")
         if not isinstance(x, torch.Tensor):
-            return
+            return hooks
         with self._timer.phase("factor_compute"):
             layer.accumulate_a(
                 x, self.options.weight_sharing, self._dtype_for(layer), self.options.factor_method
             )
         self._factor_ready(layer, "A")
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(partial(self._grad_hook, layer))
+        hooks.append(partial(self._grad_hook, layer))
+        return hooks
 
     def _grad_hook(self, layer: KFACLayer, grad: torch.Tensor) -> None:
         with self._timer.phase("factor_compute"):
@@ -934,7 +992,8 @@ class KFACPreconditioner:
                 "from_pretrained() returns eval-mode models)"
                 if layer.seen_in_eval_mode
                 else "its forward hook never fired (it is probably called functionally: its "
-                "weight used by F.linear or the like instead of calling the module)"
+                "weight used by F.linear or the like instead of calling the module"
+                f"{uncaptured_hint()})"
             )
             # The user's pre.step() call: this method, step(), then torch.no_grad's wrapper.
             warnings.warn(
