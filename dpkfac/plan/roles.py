@@ -116,11 +116,6 @@ class Plan:
         """Whether ``rank`` preconditions the layer (and holds its decompositions)."""
         return rank in self.preconditioners[self.index(layer)]
 
-    def holds_decompositions(self, rank: int, layer: int | str) -> bool:
-        """Whether ``rank`` keeps the layer's decompositions: where it builds the factors or
-        preconditions the layer."""
-        return self.captures(rank, layer) or self.preconditions(rank, layer)
-
     # ---------------------------------------------------------------- senders
     def decomposition_group(self, rank: int) -> Group | None:
         """The group ``rank`` exchanges decompositions in (None: it takes part in none)."""

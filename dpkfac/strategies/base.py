@@ -288,10 +288,6 @@ class Strategy(Generic[OptionsT]):
         """Whether this rank preconditions the layer's gradient."""
         return self.plan is not None and self.plan.preconditions(self.rank, layer.name)
 
-    def holds_decompositions(self, layer: KFACLayer) -> bool:
-        """Whether this rank keeps the layer's decompositions (it captures or preconditions it)."""
-        return self.captures(layer) or self.preconditions(layer)
-
     @property
     def replicated_state(self) -> bool:
         """Whether every rank holds every layer's factors and decompositions.
