@@ -385,7 +385,8 @@ class KFACPreconditioner:
 
     @property
     def overlap(self) -> OverlapEngine | None:
-        """The overlapped execution mode, where the plan's traits ask for it (else None)."""
+        """The overlapped execution mode, where the options ask for it or "auto" may choose it
+        (else None)."""
         return self._overlap
 
     def _arm(self, step: int) -> None:
