@@ -41,7 +41,8 @@ class DPKFACOptions(StrategyOptions):
             own buckets, from its communication hook, on a DDP model), and let
             each owner precondition and send a layer as soon as its reduced
             gradient is there, during the backward pass (:mod:`dpkfac.overlap`);
-            with either ``grad_reduction``. Needs no ``grad_scaler``. "auto":
+            with either ``grad_reduction``. With a ``grad_scaler``, ``pre.step()``
+            then takes the scaled gradients (``takes_scaled_gradients``). "auto":
             chosen at the first step by the cost model.
         hardware / auto_tolerance / auto_intervals: how "auto" prices the
             candidates, as grouped's (:class:`~dpkfac.plan.grouped.GroupedOptions`).

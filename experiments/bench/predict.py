@@ -1,6 +1,6 @@
 """Benchmark rows meet the cost model (:mod:`dpkfac.costmodel`).
 
-A thin adapter: :func:`measurement` turns a row of ``python -m experiments.bench``
+The bridge between the two: :func:`measurement` turns a row of ``python -m experiments.bench``
 into a :class:`dpkfac.costmodel.Measurement` (shapes, strategy, the
 preconditioner's options, per-rank timings, least waits, shared cores), and
 everything else is the cost model's own code (:mod:`dpkfac.costmodel.fitting`,
