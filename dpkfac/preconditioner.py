@@ -43,7 +43,8 @@ from dpkfac.attention import not_capturable
 from dpkfac.call_order import CALL_ORDER, WATCH, GradientLedger
 from dpkfac.comm import Communicator
 from dpkfac.compile import CaptureSite, GradHook, uncaptured_hint, unwrap_compiled
-from dpkfac.costmodel.auto import Candidate, log_choice, resolve
+from dpkfac.costmodel.auto import Candidate, log_choice
+from dpkfac.costmodel.predict import resolve
 from dpkfac.curvature import COMPUTE_METHODS, KFACLayer, helper_for
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.curvature.state import layer_state, load_layer_state, merge_layer_states

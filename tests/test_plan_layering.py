@@ -1,8 +1,8 @@
 """The floors stay one-way, the plan floor stays pure, and the design document cannot drift.
 
 * dpkfac's import graph between its sub-packages and top-level modules has no
-  cycle, counting imports inside functions (only ``if TYPE_CHECKING:`` ones
-  are exempt);
+  cycle, nor between any two of its modules, counting imports inside functions
+  (only ``if TYPE_CHECKING:`` ones are exempt);
 * the plan floor (``dpkfac/plan``) imports the standard library and itself only;
 * no module outside ``dpkfac/preconditioner.py`` touches one of the
   preconditioner's private members;
@@ -100,6 +100,17 @@ def test_the_package_import_graph_has_no_cycle() -> None:
     # The preconditioner is the top floor: only the package's front door imports it.
     importers = {s for s, ds in edges.items() if "dpkfac.preconditioner" in ds}
     assert importers <= {"dpkfac"}, importers
+
+
+def test_no_two_modules_import_each_other_even_within_a_subpackage() -> None:
+    """Below the sub-package level too (a subpackage's ``__init__`` re-exports are left
+    out: they import their own modules by design)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    edges = {
+        name: {t for t in _imports(path) if t in modules and t != name}
+        for name, path in modules.items()
+    }
+    assert _cycle(edges) is None, " -> ".join(_cycle(edges) or [])
 
 
 def test_a_cycle_is_found() -> None:

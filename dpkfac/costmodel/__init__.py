@@ -36,7 +36,7 @@ live on the plan floor (:mod:`dpkfac.plan`); this package reads the same
 
 from __future__ import annotations
 
-from dpkfac.costmodel.auto import Candidate, resolve
+from dpkfac.costmodel.auto import Candidate
 from dpkfac.costmodel.balance import Balance, balance_rows, format_balance
 from dpkfac.costmodel.calibration import calibrate_local
 from dpkfac.costmodel.fitting import (
@@ -54,7 +54,7 @@ from dpkfac.costmodel.memory import (
     predict_process_memory,
     process_memory_of,
 )
-from dpkfac.costmodel.predict import Prediction, StepPrediction, predict, predict_sgd
+from dpkfac.costmodel.predict import Prediction, StepPrediction, predict, predict_sgd, resolve
 from dpkfac.costmodel.shapes import ModelShapes, as_model_shapes, shapes_from_model
 from dpkfac.costmodel.table import BASELINES, VARIANTS, format_table, predicted_table
 from dpkfac.costmodel.traffic import Collective, Placement, comm_counts

@@ -1,27 +1,23 @@
-"""Resolving "auto": the cost model prices every candidate a scheme offers and picks one.
+"""What "auto" chooses among: the priced candidates, the schedule's average, the log line.
 
 A scheme lists the resolved options it could run with
-(:meth:`~dpkfac.plan.Scheme.candidates`); :func:`resolve` predicts each for
-the measured layer shapes, the update schedule and the hardware, and takes
-the fastest, letting traffic decide among near-ties. The preconditioner calls
-it at the first step, once the ranks agree on the shapes, before the strategy
-is configured; :func:`dpkfac.costmodel.predict` calls it to predict the
-choice the run would make. No strategy imports this module.
+(:meth:`~dpkfac.plan.Scheme.candidates`);
+:func:`dpkfac.costmodel.predict.resolve` prices each (it lives beside
+:func:`~dpkfac.costmodel.predict.predict`, which it calls and which calls it,
+so the two are one module, not a cycle of two) and returns them as
+:class:`Candidate` records. No strategy imports this module.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from dpkfac.options import KFACOptions
-from dpkfac.plan import LayerShape, Scheme, StrategyOptions
-from dpkfac.plan.hardware import Hardware
+from dpkfac.plan import Scheme, StrategyOptions
 from dpkfac.plan.options import checked_at
-from dpkfac.plan.presets import PRESETS, hardware_option
 
-__all__ = ["SCHEDULE_HORIZON", "Candidate", "average_interval", "log_choice", "resolve"]
+__all__ = ["SCHEDULE_HORIZON", "Candidate", "average_interval", "log_choice"]
 
 log = logging.getLogger("dpkfac")
 
@@ -59,82 +55,6 @@ class Candidate:
     iteration: float
     comm_bytes: float
     wire_bytes: float = 0.0
-
-
-def resolve(
-    scheme: type[Scheme],
-    options: StrategyOptions,
-    *,
-    shapes: Sequence[LayerShape],
-    world_size: int,
-    kfac: KFACOptions | None = None,
-    hardware: Hardware | None = None,
-    allow: Callable[[StrategyOptions], bool] | None = None,
-) -> tuple[StrategyOptions, list[Candidate]]:
-    """The options a run ends up with, and every candidate priced on the way.
-
-    Args:
-        scheme: the run's scheme.
-        options: the options it was given.
-        shapes: the layers with the step's batch (all its micro-batches).
-        world_size: number of ranks.
-        kfac: the preconditioner's common options (the update schedule).
-        hardware: the hardware a prediction assumes: where the run would
-            measure its model at start-up, this stands for the measurement.
-            None at run time (the options hold what was measured).
-        allow: which candidates the run can take (None: all); the preconditioner
-            leaves out the overlapped ones where it cannot overlap (a DDP model,
-            a loss scaler).
-
-    Among the candidates within the scheme's tolerance
-    (:meth:`~dpkfac.plan.Scheme.tuning`) of the lowest predicted iteration
-    time, the one handing the fewest bytes to collectives per step wins, then
-    the one sending the fewest on the wire, then the scheme's preference.
-    """
-    kfac = KFACOptions() if kfac is None else kfac
-    if hardware is not None and scheme.measures_hardware(options):
-        options = scheme.with_hardware(options, hardware)
-    if scheme.resolved(options):
-        return options, []
-    tuning = scheme.tuning(options)
-    model = hardware_option(tuning.hardware) or PRESETS["cpu_gloo_local"]
-    f_every, i_every = tuning.intervals or (
-        average_interval(kfac.factor_update_steps, "factor_update_steps"),
-        average_interval(kfac.inv_update_steps),
-    )
-    # The shapes hold the step's batch (all its micro-batches) already.
-    fixed = replace(
-        kfac, factor_update_steps=f_every, inv_update_steps=i_every, accumulation_steps=1
-    )
-    # predict() resolves the options it is given through here: imported at call time.
-    from dpkfac.costmodel.predict import predict
-
-    candidates = []
-    offered = [c for c in scheme.candidates(options, world_size) if allow is None or allow(c)]
-    if not offered:
-        raise ValueError(f"strategy {scheme.name!r}: no candidate of {options!r} can run here")
-    for opts in offered:
-        label = scheme.describe(opts) or "as published"
-        if world_size == 1:
-            candidates.append(Candidate(opts, label, 0.0, 0.0))
-            continue
-        pred = predict(
-            shapes,
-            strategy=scheme.name,
-            world_size=world_size,
-            hardware=model,
-            kfac=fixed,
-            options=opts,
-        )
-        candidates.append(
-            Candidate(
-                opts, label, pred.iteration_avg, pred.bytes_per_step, pred.wire_bytes_per_step
-            )
-        )
-    fastest = min(c.iteration for c in candidates)
-    near = [c for c in candidates if c.iteration <= fastest * (1 + tuning.tolerance)]
-    best = min(near, key=lambda c: (c.comm_bytes, c.wire_bytes, scheme.preference(c.options)))
-    return best.options, candidates
 
 
 def log_choice(

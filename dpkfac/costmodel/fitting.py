@@ -48,9 +48,8 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from dpkfac.costmodel.auto import resolve
 from dpkfac.costmodel.optimizers import step_bytes
-from dpkfac.costmodel.predict import Prediction, predict
+from dpkfac.costmodel.predict import Prediction, predict, resolve
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.costmodel.timing import COMM_PHASES, COMPUTE_PHASES, forward_backward_work
 from dpkfac.options import KFACOptions, StrategyOptions

@@ -1,4 +1,4 @@
-"""Predicted bytes, phase seconds, memory and iteration time of one strategy.
+"""Predicted bytes, phase seconds, memory and iteration time of one strategy; "auto" resolved.
 
 :func:`predict` takes the preconditioner's own option dataclasses
 (:class:`~dpkfac.options.KFACOptions` and the strategy's
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dpkfac.costmodel import traffic as tr
-from dpkfac.costmodel.auto import resolve
+from dpkfac.costmodel.auto import Candidate, average_interval
 from dpkfac.costmodel.optimizers import step_bytes
 from dpkfac.costmodel.shapes import ModelShapes, as_model_shapes
 from dpkfac.costmodel.timing import (
@@ -32,10 +32,11 @@ from dpkfac.costmodel.timing import (
     timeline,
 )
 from dpkfac.options import KFACOptions, Schedule, StrategyOptions
-from dpkfac.plan import Plan, Traits, scheme_of, scheme_options
+from dpkfac.plan import Plan, Scheme, Traits, scheme_of, scheme_options
 from dpkfac.plan.assignment import LayerShape, Placement
 from dpkfac.plan.fusion import CommModel
 from dpkfac.plan.hardware import Hardware, Sample
+from dpkfac.plan.presets import PRESETS, hardware_option
 
 __all__ = ["Prediction", "predict", "predict_sgd"]
 
@@ -564,3 +565,76 @@ def predict_sgd(shapes: Sequence[LayerShape], **kwargs: Any) -> Prediction:
     """Plain data parallelism as DDP runs it: forward/backward and the bucketed gradient
     all-reduces overlapped with the backward pass."""
     return predict(shapes, strategy=None, **kwargs)
+
+
+def resolve(
+    scheme: type[Scheme],
+    options: StrategyOptions,
+    *,
+    shapes: Sequence[LayerShape],
+    world_size: int,
+    kfac: KFACOptions | None = None,
+    hardware: Hardware | None = None,
+    allow: Callable[[StrategyOptions], bool] | None = None,
+) -> tuple[StrategyOptions, list[Candidate]]:
+    """The options a run ends up with, and every candidate priced on the way.
+
+    Args:
+        scheme: the run's scheme.
+        options: the options it was given.
+        shapes: the layers with the step's batch (all its micro-batches).
+        world_size: number of ranks.
+        kfac: the preconditioner's common options (the update schedule).
+        hardware: the hardware a prediction assumes: where the run would
+            measure its model at start-up, this stands for the measurement.
+            None at run time (the options hold what was measured).
+        allow: which candidates the run can take (None: all); the preconditioner
+            leaves out the overlapped ones where it cannot overlap (a DDP model,
+            a loss scaler).
+
+    Among the candidates within the scheme's tolerance
+    (:meth:`~dpkfac.plan.Scheme.tuning`) of the lowest predicted iteration
+    time, the one handing the fewest bytes to collectives per step wins, then
+    the one sending the fewest on the wire, then the scheme's preference.
+    """
+    kfac = KFACOptions() if kfac is None else kfac
+    if hardware is not None and scheme.measures_hardware(options):
+        options = scheme.with_hardware(options, hardware)
+    if scheme.resolved(options):
+        return options, []
+    tuning = scheme.tuning(options)
+    model = hardware_option(tuning.hardware) or PRESETS["cpu_gloo_local"]
+    f_every, i_every = tuning.intervals or (
+        average_interval(kfac.factor_update_steps, "factor_update_steps"),
+        average_interval(kfac.inv_update_steps),
+    )
+    # The shapes hold the step's batch (all its micro-batches) already.
+    fixed = replace(
+        kfac, factor_update_steps=f_every, inv_update_steps=i_every, accumulation_steps=1
+    )
+    candidates = []
+    offered = [c for c in scheme.candidates(options, world_size) if allow is None or allow(c)]
+    if not offered:
+        raise ValueError(f"strategy {scheme.name!r}: no candidate of {options!r} can run here")
+    for opts in offered:
+        label = scheme.describe(opts) or "as published"
+        if world_size == 1:
+            candidates.append(Candidate(opts, label, 0.0, 0.0))
+            continue
+        pred = predict(
+            shapes,
+            strategy=scheme.name,
+            world_size=world_size,
+            hardware=model,
+            kfac=fixed,
+            options=opts,
+        )
+        candidates.append(
+            Candidate(
+                opts, label, pred.iteration_avg, pred.bytes_per_step, pred.wire_bytes_per_step
+            )
+        )
+    fastest = min(c.iteration for c in candidates)
+    near = [c for c in candidates if c.iteration <= fastest * (1 + tuning.tolerance)]
+    best = min(near, key=lambda c: (c.comm_bytes, c.wire_bytes, scheme.preference(c.options)))
+    return best.options, candidates
