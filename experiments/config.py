@@ -233,6 +233,23 @@ def validate_strategy(node: DictConfig, prefix: str = "strategy") -> None:
 
 #: The Hydra tree of both entry points.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose_config(config_name: str, overrides: Sequence[str] = ()) -> DictConfig:
+    """Compose a primary config of ``conf/``, inside a running Hydra app or not.
+
+    Inside ``python -m experiments.bench`` Hydra is already initialised on
+    ``conf/``; elsewhere (tests, notebooks) the tree is opened for the call.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name, overrides=list(overrides))
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose(config_name, overrides=list(overrides))
+
+
 #: Config groups whose keys are fixed by their files in conf/ (``+key`` additions refused).
 STRICT_GROUPS = ("trainer", "data", "logger", "paths", "launcher")
 

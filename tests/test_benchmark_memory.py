@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from test_benchmark_tables import _record, fake_row, timing_rows
 
-from experiments.bench import predict, tables
+from experiments.bench import pages, predict, tables
 from experiments.bench.aggregate import aggregate
 
 MiB = 2**20
@@ -56,7 +56,7 @@ def test_second_order_update_shows_measured_and_predicted_process_memory(tmp_pat
     columns = list(head.columns)
     assert columns.index("process_memory_best/dp") == columns.index("memory_best/dp") + 1
     # The prediction is the cost model's, row by row: the state tally plus the activations.
-    ok = tables.ok_rows(rows)
+    ok = pages.ok_rows(rows)
     shapes, sharing = predict.row_shapes(ok.iloc[0].to_dict())
     for strategy in ("none", "dp_kfac", "d_kfac"):
         row = ok[ok["strategy"] == strategy].iloc[0].to_dict()

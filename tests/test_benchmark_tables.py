@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import torch
 
-from experiments.bench import tables
+from experiments.bench import pages, tables
 from experiments.bench.aggregate import aggregate, kind_weights
 from experiments.bench.measure import flushed_denormals, step_kinds
 from experiments.bench.predict import measured_phases
@@ -328,8 +328,8 @@ def test_first_order_rows_are_found_from_their_options(tmp_path: Path) -> None:
     assert long.set_index("strategy").loc["dp_kfac", "iteration_vs_sgd"] == pytest.approx(2.0)
     wide = tables.breakdown_frame(rows).set_index("strategy")
     assert wide.loc["d_kfac", "vs_sgd"] == pytest.approx(3.0)
-    assert tables.first_order({"kfac_options": "null"})
-    assert not tables.first_order({"kfac_options": json.dumps({"strategy": "d_kfac"})})
+    assert pages.first_order({"kfac_options": "null"})
+    assert not pages.first_order({"kfac_options": json.dumps({"strategy": "d_kfac"})})
 
 
 def test_time_breakdown_parts_add_up(tmp_path: Path) -> None:
@@ -392,15 +392,15 @@ def test_repeated_jobs_keep_the_median_job_whole() -> None:
     for seed, ms in ((0, 8.0), (1, 6.0)):
         rows.append({**fake_row("none", 4), "seed": seed, "iteration_s": ms / 1e3})
     df = pd.DataFrame(rows)
-    kept = tables.median_runs(df)
+    kept = pages.median_runs(df)
     assert sorted(kept.index) == [4, 5, 6, 8]
     assert set(kept.loc[[4, 5], "seed"]) == {2}  # whole job: both strategies of seed 2
     assert kept.loc[8, "seed"] == 1  # 6 ms: the lower of two
     assert kept.loc[4].equals(df.loc[4])  # rows untouched
     once = pd.DataFrame([fake_row(s, 2) for s in ("none", "dp_kfac")])
-    assert tables.median_runs(once).equals(once)
+    assert pages.median_runs(once).equals(once)
     unseeded = once.assign(seed=float("nan"))  # rows written before seeds were recorded
-    assert tables.median_runs(unseeded).equals(unseeded)
+    assert pages.median_runs(unseeded).equals(unseeded)
 
 
 def test_calibration_separates_one_core_and_shared_core_regimes() -> None:

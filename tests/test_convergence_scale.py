@@ -24,7 +24,7 @@ import pandas as pd
 import pytest
 
 from experiments.bench import convergence_scale as cs
-from experiments.bench import tables
+from experiments.bench import pages, tables
 from experiments.bench.run import compose_config
 from experiments.config import ExperimentError, validate_benchmark
 
@@ -214,7 +214,7 @@ def test_the_takeaway_when_dp_kfac_keeps_up() -> None:
     late = (rows["strategy"] == "dp_kfac") & (rows["world_size"] == 16)
     rows.loc[late, "steps_to_target"] = 4 * 312  # within d_kfac's 3..4 epochs
     rows.loc[rows["strategy"] == "dp_kfac", "pred_iteration_s"] = 0.0012
-    cells = cs.cells_frame(cs.choose_lr(tables.ok_rows(rows, cs.TASK)))
+    cells = cs.cells_frame(cs.choose_lr(pages.ok_rows(rows, cs.TASK)))
     text, time = cs.takeaway(cells)
     assert "P=16: 1.50x fewer steps, each 1.20x dearer, fewer steps win (0.80x" in time
     assert "stay within d_kfac's seed spread (± one evaluation) at every P where both" in text
@@ -225,7 +225,7 @@ def test_a_cell_that_misses_the_target_is_outside_and_said_so() -> None:
     rows = _rows()
     late = (rows["strategy"] == "dp_kfac") & (rows["world_size"] == 4) & (rows["seed"] == 1)
     rows.loc[late, ["steps_to_target", "epochs_to_target"]] = math.nan
-    cells = cs.cells_frame(cs.choose_lr(tables.ok_rows(rows, cs.TASK)))
+    cells = cs.cells_frame(cs.choose_lr(pages.ok_rows(rows, cs.TASK)))
     dp4 = cells[(cells["strategy"] == "dp_kfac") & (cells["P"] == 4)].iloc[0]
     assert (dp4["reached"], dp4["seeds"]) == (1, 2) and math.isnan(dp4["pred_time_to_target_s"])
     text = cs.takeaway(cells)[0]
@@ -235,7 +235,7 @@ def test_a_cell_that_misses_the_target_is_outside_and_said_so() -> None:
 def test_no_choice_without_validation_accuracy() -> None:
     rows = _rows()
     rows["final_val_acc"] = math.nan
-    assert not cs.choose_lr(tables.ok_rows(rows, cs.TASK))["chosen"].any()
+    assert not cs.choose_lr(pages.ok_rows(rows, cs.TASK))["chosen"].any()
 
 
 # --------------------------------------------------------- end to end, tiny

@@ -17,6 +17,9 @@ it and the tests run on), :mod:`~experiments.bench.launch` (local ranks through
 torch's elastic launcher), :mod:`~experiments.bench.aggregate` (per-rank records
 to one row), :mod:`~experiments.bench.predict` (rows against
 :mod:`dpkfac.costmodel`), :mod:`~experiments.bench.plots` (figures),
+:mod:`~experiments.bench.pages` (what every results page shares: the rows a table
+uses, markdown, takeaway and footer; below every table module),
+:mod:`~experiments.bench.results_index` (``results/README.md``),
 :mod:`~experiments.bench.smoke` (the training presets' smoke status, read from a
 JUnit report), :mod:`~experiments.bench.takeaways` (the tables' takeaways and the
 README's headline) and :mod:`~experiments.bench.gpu_report` (``make gpu-report``).

@@ -138,8 +138,7 @@ def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
     """
     from hydra.errors import HydraException
 
-    from experiments.bench.run import compose_config
-    from experiments.config import validate
+    from experiments.config import compose_config, validate
 
     node = cfg.convergence_scale
     p = int(cfg.world_size)
@@ -732,14 +731,14 @@ def _markdown_frame(cells: pd.DataFrame) -> pd.DataFrame:
 
 def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     """``results/convergence_scale.*``: every grid point (CSV), chosen cells (md), figure."""
-    from experiments.bench.tables import _footer, _with_takeaway, _write, ok_rows, to_markdown
+    from experiments.bench.pages import footer, ok_rows, to_markdown, with_takeaway, write_page
 
     runs = ok_rows(df, TASK)
     paths = {"csv": out / "convergence_scale.csv"}
     if runs.empty:
         pd.DataFrame().to_csv(paths["csv"], index=False)
         md = ["# Convergence as P grows (MNIST-1D)", "", "No successful runs."]
-        paths["md"] = _write(out / "convergence_scale.md", md + _footer(df))
+        paths["md"] = write_page(out / "convergence_scale.md", md + footer(df))
         return paths
     runs = choose_lr(runs)
     grid = runs[
@@ -817,8 +816,8 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         chosen = g[g["pred_chosen"].astype(bool)]
         for r in chosen.itertuples():
             md.append(f"\n{r.strategy} at P={r.P}: the cost model chose {r.pred_chosen}.")
-    md += _footer(df)
-    paths["md"] = _write(out / "convergence_scale.md", _with_takeaway(md, takeaway(cells)))
+    md += footer(df)
+    paths["md"] = write_page(out / "convergence_scale.md", with_takeaway(md, takeaway(cells)))
     from experiments.bench import plots
 
     paths["png"] = plots.save(figure(curves_frame(runs), cells), out / "convergence_scale.png")

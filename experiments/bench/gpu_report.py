@@ -79,7 +79,7 @@ def preconditioner_kwargs_of(name: str) -> dict[str, Any] | None:
     """The preconditioner arguments of ``conf/strategy/<name>.yaml`` (None: first order)."""
     from hydra.utils import instantiate
 
-    from experiments.bench.run import compose_config
+    from experiments.config import compose_config
     from experiments.preconditioning import preconditioner_kwargs, to_dtype
 
     cfg = compose_config("benchmark", [f"strategy={name}"])

@@ -197,7 +197,7 @@ def paper_frame(rows: list[dict[str, Any]] | None = None) -> pd.DataFrame:
 
 def write_paper(out: Path, rows: list[dict[str, Any]] | None = None) -> dict[str, Path]:
     """Write ``out/paper.csv`` and ``out/paper.md``."""
-    from experiments.bench.tables import to_markdown
+    from experiments.bench.pages import to_markdown
 
     frame = paper_frame(rows)
     out.mkdir(parents=True, exist_ok=True)

@@ -65,6 +65,7 @@ from experiments.config import (
     TABLE_TASKS,
     ExperimentError,
     check_update_intervals,
+    compose_config,
     validate,
     validate_benchmark,
     validate_strategy,
@@ -85,21 +86,6 @@ log = logging.getLogger(__name__)
 BENCHMARK_DECIDES = ("factor_update_steps", "inv_update_steps", "lr")
 #: K-FAC's view of the model, recorded for every row (first order too) for the cost model.
 VIEW_KEYS = ("compute_method", "skip_layers", "weight_sharing", "bucket_cap_mb")
-
-
-def compose_config(config_name: str, overrides: Sequence[str] = ()) -> DictConfig:
-    """Compose a primary config of ``conf/``, inside a running Hydra app or not.
-
-    Inside ``python -m experiments.bench`` Hydra is already initialised on
-    ``conf/``; elsewhere (tests, notebooks) the tree is opened for the call.
-    """
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    if GlobalHydra.instance().is_initialized():
-        return compose(config_name, overrides=list(overrides))
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return compose(config_name, overrides=list(overrides))
 
 
 def _without(overrides: Sequence[str], keys: Sequence[str]) -> list[str]:

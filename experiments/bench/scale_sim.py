@@ -477,8 +477,7 @@ def resolve_ranks(spec: Sequence[int | str], world_size: int) -> list[int]:
 
 def kfac_strategies() -> list[str]:
     """Every strategy config of ``conf/strategy`` that configures a preconditioner."""
-    from experiments.bench.run import compose_config
-    from experiments.config import CONF_DIR
+    from experiments.config import CONF_DIR, compose_config
     from experiments.preconditioning import uses_preconditioner
 
     names = sorted(p.stem for p in (Path(CONF_DIR) / "strategy").glob("*.yaml"))
@@ -497,8 +496,7 @@ def workload_configs(model: str, strategies: Sequence[str]) -> tuple[Any, dict[s
     settings (BERT's ``weight_sharing: reduce``) apply, and checked as the
     benchmark checks it.
     """
-    from experiments.bench.run import compose_config
-    from experiments.config import validate_strategy
+    from experiments.config import compose_config, validate_strategy
 
     base = compose_config("benchmark", [f"model={model}"])
     members = {}
@@ -768,7 +766,7 @@ def write_scale_sim(
 ) -> dict[str, Path]:
     """``<out>/scale_sim.csv`` (every row) and ``scale_sim.md`` (takeaway, both tables)."""
     from experiments.bench import takeaways
-    from experiments.bench.tables import to_markdown
+    from experiments.bench.pages import to_markdown
 
     out.mkdir(parents=True, exist_ok=True)
     csv = out / "scale_sim.csv"

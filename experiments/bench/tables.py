@@ -50,22 +50,21 @@ from omegaconf import DictConfig
 
 from experiments.bench import convergence_scale, plots, smoke, takeaways, workloads
 from experiments.bench.aggregate import ITERATION_PARTS
+from experiments.bench.pages import (
+    JOB,
+    failures,
+    first_order,
+    footer,
+    ok_rows,
+    to_markdown,
+    with_takeaway,
+    write_page,
+)
 from experiments.bench.plots import COMPARED, REFERENCE
 
 log = logging.getLogger(__name__)
 
 MiB = 2**20
-
-
-def first_order(row: dict[str, Any]) -> bool:
-    """Whether a row measured no preconditioner: its ``kfac_options`` are null.
-
-    Decided from what was configured, not from the strategy config's name.
-    """
-    value = row.get("kfac_options")
-    if isinstance(value, str):
-        value = json.loads(value) if value.strip() else None
-    return value is None or (isinstance(value, float) and value != value)
 
 
 # ------------------------------------------------------------------ rows in
@@ -135,46 +134,6 @@ def upgrade_rows(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def ok_rows(df: pd.DataFrame, task: str = "timing") -> pd.DataFrame:
-    """Successful rows of one task; a timing measurement repeated over jobs is its median run
-    (:func:`median_runs`)."""
-    if df.empty:
-        return df
-    keep = (df["error"] == "") & (df.get("task", task) == task)
-    rows = df[keep].copy()
-    return median_runs(rows) if task == "timing" else rows
-
-
-#: What makes jobs repeats of one another: a sweep over ``seed`` differs in nothing else.
-JOB = ["model", "setting", "world_size"]
-
-
-def median_runs(df: pd.DataFrame) -> pd.DataFrame:
-    """One job per repeated measurement: of the jobs that repeat it, the median run, whole.
-
-    A sweep over ``seed`` runs each job several times; on a shared machine a
-    whole run can be faster or slower than the next (oversubscribed ranks,
-    other tenants), which medians over steps within a run cannot remove. Jobs
-    are ranked by the total iteration time of their strategies and the middle
-    one is kept with all its rows (the lower middle of an even count), so a
-    table's ratios still come from strategies measured in turns under one
-    load, and each row's phases, link probes and step records are one run's.
-    Jobs run once pass unchanged.
-    """
-    if (
-        df.empty
-        or "seed" not in df
-        or df.groupby(JOB, dropna=False)["seed"].nunique(dropna=False).max() < 2
-    ):
-        return df
-    seed = df["seed"].fillna(-1)
-    keep = pd.Series(False, index=df.index)
-    for _, job in df.groupby(JOB, sort=False, dropna=False):
-        totals = job.groupby(seed[job.index])["iteration_s"].sum().sort_values(kind="stable")
-        keep[job.index] = seed[job.index] == totals.index[(len(totals) - 1) // 2]
-    return df[keep]
-
-
 def vs_sgd_spread(df: pd.DataFrame) -> pd.DataFrame:
     """Iteration time over SGD's, per job and strategy config, across the repeated runs.
 
@@ -232,41 +191,7 @@ def ratio_text(value: float, low: float, high: float, runs: int) -> str:
     return f"{value:.2f} ({low:.2f}–{high:.2f})"
 
 
-def failures(df: pd.DataFrame) -> list[str]:
-    """One line per failed job, for the table's footer."""
-    if df.empty:
-        return []
-    bad = df[df["error"] != ""]
-    return [
-        f"{r.model} {r.strategy} P={r.world_size} {r.setting}: {r.error}" for r in bad.itertuples()
-    ]
-
-
 # ----------------------------------------------------------------- markdown
-def _fmt(value: Any, digits: int) -> str:
-    if isinstance(value, float):
-        if value != value:  # NaN
-            return "–"
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def to_markdown(df: pd.DataFrame, digits: int | dict[str, int] = 2) -> str:
-    """A GitHub markdown table (numbers right-aligned), without extra dependencies."""
-    cols = list(df.columns)
-    width = {c: digits.get(c, 2) if isinstance(digits, dict) else digits for c in cols}
-    numeric = {c: pd.api.types.is_numeric_dtype(df[c]) for c in cols}
-    lines = [
-        "| " + " | ".join(str(c) for c in cols) + " |",
-        "|" + "|".join("---:" if numeric[c] else "---" for c in cols) + "|",
-    ]
-    for row in df.itertuples(index=False):
-        lines.append(
-            "| " + " | ".join(_fmt(v, width[c]) for v, c in zip(row, cols, strict=True)) + " |"
-        )
-    return "\n".join(lines)
-
-
 # ------------------------------------------------------- second_order_update
 def second_order_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per (model, P, setting, strategy) costs with ratios to dp_kfac, and the headline.
@@ -406,9 +331,9 @@ def write_second_order_update(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         "",
         to_markdown(long.drop(columns=["label"]), {"P": 0}),
     ]
-    md += _footer(df)
-    paths["md"] = _write(
-        out / "second_order_update.md", _with_takeaway(md, takeaways.second_order_update(head))
+    md += footer(df)
+    paths["md"] = write_page(
+        out / "second_order_update.md", with_takeaway(md, takeaways.second_order_update(head))
     )
     if not head.empty:
         paths["png"] = plots.save(plots.ratio_bars(head), out / "second_order_update.png")
@@ -475,9 +400,9 @@ def write_time_breakdown(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         p = int(frame["world_size"].iloc[0])
         md += ["", f"## {frame['label'].iloc[0]}, {setting} setting, P={p}", ""]
         md.append(to_markdown(show, 1))
-    md += _footer(df)
-    paths["md"] = _write(
-        out / "time_breakdown.md", _with_takeaway(md, takeaways.time_breakdown(wide))
+    md += footer(df)
+    paths["md"] = write_page(
+        out / "time_breakdown.md", with_takeaway(md, takeaways.time_breakdown(wide))
     )
     if not wide.empty:
         fig = plots.stacked_breakdown(wide, parts)
@@ -508,8 +433,8 @@ def write_scaling(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         md.append(to_markdown(predict.error_summary(errors), {"world_size": 0, "P": 0}))
         md += ["", "<details><summary>Every measured row</summary>", ""]
         md += [to_markdown(errors, {"world_size": 0}), "", "</details>"]
-    md += _footer(df)
-    paths["md"] = _write(out / "scaling.md", _with_takeaway(md, takeaways.scaling(errors)))
+    md += footer(df)
+    paths["md"] = write_page(out / "scaling.md", with_takeaway(md, takeaways.scaling(errors)))
     if not frame.empty:
         paths["png"] = plots.save(plots.scaling_lines(frame), out / "scaling.png")
     return paths
@@ -694,8 +619,8 @@ def write_ablation(df: pd.DataFrame, out: Path) -> dict[str, Path]:
             parts = [x for x in (r.algorithm, r.options) if x]
             what = ", ".join(parts) or "no preconditioner (SGD)"
             md.append(f"- `{r.strategy}`: {what}")
-    md += _footer(df)
-    paths["md"] = _write(out / "ablation.md", _with_takeaway(md, takeaways.ablation(frame)))
+    md += footer(df)
+    paths["md"] = write_page(out / "ablation.md", with_takeaway(md, takeaways.ablation(frame)))
     if not frame.empty:
         paths["png"] = plots.save(plots.ablation_bars(frame), out / "ablation.png")
     return paths
@@ -812,48 +737,15 @@ def write_convergence(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         md.append(to_markdown(matrix if not matrix.empty else cases, 1))
         counts = cases["status"].value_counts().to_dict()
         md += ["", "Cases: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))]
-    md += _footer(df)
+    md += footer(df)
     takeaway = takeaways.convergence(summary, final) if not final.empty else []
-    paths["md"] = _write(out / "convergence.md", _with_takeaway(md, takeaway))
+    paths["md"] = write_page(out / "convergence.md", with_takeaway(md, takeaway))
     if not curves.empty:
         paths["png"] = plots.save(plots.accuracy_curves(curves), out / "convergence.png")
     return paths
 
 
 # -------------------------------------------------------------------- common
-def conditions(df: pd.DataFrame) -> str:
-    """One line on where the rows ran: threads per rank, cores, torch (what the rows say)."""
-
-    def values(column: str) -> str:
-        if column not in df:
-            return "?"
-        seen = dict.fromkeys(
-            str(int(v)) if isinstance(v, float) else str(v) for v in df[column].dropna()
-        )
-        return "/".join(seen) or "?"
-
-    return (
-        f"Ran with {values('threads')} thread(s) per rank on a machine of {values('cpus')} "
-        f"core(s), torch {values('torch')}."
-    )
-
-
-def _footer(df: pd.DataFrame) -> list[str]:
-    lines = failures(df)
-    failed = ["", "## Failed jobs", "", *[f"- {x}" for x in lines]] if lines else []
-    return ["", conditions(df), *failed] if not df.empty else failed
-
-
-def _with_takeaway(md: list[str], takeaway: list[str]) -> list[str]:
-    """The table's lines with its takeaway right under the title."""
-    return [md[0], "", *takeaway, *md[1:]] if takeaway else md
-
-
-def _write(path: Path, lines: Sequence[str]) -> Path:
-    path.write_text("\n".join(lines).rstrip() + "\n")
-    return path
-
-
 WRITERS: dict[str, Callable[[pd.DataFrame, Path], dict[str, Path]]] = {
     "second_order_update": write_second_order_update,
     "time_breakdown": write_time_breakdown,
