@@ -16,6 +16,8 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 from dpkfac.plan.describe import role_table
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,10 +104,13 @@ def test_the_package_import_graph_has_no_cycle() -> None:
     assert importers <= {"dpkfac"}, importers
 
 
-def test_no_two_modules_import_each_other_even_within_a_subpackage() -> None:
-    """Below the sub-package level too (a subpackage's ``__init__`` re-exports are left
-    out: they import their own modules by design)."""
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+@pytest.mark.parametrize("package", ["dpkfac", "experiments"])
+def test_no_two_modules_import_each_other_even_within_a_subpackage(package: str) -> None:
+    """Below the sub-package level too, in the library and in the experiments (a
+    subpackage's ``__init__`` re-exports are left out: they import their own modules by
+    design)."""
+    files = (ROOT / package).rglob("*.py")
+    modules = {_module_name(p): p for p in files if p.name != "__init__.py"}
     edges = {
         name: {t for t in _imports(path) if t in modules and t != name}
         for name, path in modules.items()
