@@ -127,4 +127,3 @@ def test_owner_overlap_under_torchrun(extra, path, tmp_path):
     )
     assert path in final["gradient_path"]
     assert "replicas diverged" not in proc.stderr
-

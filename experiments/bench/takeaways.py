@@ -158,7 +158,7 @@ def convergence(summary: pd.DataFrame, final: pd.DataFrame) -> list[str]:
     return [
         f"**Takeaway.** Final test accuracy on digits after {_span(final['epochs'], 0)} epochs "
         f"({over}): {'; '.join(parts)}.",
-        "Replicas stayed bitwise identical in every distributed run"
+        "Replicas stayed bitwise identical in every distributed run."
         if bool(final["replicas_identical"].astype(bool).all())
         else "Some distributed runs ended with replicas that differ (see the runs table).",
     ]
@@ -367,8 +367,8 @@ def readme_block(readme: Path) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description="Rewrite the README's headline results, the default run's figures in "
-        "docs/experiments.md and results/README.md."
+        description="Rewrite the README's headline results and the default run's figures in "
+        "docs/experiments.md."
     )
     parser.add_argument("--readme", type=Path, default=Path("README.md"))
     parser.add_argument("--results", type=Path, default=Path("results"))
@@ -378,9 +378,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"{args.readme}: headline {'updated' if changed else 'unchanged'}")
     changed = update_block(args.experiments_doc, DEFAULT_RUN, default_run(args.results))
     print(f"{args.experiments_doc}: default run {'updated' if changed else 'unchanged'}")
-    from experiments.bench import results_index
-
-    print(f"{results_index.write(args.results)}: rewritten")
 
 
 if __name__ == "__main__":
