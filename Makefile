@@ -52,6 +52,7 @@ smoke-report: $(STAMP)
 # results notebook re-executed in place (a test compares its saved outputs with the tables).
 notebook: $(STAMP)
 	$(PY) -m experiments.bench.takeaways
+	$(PY) -m experiments.bench.results_index
 	MPLBACKEND=Agg $(PY) -m nbconvert --to notebook --execute --inplace notebooks/results.ipynb
 
 # The long profile of the property-based differential test (tests/test_differential.py):

@@ -5,8 +5,8 @@ here or predicted; the rest is read from the saved rows, so it cannot drift:
 the hardware (cores, threads per rank, torch), how many repeated runs stand
 behind each number, and how noisy they were (the spread of the measured ratio
 to SGD over those runs, of the accuracy over seeds). ``make notebook`` (through
-``python -m experiments.bench.takeaways``) rewrites it; a test compares it with
-a fresh :func:`index`.
+``python -m experiments.bench.results_index``) rewrites it; a test compares it
+with a fresh :func:`index`.
 """
 
 from __future__ import annotations
@@ -184,3 +184,9 @@ def write(results: Path) -> Path:
     path = results / "README.md"
     path.write_text("\n".join(index(results)) + "\n")
     return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(write(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results")))
