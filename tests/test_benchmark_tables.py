@@ -785,3 +785,23 @@ def test_the_results_index_states_runs_and_noise(tmp_path: Path) -> None:
     # dp_kfac's ratios 1.1-1.5 span 0.4 / 1.3 = 31% of themselves (SGD's own is left out).
     assert cells[6].startswith("the ratio to SGD spans 31% of itself over the runs")
     assert "31% at most" in cells[6]
+
+
+def test_the_computation_ratio_carries_its_range_over_runs(tmp_path: Path) -> None:
+    """second_order_update repeated over seeds: each run's computation ratio is taken
+    within that run, and the headline shows the cheapest baseline's range."""
+    from experiments.bench import takeaways
+
+    rows = []
+    for seed, scale in ((0, 1.5), (1, 2.0), (2, 1.2)):  # d_kfac's compute over dp_kfac's
+        rows.append({**fake_row("none", 2), "seed": seed})
+        rows.append({**fake_row("dp_kfac", 2), "seed": seed})
+        rows.append({**fake_row("d_kfac", 2, scale=scale), "seed": seed})
+    spread = tables.compute_ratio_spread(pd.DataFrame(rows)).set_index("strategy")
+    assert spread.loc["d_kfac", "compute/dp_min"] == pytest.approx(1.2)
+    assert spread.loc["d_kfac", "compute/dp_max"] == pytest.approx(2.0)
+    assert spread.loc["d_kfac", "runs"] == 3
+    tables.write_table("second_order_update", pd.DataFrame(rows), tmp_path)
+    line = takeaways.headline(tmp_path)[0]
+    assert "less computation (each model's median run; 1.20–2.00 over 3 runs)" in line
+    assert tables.compute_ratio_spread(pd.DataFrame(rows[:3])).empty  # one run: no range

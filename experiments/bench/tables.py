@@ -248,6 +248,32 @@ def second_order_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     return pd.DataFrame(long_rows), pd.DataFrame(head_rows)
 
 
+def compute_ratio_spread(df: pd.DataFrame) -> pd.DataFrame:
+    """Each strategy's K-FAC computation over dp_kfac's, per run, and its range over runs.
+
+    Byte and memory ratios are exact; the computation is timed, so a job repeated
+    over seeds gives one ratio per run (both rows of that run). Returns one row per
+    (model, P, setting, strategy) with ``compute/dp_min``, ``compute/dp_max`` and
+    ``runs``; empty where no job was repeated.
+    """
+    rows = df[(df["error"] == "") & (df.get("task", "timing") == "timing")]
+    if rows.empty or "seed" not in rows or rows["seed"].nunique(dropna=False) < 2:
+        return pd.DataFrame()
+    out = []
+    keys = ["model", "world_size", "setting"]
+    for (model, p, setting, _), run in rows.groupby([*keys, "seed"], sort=False, dropna=False):
+        by = {r["strategy"]: _costs(r)["compute"] for r in run.to_dict("records")}
+        base = by.get(REFERENCE)
+        for strategy, cost in by.items():
+            if base:
+                out.append((model, p, setting, strategy, cost / base))
+    frame = pd.DataFrame(out, columns=["model", "P", "setting", "strategy", "ratio"])
+    grouped = frame.groupby(["model", "P", "setting", "strategy"], sort=False)["ratio"]
+    return grouped.agg(
+        **{"compute/dp_min": "min", "compute/dp_max": "max", "runs": "count"}
+    ).reset_index()
+
+
 #: Costs compared with dp_kfac's; the headline shows every baseline's ratio for
 #: PER_STRATEGY and only the best baseline's for whole-process memory (measured,
 #: and predicted), which sits beside the K-FAC memory's ``memory_best/dp``.
@@ -297,6 +323,22 @@ def _costs(r: dict[str, Any]) -> dict[str, float]:
 def write_second_order_update(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     """``results/second_order_update.*``: the headline ratios and the absolute costs."""
     long, head = second_order_frames(df)
+    spread = compute_ratio_spread(df)
+    if not spread.empty:
+        keys = ["model", "P", "setting", "strategy"]
+        long = long.merge(spread, on=keys, how="left")
+        best = long[long["strategy"].isin(COMPARED)].sort_values("compute/dp")
+        best = best.drop_duplicates(["model", "P", "setting"])
+        head = head.merge(
+            best[["model", "P", "setting", "compute/dp_min", "compute/dp_max", "runs"]].rename(
+                columns={
+                    "compute/dp_min": "compute_best/dp_min",
+                    "compute/dp_max": "compute_best/dp_max",
+                }
+            ),
+            on=["model", "P", "setting"],
+            how="left",
+        )
     long = long.rename(
         columns={
             "compute": "compute_ms",
