@@ -407,7 +407,12 @@ def test_fidelity_preset_dispatches_to_its_runs(tmp_path: Path, monkeypatch) -> 
         ("digits_cnn", 2, 200, 2, "dp_kfac_owner", 600.0),
         ("resnet20_fake_cifar", 2, 60, 2, "dp_kfac_owner", 600.0),
     ]
-    assert paths == {"csv": tmp_path / "fidelity.csv", "png": tmp_path / "fidelity.png"}
+    assert paths == {
+        "csv": tmp_path / "fidelity.csv",
+        "png": tmp_path / "fidelity.png",
+        "md": tmp_path / "fidelity.md",
+    }
+    assert paths["md"].read_text().split("\n")[2].startswith("**Takeaway.** At P=2")
     lines = paths["csv"].read_text().splitlines()
     assert lines[0] == ",".join(fidelity.FIELDS) and len(lines) == 5
     assert lines[1] == "digits_cnn,2,dp_kfac_owner,1,features.0,0.9,0.1"
