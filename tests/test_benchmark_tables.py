@@ -721,13 +721,16 @@ def test_every_results_table_opens_with_its_takeaway(table: str) -> None:
 
 
 def _texts(nb: Any) -> list[str]:
-    """A notebook's text outputs (streams and plain-text reprs), images left out."""
+    """A notebook's text outputs (stdout and plain-text reprs), images left out.
+
+    stderr is left out: it carries library warnings whose text names the machine's
+    interpreter path, not the tables."""
     return [
         out.get("text") or out.get("data", {}).get("text/plain", "")
         for cell in nb.cells
         if cell.cell_type == "code"
         for out in cell.get("outputs", [])
-        if "text" in out or "text/plain" in out.get("data", {})
+        if ("text" in out and out.get("name") != "stderr") or "text/plain" in out.get("data", {})
     ]
 
 
