@@ -80,8 +80,8 @@ class KFACOptions:
         weight_sharing: "expand" or "reduce" for positions (Conv2d, sequences).
         factor_dtype: dtype factors are built in (None: the weight's dtype).
         factor_method: how batch factors are built (:mod:`dpkfac.curvature.kernels`):
-            "auto" (exact fast kernels), "shifted", "unfold" (original im2col
-            path) or "auto_bf16" (bf16 products, opt-in, not exact).
+            "auto" (exact fast kernels), "unfold" (original im2col path) or
+            "auto_bf16" (bf16 products, opt-in, not exact).
         decomposition_dtype: dtype of decompositions, at least 32-bit.
         pi_damping: π-split of the damping (inverse method only).
         bucket_cap_mb: size cap of fused buffers.

@@ -87,6 +87,7 @@ from dpkfac.strategies.base import (
     Preconditioned,
     precondition_layer,
     received_updates,
+    sent_updates,
     update_buffers,
 )
 
@@ -508,10 +509,8 @@ class OverlapEngine:
         assert st is not None
         rank, size = self.comm.rank, self.comm.size
         with_kl = self.ctx.with_kl
-        sent_by: list[list[KFACLayer]] = [[] for _ in range(size)]
-        for x in layers:
-            if x.module.weight.grad is not None:
-                sent_by[self._sender(x)].append(x)
+        plan = self._plan()
+        sent_by = [sent_updates(plan, owner, layers) for owner in range(size)]
         buffers_by: list[list[torch.Tensor]] = []
         for owner, sent in enumerate(sent_by):
             buffers: list[torch.Tensor] = []

@@ -143,7 +143,7 @@ class KFACPreconditioner:
             the layer weight's dtype).
         factor_method: how batch factors are built: "auto" (default: exact
             kernels chosen per layer, see :mod:`dpkfac.curvature.kernels`),
-            "shifted", "unfold" (the original im2col path) or "auto_bf16"
+            "unfold" (the original im2col path) or "auto_bf16"
             (bf16 products with float32 sums; opt-in, not exact).
         decomposition_dtype: dtype of decompositions (at least float32; a
             float64 factor is decomposed in float64).

@@ -67,7 +67,7 @@ def test_shifted_equals_unfold(c, k, p, bias, n, hw) -> None:
     conv = nn.Conv2d(c, 5, k, padding=p, bias=bias).double()
     x = torch.randn(n, c, *hw, dtype=torch.float64)
     ref = unfold_a(conv, x)
-    for method in ("auto", "shifted"):
+    for method in ("auto",):
         got, n_got, t_got = helper_for(conv).a_factor(x, "expand", torch.float64, method)
         assert (n_got, t_got) == (n, conv(x).shape[2] * conv(x).shape[3])
         assert rel(got, ref) <= TOL, (method, rel(got, ref))
@@ -189,10 +189,16 @@ class TinyNet(nn.Module):
         return self.fc(x.flatten(1))
 
 
+def test_factor_method_has_one_name_per_path() -> None:
+    """The retired second name of "auto" ("shifted") is refused, naming the choices."""
+    with pytest.raises(ValueError, match=r"factor_method.*'shifted'.*auto"):
+        dpkfac.KFACPreconditioner(TinyNet(), strategy="dp_kfac", factor_method="shifted")
+
+
 @pytest.mark.parametrize("sharing", ["expand", "reduce"])
 def test_preconditioner_factors_unchanged_between_methods(sharing) -> None:
     factors = {}
-    for method in ("unfold", "auto", "shifted"):
+    for method in ("unfold", "auto"):
         torch.manual_seed(0)
         model = TinyNet().double()
         pre = dpkfac.KFACPreconditioner(
@@ -204,7 +210,7 @@ def test_preconditioner_factors_unchanged_between_methods(sharing) -> None:
         pre.step()
         factors[method] = {n: (la.a_factor, la.g_factor) for n, la in pre.layers.items()}
     assert len(factors["unfold"]) == 5
-    for method in ("auto", "shifted"):
+    for method in ("auto",):
         for name, (a_ref, g_ref) in factors["unfold"].items():
             a, g = factors[method][name]
             assert rel(a, a_ref) <= TOL, (method, name)

@@ -44,9 +44,8 @@ So "auto" (:data:`DEFAULT_METHOD`) uses "shifted" for every stride-1
 channels × big maps), the masked-sum path for "reduce", and im2col with
 :func:`sym_gram` for strided convolutions and Linear layers (1.1–1.4×);
 ``factor_method="unfold"`` keeps the original im2col + full product
-everywhere. "shifted" is accepted as a name and behaves like "auto" (the
-dispatch has no shape-dependent branch yet: no measured shape favoured
-im2col for stride 1).
+everywhere. "auto" has no shape-dependent branch for stride 1: no measured
+shape favoured im2col there.
 
 ``bf16=True`` ("auto_bf16"; opt-in, never the default, not exact) rounds
 the GEMM inputs to bfloat16 and sums the products over row chunks in float32
@@ -70,7 +69,7 @@ from dpkfac.device import TableCache
 T = TypeVar("T")
 
 #: Values of the ``factor_method`` option.
-FACTOR_METHODS = ("auto", "unfold", "shifted", "auto_bf16")
+FACTOR_METHODS = ("auto", "unfold", "auto_bf16")
 #: The method used when none is given.
 DEFAULT_METHOD = "auto"
 #: Column-block size of :func:`sym_gram` (below 2 blocks: one full GEMM).
@@ -104,8 +103,8 @@ def use_shifted(
 ) -> bool:
     """Whether an expand Conv2d A factor is built by :func:`conv_a_shifted`.
 
-    Only stride 1 is covered; "unfold" never uses it; "auto" and "shifted"
-    use it for every stride-1 layer (it measured faster on every shape we
+    Only stride 1 is covered; "unfold" never uses it; "auto" (and
+    "auto_bf16") use it for every stride-1 layer (it measured faster on every shape we
     tried, see the module docstring).
     """
     del kernel_size, nhw  # every stride-1 shape measured so far favours "shifted"

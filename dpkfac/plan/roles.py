@@ -132,8 +132,3 @@ class Plan:
     def sends_decomposition(self, src: int, layer: int | str, which: str) -> bool:
         """Whether ``src`` broadcasts the decomposition of the factor to its decomposition group."""
         return self.decomposer(layer, which) == src
-
-    @property
-    def replicated_state(self) -> bool:
-        """Whether every rank holds every layer's factors and decompositions."""
-        return self.traits.captures_all and self.traits.preconditions_all

@@ -62,6 +62,17 @@ def precondition_layer(layer: KFACLayer, grad: torch.Tensor, damping: float) -> 
     return Preconditioned(v, (v.to(kl_dtype) * grad.to(kl_dtype)).sum(), True)
 
 
+def sent_updates(plan: Plan, src: int, layers: Sequence[KFACLayer]) -> list[KFACLayer]:
+    """The layers whose update ``src`` sends: those the plan has it send, with a gradient.
+
+    The same list on every rank (a layer without a gradient this step sends
+    nothing anywhere), so every rank sizes the exchange alike.
+    """
+    return [
+        x for x in layers if plan.sends_update(src, x.name) and x.module.weight.grad is not None
+    ]
+
+
 def update_buffers(
     layer: KFACLayer, result: Preconditioned | None, *, with_kl: bool
 ) -> list[torch.Tensor]:
@@ -357,11 +368,7 @@ class Strategy(Generic[OptionsT]):
             return results
 
         def sent_by(src: int) -> list[KFACLayer]:
-            return [
-                x
-                for x in layers
-                if plan.sends_update(src, x.name) and x.helper.module.weight.grad is not None
-            ]
+            return sent_updates(plan, src, layers)
 
         return self.broadcast_updates(self._update_comm, group, sent_by, results, with_kl=with_kl)
 

@@ -36,7 +36,13 @@ from torch import nn
 
 from dpkfac.curvature import KFACLayer
 from dpkfac.plan.dp_kfac import DPKFACOptions, DPKFACScheme
-from dpkfac.strategies.base import Preconditioned, Strategy, received_updates, update_buffers
+from dpkfac.strategies.base import (
+    Preconditioned,
+    Strategy,
+    received_updates,
+    sent_updates,
+    update_buffers,
+)
 
 __all__ = ["DPKFAC", "DPKFACOptions"]
 
@@ -54,12 +60,7 @@ class DPKFAC(Strategy[DPKFACOptions]):
     def _owned(self, layers: Sequence[KFACLayer], owner: int) -> list[KFACLayer]:
         """The layers ``owner`` preconditions, with a gradient (the same on every rank)."""
         assert self.plan is not None, "gradients are reduced after placement"
-        plan = self.plan
-        return [
-            x
-            for x in layers
-            if plan.sends_update(owner, x.name) and x.module.weight.grad is not None
-        ]
+        return sent_updates(self.plan, owner, layers)
 
     def reduce_gradients(
         self, layers: Sequence[KFACLayer], other_params: Sequence[nn.Parameter]
