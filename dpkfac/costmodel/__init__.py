@@ -57,6 +57,7 @@ from dpkfac.costmodel.memory import (
 from dpkfac.costmodel.predict import Prediction, StepPrediction, predict, predict_sgd, resolve
 from dpkfac.costmodel.shapes import ModelShapes, as_model_shapes, shapes_from_model
 from dpkfac.costmodel.table import BASELINES, VARIANTS, format_table, predicted_table
+from dpkfac.costmodel.timing import owner_seconds, seconds_cost
 from dpkfac.costmodel.traffic import Collective, Placement, comm_counts
 from dpkfac.costmodel.zoo import PAPER_MODELS, bert_qa, resnet50, transformer
 from dpkfac.plan.hardware import (
@@ -106,6 +107,7 @@ __all__ = [
     "format_balance",
     "format_table",
     "nnls",
+    "owner_seconds",
     "predict",
     "predict_measurement",
     "predict_process_memory",
@@ -115,6 +117,7 @@ __all__ = [
     "resnet50",
     "resolve",
     "scaled",
+    "seconds_cost",
     "shapes_from_model",
     "transformer",
     "wire_bytes",

@@ -53,7 +53,8 @@ from dataclasses import dataclass
 
 from dpkfac.costmodel import traffic as tr
 from dpkfac.costmodel.shapes import ModelShapes
-from dpkfac.plan.assignment import EIGH_COEFF, INVERSE_COEFF, LayerShape
+from dpkfac.options import KFACOptions
+from dpkfac.plan.assignment import EIGH_COEFF, INVERSE_COEFF, CostFn, LayerShape
 from dpkfac.plan.fusion import CommModel, plan_buckets
 from dpkfac.plan.hardware import Hardware, Work, add_work, wire_bytes
 from dpkfac.plan.roles import Plan
@@ -65,7 +66,9 @@ __all__ = [
     "StepPrediction",
     "factor_work",
     "forward_backward_work",
+    "owner_seconds",
     "pipelined_plan",
+    "seconds_cost",
     "step_prediction",
     "timeline",
 ]
@@ -258,6 +261,36 @@ def pipelined_plan(
     return [[keys[order[i]] for i in b] for b in buckets]
 
 
+def _layer_work(
+    w: dict[str, Work],
+    s: LayerShape,
+    *,
+    factors: bool,
+    decomposes: str,
+    preconditions: bool,
+    compute_method: str,
+    weight_sharing: str,
+    itemsize: int,
+) -> None:
+    """Add one layer's K-FAC work to ``w`` (phase -> work): its batch factors (``factors``),
+    the decompositions of the factors named in ``decomposes`` ("A", "G", "AG" or "") and
+    its preconditioning (``preconditions``)."""
+    if factors:
+        for which in "AG":
+            for kind, (c, a) in factor_work(s, which, weight_sharing, itemsize).items():
+                add_work(w.setdefault("factor_compute", {}), kind, c, a)
+    dec_kind, dec_flops = (
+        ("eigh", 2 * EIGH_COEFF) if compute_method == "eigen" else ("inverse", 2 * INVERSE_COEFF)
+    )
+    for d, which in ((s.a_dim, "A"), (s.g_dim, "G")):
+        if which in decomposes:
+            add_work(w.setdefault("decomposition", {}), dec_kind, 1, dec_flops * d**3)
+    if preconditions:
+        pre_coeff = 4.0 if compute_method == "eigen" else 2.0
+        flops = pre_coeff * s.g_dim * s.a_dim * (s.g_dim + s.a_dim)
+        add_work(w.setdefault("precondition", {}), "precondition", 1, flops)
+
+
 def _rank_work(
     model: ModelShapes,
     rank: int,
@@ -269,26 +302,89 @@ def _rank_work(
     weight_sharing: str,
     itemsize: int,
 ) -> dict[str, Work]:
-    dec_kind, dec_flops = (
-        ("eigh", 2 * EIGH_COEFF) if compute_method == "eigen" else ("inverse", 2 * INVERSE_COEFF)
-    )
-    pre_coeff = 4.0 if compute_method == "eigen" else 2.0
     w: dict[str, Work] = {}
     for i, s in enumerate(model):
         if plan is None or not model.captured[i]:
             continue
-        if factor and plan.captures(rank, i):
-            for which in "AG":
-                for kind, (c, a) in factor_work(s, which, weight_sharing, itemsize).items():
-                    add_work(w.setdefault("factor_compute", {}), kind, c, a)
-        if decomp:
-            for d, which in ((s.a_dim, "A"), (s.g_dim, "G")):
-                if plan.decomposes(rank, i, which):
-                    add_work(w.setdefault("decomposition", {}), dec_kind, 1, dec_flops * d**3)
-        if plan.preconditions(rank, i):
-            flops = pre_coeff * s.g_dim * s.a_dim * (s.g_dim + s.a_dim)
-            add_work(w.setdefault("precondition", {}), "precondition", 1, flops)
+        _layer_work(
+            w,
+            s,
+            factors=factor and plan.captures(rank, i),
+            decomposes="".join(x for x in "AG" if decomp and plan.decomposes(rank, i, x)),
+            preconditions=plan.preconditions(rank, i),
+            compute_method=compute_method,
+            weight_sharing=weight_sharing,
+            itemsize=itemsize,
+        )
     return w
+
+
+def owner_seconds(
+    shape: LayerShape,
+    hw: Hardware,
+    *,
+    factor_every: int = 1,
+    decomp_every: int = 1,
+    compute_method: str = "eigen",
+    weight_sharing: str = "expand",
+    itemsize: int = 4,
+) -> float:
+    """Seconds per step that owning one layer costs a rank, as the timing model prices them.
+
+    The owner's work of :func:`step_prediction` (batch factors, both
+    decompositions, preconditioning), each phase amortised over its update
+    interval and priced by ``hw``, per-call latencies included. Placing layers
+    by this cost balances what the iteration is predicted from; the default
+    cost, :func:`dpkfac.plan.assignment.compute_cost`, counts flops only, so on
+    latency-bound layers (small decompositions on a GPU) it can pile many small
+    layers on one rank: see :func:`seconds_cost`.
+    """
+    seconds = 0.0
+    for every, part in ((factor_every, "factors"), (decomp_every, "decomposes"), (1, "pre")):
+        w: dict[str, Work] = {}
+        _layer_work(
+            w,
+            shape,
+            factors=part == "factors",
+            decomposes="AG" if part == "decomposes" else "",
+            preconditions=part == "pre",
+            compute_method=compute_method,
+            weight_sharing=weight_sharing,
+            itemsize=itemsize,
+        )
+        seconds += sum(hw.time(work, 1) for work in w.values()) / every
+    return seconds
+
+
+def seconds_cost(hw: Hardware, kfac: KFACOptions | None = None, itemsize: int = 4) -> CostFn:
+    """A placement cost (``assignment_cost``) in the timing model's seconds on ``hw``.
+
+    ``DPKFACOptions(assignment_cost=seconds_cost(hw, kfac))`` makes LPT (and
+    "best") balance what :func:`dpkfac.costmodel.predict` prices, rather than
+    flops: the default cost is hardware-free, so every rank computes the same
+    placement with nothing measured, but it leaves out per-call latency. Where
+    that latency dominates, a flop-balanced placement can be predicted slower
+    than round robin (ResNet-32 at P=8 on ``v100_ib100``: LPT by flops puts 5
+    layers, 10 decompositions, on its busiest rank; ``tests/test_placement_cost.py``).
+    """
+    kfac = KFACOptions() if kfac is None else kfac
+    factor_every = kfac.factor_update_steps
+    decomp_every = kfac.inv_update_steps
+    if not (isinstance(factor_every, int) and isinstance(decomp_every, int)):
+        raise ValueError("seconds_cost needs int update intervals, not schedules")
+
+    def cost(shape: LayerShape) -> float:
+        return owner_seconds(
+            shape,
+            hw,
+            factor_every=factor_every,
+            decomp_every=decomp_every,
+            compute_method=kfac.compute_method,
+            weight_sharing=kfac.weight_sharing,
+            itemsize=itemsize,
+        )
+
+    return cost
 
 
 def _ready_times(
