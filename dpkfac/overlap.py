@@ -510,7 +510,7 @@ class OverlapEngine:
         rank, size = self.comm.rank, self.comm.size
         with_kl = self.ctx.with_kl
         plan = self._plan()
-        sent_by = [sent_updates(plan, owner, layers) for owner in range(size)]
+        sent_by = sent_updates(plan, range(size), layers)
         buffers_by: list[list[torch.Tensor]] = []
         for owner, sent in enumerate(sent_by):
             buffers: list[torch.Tensor] = []

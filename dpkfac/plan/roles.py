@@ -125,9 +125,13 @@ class Plan:
         """The group ``rank`` exchanges preconditioned updates in (None: it takes part in none)."""
         return group_of(self.update_groups, rank)
 
+    def update_senders(self, layer: int | str) -> Group:
+        """The ranks that send the layer's update, each to its update group: its preconditioners."""
+        return self.preconditioners[self.index(layer)]
+
     def sends_update(self, src: int, layer: int | str) -> bool:
         """Whether ``src`` broadcasts the layer's update to its update group."""
-        return self.preconditions(src, layer)
+        return src in self.update_senders(layer)
 
     def sends_decomposition(self, src: int, layer: int | str, which: str) -> bool:
         """Whether ``src`` broadcasts the decomposition of the factor to its decomposition group."""

@@ -62,15 +62,26 @@ def precondition_layer(layer: KFACLayer, grad: torch.Tensor, damping: float) -> 
     return Preconditioned(v, (v.to(kl_dtype) * grad.to(kl_dtype)).sum(), True)
 
 
-def sent_updates(plan: Plan, src: int, layers: Sequence[KFACLayer]) -> list[KFACLayer]:
-    """The layers whose update ``src`` sends: those the plan has it send, with a gradient.
+def sent_updates(
+    plan: Plan, senders: Sequence[int], layers: Sequence[KFACLayer]
+) -> list[list[KFACLayer]]:
+    """Per rank of ``senders``, the layers whose update it sends (:meth:`Plan.sends_update`),
+    those with a gradient, in module order.
 
-    The same list on every rank (a layer without a gradient this step sends
-    nothing anywhere), so every rank sizes the exchange alike.
+    The same lists on every rank (a layer without a gradient this step sends
+    nothing anywhere), so every rank sizes the exchange alike. One pass over
+    the layers, not one per sender: a rank asks this every step, for up to P
+    senders.
     """
-    return [
-        x for x in layers if plan.sends_update(src, x.name) and x.module.weight.grad is not None
-    ]
+    at = {r: i for i, r in enumerate(senders)}
+    out: list[list[KFACLayer]] = [[] for _ in at]
+    for x in layers:
+        if x.module.weight.grad is None:
+            continue
+        for src in plan.update_senders(x.name):
+            if (i := at.get(src)) is not None:
+                out[i].append(x)
+    return out
 
 
 def update_buffers(
@@ -367,10 +378,10 @@ class Strategy(Generic[OptionsT]):
         if plan is None or group is None or self._update_comm is None:
             return results
 
-        def sent_by(src: int) -> list[KFACLayer]:
-            return sent_updates(plan, src, layers)
-
-        return self.broadcast_updates(self._update_comm, group, sent_by, results, with_kl=with_kl)
+        by_src = dict(zip(group, sent_updates(plan, group, layers), strict=True))
+        return self.broadcast_updates(
+            self._update_comm, group, by_src.__getitem__, results, with_kl=with_kl
+        )
 
     # --------------------------------------------- helpers of the rooted schemes
     def broadcast_decompositions(

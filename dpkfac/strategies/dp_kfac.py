@@ -57,10 +57,10 @@ class DPKFAC(Strategy[DPKFACOptions]):
 
     scheme = DPKFACScheme
 
-    def _owned(self, layers: Sequence[KFACLayer], owner: int) -> list[KFACLayer]:
-        """The layers ``owner`` preconditions, with a gradient (the same on every rank)."""
+    def _owned(self, layers: Sequence[KFACLayer]) -> list[list[KFACLayer]]:
+        """Per rank, the layers it preconditions, with a gradient (the same on every rank)."""
         assert self.plan is not None, "gradients are reduced after placement"
-        return sent_updates(self.plan, owner, layers)
+        return sent_updates(self.plan, range(self.world_size), layers)
 
     def reduce_gradients(
         self, layers: Sequence[KFACLayer], other_params: Sequence[nn.Parameter]
@@ -68,9 +68,7 @@ class DPKFAC(Strategy[DPKFACOptions]):
         if not self.traits.owner_grad_reduction or not self.comm.active:
             super().reduce_gradients(layers, other_params)
             return
-        shards = [
-            [g for x in self._owned(layers, r) for g in _grads(x)] for r in range(self.world_size)
-        ]
+        shards = [[g for x in owned for g in _grads(x)] for owned in self._owned(layers)]
         cap, cat = self.bucket_cap_bytes, "grad_allreduce"
         if len({g.dtype for shard in shards for g in shard}) <= 1:
             handles = [self.comm.reduce_scatter_mean(shards, cat, cap_bytes=cap, async_op=True)]
@@ -95,7 +93,7 @@ class DPKFAC(Strategy[DPKFACOptions]):
         round and dtype (the update matrices and, with the KL clip, their two scalars)."""
         if not self.traits.owner_grad_reduction or not self.comm.active:
             return super().share_preconditioned(layers, results, with_kl=with_kl)
-        sent = [self._owned(layers, r) for r in range(self.world_size)]
+        sent = self._owned(layers)
         buffers = [
             [
                 b
