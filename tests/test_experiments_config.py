@@ -12,6 +12,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from dpkfac.plan.configs import CONFIGS
 from experiments.config import ExperimentError, validate
 from experiments.preconditioning import uses_preconditioner
 
@@ -44,23 +45,7 @@ def test_all_groups_and_presets_exist():
         assert options(group), group
     for group in ("paths", "hydra", "workload", "setting", "table"):
         assert options(group), group
-    assert set(options("strategy")) == {
-        "dp_kfac",
-        "dp_kfac_auto",
-        "dp_kfac_overlap",
-        "dp_kfac_owner",
-        "dp_kfac_owner_overlap",
-        "d_kfac",
-        "d_kfac_eager",
-        "d_kfac_triangle",
-        "d_kfac_lazy",
-        "spd_kfac",
-        "kaisa_comm_opt",
-        "kaisa_mem_opt",
-        "grouped_auto",
-        "grouped_local_decomp",
-        "none",
-    }
+    assert set(options("strategy")) == set(CONFIGS)  # and equal: tests/test_configs.py
     assert set(options("model")) == set(MODEL_KWARGS)
     assert not (CONF / "bench").exists()
     assert {"sgd", "adamw"} <= set(options("optimizer"))

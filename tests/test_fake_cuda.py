@@ -11,6 +11,7 @@ CPU tests assert the numbers.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import pytest
@@ -35,6 +36,8 @@ from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
 from dpkfac.comm import Communicator
 from dpkfac.device import DeviceMismatch, DryRunReader, HostReader, same_device
+from dpkfac.plan import scheme_options
+from dpkfac.plan.configs import kfac_configs
 
 #: Start-up measurements time real kernels; under fake tensors a preset stands in.
 PRESET = {"hardware": "cpu_gloo_local"}
@@ -49,7 +52,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def _variant(name: str) -> tuple[str, dict[str, Any]]:
-    strategy, options = VARIANTS[name]
+    strategy, options = VARIANTS.get(name) or kfac_configs()[name]
     options = dict(options)
     if strategy in ("spd_kfac", "grouped"):
         options.setdefault("hardware", PRESET["hardware"])
@@ -300,16 +303,12 @@ def test_the_default_reader_reads_and_counts() -> None:
 
 
 # ----------------------------------------------------- exact bytes and memory at scale
-EXACT_VARIANTS = (
-    "dp_kfac",
-    "dp_kfac_overlap",
-    "dp_kfac_owner",
-    "dp_kfac_owner_overlap",
-    "d_kfac",
-    "kaisa_comm_opt",
-    "kaisa_mem_opt",
-    "grouped_local_decomp",
-)
+#: Every configuration that chooses nothing at start-up (spd_kfac and the "auto" ones do).
+EXACT_VARIANTS = [
+    name
+    for name, (scheme, options) in kfac_configs().items()
+    if scheme != "spd_kfac" and "auto" not in asdict(scheme_options(scheme, options)).values()
+]
 
 
 @pytest.mark.parametrize("variant", EXACT_VARIANTS)

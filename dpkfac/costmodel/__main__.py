@@ -5,8 +5,9 @@ BERT-large and the Transformer at ``--world-size`` ranks on a hardware
 preset or a calibrated JSON file. With ``--format csv`` it prints one
 machine-readable row per model and strategy instead, for the models of
 ``--models`` (the papers' sizes of ``resnet32``, ``resnet50``, ``bert_base``,
-``bert_large``, ``transformer``) and the strategies of ``--strategies`` (as
-``KFACPreconditioner`` spells them, each with its default options)::
+``bert_large``, ``transformer``) and the strategies of ``--strategies``: configuration
+names (:data:`dpkfac.plan.configs.CONFIGS`, as Hydra's ``strategy=`` spells them) or
+scheme names (``KFACPreconditioner``'s, each with its default options)::
 
     python -m dpkfac.costmodel table --format csv --world-size 64 \\
         --models resnet32,bert_base --strategies d_kfac,spd_kfac
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
-from typing import Any
 
 from dpkfac.costmodel import PAPER_MODELS, PRESETS, Hardware, format_table, predicted_table
 from dpkfac.costmodel.balance import balance_rows, format_balance
@@ -30,6 +30,7 @@ from dpkfac.costmodel.calibration import calibrate_local
 from dpkfac.costmodel.zoo import ZOO
 from dpkfac.plan import SCHEMES, canonical_name, name_key
 from dpkfac.plan.assignment import COSTS
+from dpkfac.plan.configs import kfac_configs
 
 #: Columns of ``table --format csv``.
 CSV_COLUMNS = (
@@ -61,9 +62,8 @@ def csv_rows(
     models: list[str], strategies: list[str], world_size: int, hardware: Hardware
 ) -> list[dict[str, object]]:
     """One row per model and strategy (``CSV_COLUMNS``), predicted at the papers' sizes."""
-    variants: dict[str, tuple[str, dict[str, Any]]] = {
-        canonical_name(s): (canonical_name(s), {}) for s in strategies
-    }
+    configs = kfac_configs()
+    variants = {s: configs.get(s) or (canonical_name(s), {}) for s in strategies}
     out: list[dict[str, object]] = []
     for row in predicted_table(
         {name: ZOO[name] for name in models}, world_size, hardware, variants=variants
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.format == "csv":
         strategies = _names(
             ",".join(name_key(n) for n in args.strategies.split(",")),
-            list(SCHEMES),
+            [*SCHEMES, *(n for n in kfac_configs() if n not in SCHEMES)],
             "strategy",
         )
         writer = csv.DictWriter(sys.stdout, fieldnames=CSV_COLUMNS, lineterminator="\n")

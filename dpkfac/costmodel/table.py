@@ -4,9 +4,9 @@ For each model and strategy variant: the busiest rank's K-FAC computation
 (factor construction, decomposition, preconditioning), the communication
 K-FAC adds to plain data parallelism, the busiest rank's K-FAC memory, and
 the iteration time against SGD's. Every row that is not a baseline carries
-the ratios the paper reports ("how many times lower"): each baseline over
-the row (``<metric>_x_d_kfac``, ``<metric>_x_spd_kfac``) and the best
-baseline over the row (``<metric>_x_best``).
+the ratios the paper reports ("how many times lower"): each baseline of
+:data:`dpkfac.plan.configs.BASELINES` over the row (``<metric>_x_d_kfac``, ...)
+and the best (cheapest) baseline over the row (``<metric>_x_best``).
 """
 
 from __future__ import annotations
@@ -18,24 +18,14 @@ from dpkfac.costmodel.predict import predict, predict_sgd
 from dpkfac.options import KFACOptions
 from dpkfac.plan import scheme_of
 from dpkfac.plan.assignment import LayerShape
+from dpkfac.plan.configs import BASELINES, kfac_configs
 from dpkfac.plan.hardware import Hardware
 from dpkfac.plan.presets import PRESETS
 
 __all__ = ["BASELINES", "VARIANTS", "format_table", "predicted_table"]
 
-#: Table rows: label -> (strategy, strategy options).
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "dp_kfac": ("dp_kfac", {}),
-    "dp_kfac_owner": ("dp_kfac", {"grad_reduction": "owner"}),
-    "d_kfac": ("d_kfac", {}),
-    "spd_kfac": ("spd_kfac", {}),
-    "kaisa_comm_opt": ("kaisa", {"grad_worker_fraction": "comm_opt"}),
-    "kaisa_mem_opt": ("kaisa", {"grad_worker_fraction": "mem_opt"}),
-    "grouped_local_decomp": ("grouped", {"factor_group_size": 1, "grad_worker_fraction": 1.0}),
-    "grouped_auto": ("grouped", {}),
-}
-#: Labels of the rows the others are compared with (the papers' D-KFAC baselines).
-BASELINES: tuple[str, ...] = ("d_kfac", "spd_kfac")
+#: Table rows: every configuration that preconditions (label -> (strategy, options)).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = kfac_configs()
 _METRICS = ("computation_s", "communication_s", "memory_mb", "total_communication_s")
 
 ModelSpec = Sequence[LayerShape] | tuple[Sequence[LayerShape], KFACOptions]

@@ -40,20 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: Strategy configs (conf/strategy/NAME.yaml) of the P=1 checks.
-CHECKED = (
-    "dp_kfac",
-    "dp_kfac_owner",
-    "dp_kfac_overlap",
-    "dp_kfac_owner_overlap",
-    "d_kfac",
-    "d_kfac_eager",
-    "spd_kfac",
-    "kaisa_comm_opt",
-    "kaisa_mem_opt",
-    "grouped_auto",
-    "grouped_local_decomp",
-)
+from dpkfac.plan.configs import kfac_configs
+
+#: Strategy configs (dpkfac/plan/configs.py, conf/strategy/NAME.yaml) of the P=1 checks: all.
+CHECKED = tuple(kfac_configs())
 #: Strategy configs measured side by side on ResNet-32.
 SIDE_BY_SIDE = ("none", "dp_kfac", "d_kfac", "kaisa_comm_opt", "grouped_auto")
 #: The practical setting: factors every 10 steps, decompositions every 100.

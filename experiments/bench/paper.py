@@ -31,13 +31,11 @@ import pandas as pd
 
 from dpkfac.costmodel import PRESETS, Prediction
 from dpkfac.costmodel import fitting as fitting_lib
+from dpkfac.plan.configs import BASELINES, REFERENCE
 from experiments.bench import predict as bench_predict
 
 #: The papers' models (conf/model and conf/workload names), in the table's order.
 MODELS = ("resnet50", "bert_large", "resnet110", "resnet32", "transformer")
-#: The best D-KFAC is the cheapest of these per metric; dp_kfac is compared with it.
-BASELINES = ("d_kfac", "spd_kfac", "kaisa_comm_opt", "kaisa_mem_opt")
-REFERENCE = "dp_kfac"
 WORLD_SIZE = 64
 PRESET = "v100_ib100"
 #: The DP-KFAC paper's reported ranges ("how many times lower" than the best D-KFAC).

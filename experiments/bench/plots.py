@@ -29,28 +29,12 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
 
-#: Strategy configs in the papers' order (tables and figures sort rows by it).
-STRATEGY_ORDER = [
-    "none",
-    "dp_kfac",
-    "dp_kfac_overlap",
-    "dp_kfac_owner",
-    "dp_kfac_owner_overlap",
-    "dp_kfac_auto",
-    "d_kfac_eager",
-    "d_kfac_triangle",
-    "d_kfac_lazy",
-    "d_kfac",
-    "spd_kfac",
-    "kaisa_comm_opt",
-    "kaisa_mem_opt",
-    "grouped_local_decomp",
-    "grouped_auto",
-]
-#: The DP-KFAC paper's headline compares these strategy configs' costs with REFERENCE's;
-#: `best` is the cheapest of them, so it spans every baseline a table measured.
-REFERENCE = "dp_kfac"
-COMPARED = ("d_kfac", "spd_kfac", "kaisa_comm_opt", "kaisa_mem_opt")
+from dpkfac.plan.configs import BASELINES, CONFIGS, REFERENCE
+
+#: Strategy configs in the papers' order (tables and figures sort rows by it); the DP-KFAC
+#: paper's headline compares the BASELINES' costs with REFERENCE's (dpkfac/plan/configs.py).
+STRATEGY_ORDER = list(CONFIGS)
+COMPARED = BASELINES
 PART_LABELS = {
     "fwd_bwd": "forward/backward",
     "grad_comm": "gradient comm",
