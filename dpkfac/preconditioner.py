@@ -30,7 +30,7 @@ import re
 import warnings
 from collections.abc import Iterable
 from dataclasses import fields
-from functools import cache, partial
+from functools import cache
 from typing import Any
 
 import torch
@@ -38,25 +38,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dpkfac.amp import check_grad_scaler, inverse_loss_scale
-from dpkfac.attention import not_capturable
+from dpkfac.amp import check_grad_scaler
 from dpkfac.call_order import CALL_ORDER, WATCH, GradientLedger
+from dpkfac.capture import Capture, Parameters, find_layers
 from dpkfac.comm import Communicator
-from dpkfac.compile import CaptureSite, GradHook, uncaptured_hint, unwrap_compiled
-from dpkfac.costmodel.auto import Candidate, log_choice
-from dpkfac.costmodel.predict import resolve
-from dpkfac.curvature import COMPUTE_METHODS, KFACLayer, helper_for
+from dpkfac.compile import unwrap_compiled
+from dpkfac.costmodel.auto import Candidate
+from dpkfac.curvature import COMPUTE_METHODS, KFACLayer
 from dpkfac.curvature.layer import FACTORS
-from dpkfac.curvature.state import layer_state, load_layer_state, merge_layer_states
 from dpkfac.device import HostReader
 from dpkfac.fidelity import FidelityProbe, select_layers
 from dpkfac.options import KFACOptions, Scalar, Schedule
 from dpkfac.overlap import OverlapContext, OverlapEngine
-from dpkfac.plan import SCHEMES, Scheme, StrategyOptions, name_key, scheme_of, scheme_options
-from dpkfac.probes import start_up_hardware
+from dpkfac.placement import build_strategy, finalise_placement
+from dpkfac.plan import SCHEMES, Scheme, StrategyOptions, scheme_of, scheme_options
 from dpkfac.report import format_table, layer_rows, skipped_modules, slow_factors
+from dpkfac.state import load_state, save_state
 from dpkfac.stats import CommStats, PhaseTimer
-from dpkfac.strategies import Preconditioned, Strategy, strategy_class
+from dpkfac.strategies import Preconditioned, Strategy
 from dpkfac.strategies.base import layer_shape, precondition_layer
 
 log = logging.getLogger("dpkfac")
@@ -275,7 +274,11 @@ class KFACPreconditioner:
             device=self.device,
             host=self.host,
         )
-        self.strategy: Strategy = self._build_strategy(scheme, own_options)
+        # The options the run was given decide its one-time setup.
+        self._given_options = own_options
+        self.strategy: Strategy = build_strategy(
+            scheme, own_options, comm=self.comm, method=self.method, kfac=self.options
+        )
         #: Every candidate "auto" priced at the first step (empty when nothing was "auto").
         self.choice: list[Candidate] = []
         overlaps = self.strategy.scheme.may_overlap(self.strategy.options)
@@ -290,13 +293,9 @@ class KFACPreconditioner:
                 "step from the gradients it unscales, which must already be averaged across "
                 "ranks or the ranks would disagree"
             )
-        self.layers: dict[str, KFACLayer] = self._register()
-        self._track_parameters()
+        self.layers: dict[str, KFACLayer] = find_layers(self.module, self.options, self._skip)
         self._layer_list = list(self.layers.values())
-        # What a compiled graph calls in place of the forward hook (dpkfac/compile.py).
-        self._sites = {
-            x.name: CaptureSite(partial(self._capture_compiled, x)) for x in self._layer_list
-        }
+        self._params = Parameters(self.module, self._layer_list)
         self._skipped = skipped_modules(self.module, self.layers, self._skip)
         self._report_construction()
         # Checked even while the probe is off: a typo should not wait for fidelity_every > 0.
@@ -307,7 +306,6 @@ class KFACPreconditioner:
             given=self._given_options,
         )
         self._buffer_peak = 0
-        self._capture = self._is_factor_step(0)
         # What the backward passes since the last step() left in the K-FAC gradients, and
         # whether an optimizer stepped with them first (the order of calls, checked per step).
         self._ledger = GradientLedger()
@@ -315,8 +313,6 @@ class KFACPreconditioner:
         # The device flag "some K-FAC gradient is nonzero" of this step, read with the
         # factor step's finiteness checks (None: no zero_grad can have zeroed them).
         self._nonzero: torch.Tensor | None = None
-        # 1/s of the loss scaler per device, for the G hooks of the current step.
-        self._inverse_scales: dict[torch.device, torch.Tensor] = {}
         # Set by a checkpoint of another world size that lacks some decompositions.
         self._decompose_next = False
         self._fidelity: FidelityProbe | None = None
@@ -328,6 +324,16 @@ class KFACPreconditioner:
                 timer=self._timer,
                 grad_scaler=grad_scaler,
             )
+        # The hooks that build the batch factors (dpkfac/capture.py), armed by _arm.
+        self._capture = Capture(
+            self._layer_list,
+            options=self.options,
+            strategy=self.strategy,
+            timer=self._timer,
+            ledger=self._ledger,
+            grad_scaler=grad_scaler,
+            probe=self._fidelity,
+        )
         #: The overlapped execution mode, where the options ask for it or "auto" may.
         self._overlap: OverlapEngine | None = self._install_overlap() if overlaps else None
         self._arm(0)
@@ -335,10 +341,10 @@ class KFACPreconditioner:
     def _install_overlap(self) -> OverlapEngine:
         """The overlapped mode's gradient hooks (DDP's communication hook on a DDP model), with
         the narrow view of the run it needs."""
-        reduced = self._kfac_params | {id(p) for p in self._other_params}
+        reduced = self._params.kfac | {id(p) for p in self._params.others}
         seen: set[int] = set()
         params = []
-        for p in self._params:
+        for p in self._params.all:
             if id(p) in reduced and id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
@@ -392,29 +398,24 @@ class KFACPreconditioner:
 
     def _arm(self, step: int) -> None:
         """Set what the hooks of ``step`` do: capture, and (overlapped mode) the step's flags."""
-        self._capture = self._is_factor_step(step)
+        capture = self._is_factor_step(step)
         if self._fidelity is not None:
             self._fidelity.arm(step)
-        #: Whether the hooks of ``step`` capture anything (capture or a fidelity probe): a
-        #: compiled model guards on it, one graph with the capture operators, one without.
-        self._hooks_active = self._capture or (
-            self._fidelity is not None and bool(self._fidelity.active)
-        )
-        for site in self._sites.values():
-            site.reset()
+        probing = self._fidelity is not None and bool(self._fidelity.active)
+        self._capture.arm(capture=capture, probing=probing)
         if self._overlap is None:
             return
         flags = self._overlap.ctx.flags
         flags.step = step
         flags.plan = self.strategy.plan
-        flags.capture = self._capture
+        flags.capture = capture
         flags.decompose = self._is_inv_step(step)
         flags.owner = self.strategy.traits.owner_grad_reduction
         flags.overlapped = (
             self.strategy.traits.overlapped_precondition
             and self.strategy.placed
             and not self._decompose_next
-            and not (self._fidelity is not None and bool(self._fidelity.active))
+            and not probing
         )
         if flags.overlapped:
             flags.damping = float(self.options.at("damping", step))
@@ -424,54 +425,7 @@ class KFACPreconditioner:
         """Record the bytes of batch factors awaiting their fold (the peak is reported)."""
         self._buffer_peak = max(self._buffer_peak, nbytes)
 
-    def _build_strategy(self, scheme: type[Scheme], options: StrategyOptions) -> Strategy:
-        """The runtime strategy, once the start-up measurement its options ask for is done.
-
-        The options the run was given decide its one-time setup (kept in
-        ``_given_options``); a hardware model the scheme places work by is
-        measured now, on this group (a collective).
-        """
-        self._given_options = options
-        if scheme.measures_hardware(options):
-            options = scheme.with_hardware(options, start_up_hardware(self.comm))
-        return strategy_class(scheme.name)(
-            self.comm,
-            self.method,
-            options,
-            decomposition_dtype=self.options.decomposition_dtype,
-            bucket_cap_mb=self.options.bucket_cap_mb,
-            kfac=self.options,
-        )
-
-    def _track_parameters(self) -> None:
-        """The model's parameters, listed once: the step loop checks their trainability."""
-        self._params = list(self.module.parameters())
-        self._kfac_params = {
-            id(p) for layer in self.layers.values() for p in layer.helper.parameters()
-        }
-        self._other_params = self._trainable_others()
-        # Trainable parameters the strategy was set up with (those unfrozen later are new).
-        self._planned_params = {id(p) for p in self._other_params} | self._kfac_params
-
     # ------------------------------------------------------------ registration
-    def _register(self) -> dict[str, KFACLayer]:
-        """Wrap every supported, trainable, non-skipped module and hook it (module order)."""
-        layers: dict[str, KFACLayer] = {}
-        # A Linear that nn.MultiheadAttention calls functionally can never be captured: it is
-        # not a layer (the report lists it with what to do), whatever its type says.
-        functional = not_capturable(self.module)
-        for name, module in self.module.named_modules():
-            helper = helper_for(module)
-            if helper is None or name in functional or any(p.search(name) for p in self._skip):
-                continue
-            if not all(p.requires_grad for p in helper.parameters()):
-                continue
-            layer = KFACLayer(name, module, helper, self.options.accumulation_steps)
-            module.register_forward_hook(partial(self._forward_hook, layer), with_kwargs=True)
-            module.weight.register_post_accumulate_grad_hook(self._gradient_arrived)
-            layers[name] = layer
-        return layers
-
     def _report_construction(self) -> None:
         """Log what is preconditioned and what is not (rank 0); warn of slow factors."""
         if self.comm.rank == 0:
@@ -510,222 +464,11 @@ class KFACPreconditioner:
         timings = {k: v * 1e3 for k, v in self.timings().items()}
         return format_table(rows, self._skipped, timings)
 
-    def _trainable_others(self) -> list[nn.Parameter]:
-        """Trainable parameters of no K-FAC layer, in module order (averaged only)."""
-        return [p for p in self._params if p.requires_grad and id(p) not in self._kfac_params]
-
-    def _check_unfrozen(self) -> None:
-        """Follow parameters unfrozen since construction (the same on every rank).
-
-        Their gradients are averaged from now on, like any parameter of no
-        K-FAC layer, and a warning says they are not preconditioned (the
-        layers were planned without them). The overlap cannot add gradient
-        hooks mid-run, so it refuses.
-        """
-        others = self._trainable_others()
-        if len(others) == len(self._other_params) and all(
-            a is b for a, b in zip(others, self._other_params, strict=True)
-        ):
-            return
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        new = [names.get(id(p), "?") for p in others if id(p) not in self._planned_params]
-        self._other_params = others
-        if not new:
-            return
-        self._planned_params |= {id(p) for p in others}
-        if self._overlap is not None and (
-            self.strategy.traits.overlapped_precondition or not self.strategy.configured
-        ):
-            raise ValueError(
-                f"dpkfac: parameters {new} were frozen when the preconditioner was built and are "
-                "trainable now; overlap=True reduces gradients from hooks registered at "
-                "construction and cannot add them: build the preconditioner after unfreezing"
-            )
-        averaged = (
-            "DDP averages their gradients only if they were trainable when it wrapped the model"
-            if self.ddp
-            else "their gradients are averaged across ranks"
-        )
-        warnings.warn(
-            f"dpkfac: parameters {new} were frozen when the preconditioner was built and are "
-            f"trainable now: {averaged}, but they are not preconditioned (build a new "
-            "preconditioner after unfreezing to precondition their layers)",
-            RuntimeWarning,
-            stacklevel=4,  # the user's pre.step(): this method, step(), torch.no_grad's wrapper
-        )
-
-    def _gradient_arrived(self, param: nn.Parameter) -> None:
-        """A backward pass wrote a K-FAC layer's gradient: the next ``step()`` has work."""
-        self._ledger.arrived(param)
-
     def _is_factor_step(self, step: int) -> bool:
         return step % self.options.at("factor_update_steps", step) == 0
 
     def _is_inv_step(self, step: int) -> bool:
         return step % self.options.at("inv_update_steps", step) == 0
-
-    def _dtype_for(self, layer: KFACLayer) -> torch.dtype:
-        return self.options.factor_dtype or layer.helper.module.weight.dtype
-
-    def _forward_hook(
-        self,
-        layer: KFACLayer,
-        module: nn.Module,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        output: Any,
-    ) -> Any:
-        """Capture A now and hook the output's gradient for G (eager).
-
-        While Dynamo traces the model (``torch.compile``), the capture is not
-        traced: the hook puts the capture operators of :mod:`dpkfac.compile`
-        into the graph, which run :meth:`_capture_input` and the G hooks when
-        the graph runs; no graph break, and the same factors.
-        """
-        if torch.compiler.is_compiling():
-            # Grad mode first: a graph traced without gradients (evaluation) then guards on
-            # nothing of the schedule, and serves every step.
-            active = torch.is_grad_enabled() and self._hooks_active
-            return self._sites[layer.name].in_graph(active, args, kwargs, output)
-        hooks = self._capture_input(layer, args, kwargs, grad_enabled=torch.is_grad_enabled())
-        if hooks and isinstance(output, torch.Tensor) and output.requires_grad:
-            for hook in hooks:
-                output.register_hook(hook)
-        return None
-
-    def _capture_compiled(self, layer: KFACLayer, x: torch.Tensor | None) -> list[GradHook]:
-        """:meth:`_capture_input` as a compiled graph's capture operator calls it (its graph
-        calls it only where gradients are enabled; the operator runs without)."""
-        return self._capture_input(layer, (x,) if x is not None else (), {}, grad_enabled=True)
-
-    def _capture_input(
-        self,
-        layer: KFACLayer,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        grad_enabled: bool,
-    ) -> list[GradHook]:
-        """One call of a layer at this step: build its batch A (and the fidelity probe's
-        shadow A) from the input; returns the hooks that build G from the gradient of the
-        call's output (empty where nothing was captured)."""
-        module = layer.module
-        hooks: list[GradHook] = []
-        probe = self._fidelity
-        if probe is not None and layer.name in probe.active:
-            # Probed layers are captured on every rank; where the strategy does not
-            # capture now, the probe builds its own copy (never the layer's state).
-            captured = self._capture and self.strategy.captures(layer)
-            shadow = probe.capture_input(
-                layer, module, args, kwargs, captured=captured, grad_enabled=grad_enabled
-            )
-            if shadow is not None:
-                hooks.append(shadow)
-        if not (self._capture and module.training and grad_enabled):
-            if self._capture and grad_enabled:
-                layer.seen_in_eval_mode = True  # explains a missing capture in the warning
-            return hooks
-        # On every rank, captured here or not: the ranks run the same forward, so each
-        # knows which layers their owners have captured (grouped's receivers need it).
-        layer.ever_seen = True
-        if not self.strategy.captures(layer):
-            return hooks
-        x = args[0] if args else kwargs.get("input")
-        if not isinstance(x, torch.Tensor):
-            return hooks
-        with self._timer.phase("factor_compute"):
-            layer.accumulate_a(
-                x, self.options.weight_sharing, self._dtype_for(layer), self.options.factor_method
-            )
-        self._factor_ready(layer, "A")
-        hooks.append(partial(self._grad_hook, layer))
-        return hooks
-
-    def _grad_hook(self, layer: KFACLayer, grad: torch.Tensor) -> None:
-        with self._timer.phase("factor_compute"):
-            options = self.options
-            layer.accumulate_g(
-                grad,
-                options.weight_sharing,
-                self._dtype_for(layer),
-                options.factor_method,
-                inverse_scale=self._inverse_scale(grad.device),
-            )
-        self._factor_ready(layer, "G")
-
-    def _inverse_scale(self, device: torch.device) -> torch.Tensor | None:
-        """The loss scale's ``1/s`` on ``device``: computed once per step, not once per layer
-        (the scale changes only at ``scaler.update()``, after ``step()``)."""
-        if self.grad_scaler is None:
-            return None
-        if device not in self._inverse_scales:
-            inverse = inverse_loss_scale(self.grad_scaler, device)
-            if inverse is None:
-                return None
-            self._inverse_scales[device] = inverse
-        return self._inverse_scales[device]
-
-    def _factor_ready(self, layer: KFACLayer, which: str) -> None:
-        """Tell the strategy a batch factor is complete, from the last micro-batch on.
-
-        Earlier micro-batches are not announced: a pipelined strategy would
-        send a partial sum and have to send the factor again at step time.
-        """
-        if layer.factors[which].count >= self.options.accumulation_steps:
-            self.strategy.factor_ready(layer, which)
-
-    # --------------------------------------------------------------- placement
-    def _finalise_placement(self) -> None:
-        """Place layers from the first batch's shapes, agreed on by all ranks.
-
-        Where options are left to choose ("auto"), the cost model resolves them
-        first for these shapes, and the strategy is configured with the choice.
-        """
-        strategy = self.strategy
-        stats = [float(v) for x in self._layer_list for v in (x.batch_size, x.positions)]
-        if strategy.scheme.placement_uses_batch(self._given_options):
-            stats = self.comm.agree_max(stats)
-        # A step's batch is its k micro-batches: placing by one micro-batch would
-        # place (and so precondition) an accumulated run unlike the same batch in one.
-        k = self.options.accumulation_steps
-        shapes = [
-            layer_shape(x, k * int(stats[2 * i]), int(stats[2 * i + 1]))
-            for i, x in enumerate(self._layer_list)
-        ]
-        if not strategy.configured:
-            scheme = strategy.scheme
-            chosen, self.choice = resolve(
-                scheme,
-                strategy.options,
-                shapes=shapes,
-                world_size=self.comm.size,
-                kfac=self.options,
-                allow=lambda c: (
-                    self._overlap is not None or not scheme.traits(c).overlapped_precondition
-                ),
-            )
-            strategy.configure(chosen)
-            log_choice(strategy.scheme, self.comm.size, chosen, self.choice)
-        strategy.place(self._layer_list, shapes, final=True, given=self._given_options)
-        if self.comm.rank == 0 and self.comm.size > 1:
-            for x in self._layer_list:
-                log.info(
-                    "placed %s: owner rank %d, A decomposed by %s, G by %s",
-                    x.name,
-                    x.owner,
-                    x.a_owner,
-                    x.g_owner,
-                )
-        for layer in self._layer_list:
-            if not self.strategy.captures(layer):
-                # Another rank holds this layer: drop what was built here, and what a
-                # checkpoint of another world size gave every rank (dp_kfac's factors).
-                layer.clear_pending()
-                keep_decompositions = self.strategy.preconditions(layer)
-                for state in layer.factors.values():
-                    state.running = None
-                    if not keep_decompositions:  # a gradient worker keeps them
-                        state.decomposition = None
 
     # -------------------------------------------------------------------- step
     @torch.no_grad()
@@ -748,7 +491,7 @@ class KFACPreconditioner:
             )
             return
         self._check_order()
-        self._inverse_scales = {}  # the next backward may run under another loss scale
+        self._capture.forget_loss_scale()  # the next backward may run under another scale
         step = self.steps
         strat = self.strategy
         layers = self._layer_list
@@ -756,9 +499,25 @@ class KFACPreconditioner:
         if probe is not None:
             # The local batch factors, before placement drops or reduction averages them.
             probe.collect()
-        self._check_unfrozen()
+        self._params.follow_unfrozen(
+            hooks_fixed=lambda: (
+                self._overlap is not None
+                and (strat.traits.overlapped_precondition or not strat.configured)
+            ),
+            ddp=self.ddp,
+        )
         if not strat.placed:
-            self._finalise_placement()
+            # At the first step: "auto" resolved for the agreed shapes, layers placed.
+            choice = finalise_placement(
+                layers,
+                strat,
+                comm=self.comm,
+                kfac=self.options,
+                given=self._given_options,
+                overlap_installed=self._overlap is not None,
+            )
+            if choice is not None:
+                self.choice = choice
         self._buffer_peak = max(self._buffer_peak, sum(x.pending_nbytes() for x in layers))
 
         # A strategy that did this step's work in the backward pass (dp_kfac's
@@ -766,15 +525,15 @@ class KFACPreconditioner:
         overlapped = None if self._overlap is None else self._overlap.finish()
         if overlapped is not None:
             self._apply(overlapped, step)
-            self._warn_uncaptured()
+            self._capture.warn_uncaptured()
             self.steps += 1
             self._arm(self.steps)
             return
 
         if not self.ddp:
-            strat.reduce_gradients(layers, self._other_params)
+            strat.reduce_gradients(layers, self._params.others)
 
-        if any(x.has_pending(w) for x in layers for w in FACTORS) or self._capture:
+        if any(x.has_pending(w) for x in layers for w in FACTORS) or self._capture.active:
             strat.reduce_factors(layers)
             self._fold_factors(float(self.options.at("factor_decay", step)))
 
@@ -793,7 +552,7 @@ class KFACPreconditioner:
         with_kl = self.options.kl_clip is not None
         final = strat.share_preconditioned(layers, results, with_kl=with_kl)
         self._apply(final, step)
-        self._warn_uncaptured()
+        self._capture.warn_uncaptured()
 
         self.steps += 1
         self._arm(self.steps)
@@ -813,7 +572,7 @@ class KFACPreconditioner:
         # The zero check rides on the ordinary step's read of a factor step: elsewhere
         # there is no read to join (the overlapped mode reads in its own finish()).
         overlapped = self._overlap is not None and self._overlap.ctx.flags.overlapped
-        reads = self._capture and not overlapped
+        reads = self._capture.active and not overlapped
         self._nonzero = ledger.zero_flag() if misuse is None and reads else None
         ledger.reset()
         if misuse is None:
@@ -909,7 +668,7 @@ class KFACPreconditioner:
     def _gradients_finite(self) -> torch.Tensor:
         """Device flag: every gradient this rank holds (K-FAC layers' and the others') is
         finite."""
-        grads = [g for p in self._params if p.requires_grad and (g := p.grad) is not None]
+        grads = [g for p in self._params.all if p.requires_grad and (g := p.grad) is not None]
         if not grads:
             return torch.ones((), dtype=torch.bool, device=self.device)
         return torch.stack([torch.isfinite(g).all().to(self.device) for g in grads]).all()
@@ -956,7 +715,7 @@ class KFACPreconditioner:
         vg_sum = torch.stack([t.to(device) for t in terms]).sum() * lr**2
         if self.takes_scaled_gradients:
             # ⟨V, ∇W⟩ of gradients scaled by s is s² too large.
-            inverse = self._inverse_scale(device)
+            inverse = self._capture.inverse_scale(device)
             if inverse is not None:
                 vg_sum = vg_sum * inverse.to(vg_sum.dtype) ** 2
         usable = torch.isfinite(vg_sum) & (vg_sum != 0)
@@ -977,33 +736,6 @@ class KFACPreconditioner:
                 factor = scale if flag is True else torch.where(flag, scale, 1.0)
                 matrix = matrix * factor.to(matrix.device)
             layer.helper.set_grad_matrix(matrix)
-
-    def _warn_uncaptured(self) -> None:
-        """Warn once per layer whose hooks never fired although it has a gradient."""
-        for layer in self._layer_list:
-            if (
-                layer.ever_captured
-                or layer.warned_no_capture
-                or not self.strategy.captures(layer)
-                or layer.module.weight.grad is None
-            ):
-                continue
-            layer.warned_no_capture = True
-            reason = (
-                "its forward ran in eval mode during training steps (call model.train(); "
-                "from_pretrained() returns eval-mode models)"
-                if layer.seen_in_eval_mode
-                else "its forward hook never fired (it is probably called functionally: its "
-                "weight used by F.linear or the like instead of calling the module"
-                f"{uncaptured_hint()})"
-            )
-            # The user's pre.step() call: this method, step(), then torch.no_grad's wrapper.
-            warnings.warn(
-                f"dpkfac: layer {layer.name!r} ({type(layer.module).__name__}) received a gradient "
-                f"but was never captured: {reason}; it keeps its averaged gradient",
-                RuntimeWarning,
-                stacklevel=4,
-            )
 
     # -------------------------------------------------------------- inspection
     def comm_stats(self) -> dict[str, dict[str, int]]:
@@ -1059,30 +791,14 @@ class KFACPreconditioner:
         them first. Otherwise every rank's state is already complete and no
         communication happens.
         """
-        # Lazily synchronised factors differ between ranks until averaged: a
-        # checkpoint holds their average (a collective then, on every rank).
-        self.strategy.sync_factors(self._layer_list)
-        layers = {x.name: layer_state(x, **self._held(x)) for x in self._layer_list}
-        if self.comm.active and not self.strategy.replicated_state:
-            parts = self.comm.gather_objects(layers, dst=0)
-            for part in parts or []:
-                for name, entry in part.items():
-                    layers[name] = merge_layer_states(layers[name], entry)
-        return {
-            "steps": self.steps,
-            "strategy": self.strategy_name,
-            "compute_method": self.options.compute_method,
-            "world_size": self.comm.size,
-            "placed": self.strategy.placed,
-            "layers": layers,
-            "strategy_state": self.strategy.state_dict(),
-        }
-
-    def _held(self, layer: KFACLayer) -> dict[str, bool]:
-        """What this rank holds of a layer: its factors where it captures the layer, its
-        decompositions there and where it preconditions the layer (a gradient worker)."""
-        captures = self.strategy.captures(layer)
-        return {"held": captures, "decompositions": captures or self.strategy.preconditions(layer)}
+        return save_state(
+            self._layer_list,
+            self.strategy,
+            self.comm,
+            steps=self.steps,
+            strategy_name=self.strategy_name,
+            compute_method=self.options.compute_method,
+        )
 
     def load_state_dict(
         self, state: dict[str, Any], *, allow_world_size_change: bool = False
@@ -1112,81 +828,21 @@ class KFACPreconditioner:
             ValueError: Another strategy or compute method, another world size
                 without ``allow_world_size_change``, or layers this model lacks.
         """
-        saved = dict(state)
-        if isinstance(saved.get("strategy"), str):  # checkpoints of another spelling
-            saved["strategy"] = name_key(saved["strategy"])
-        for key, mine in (
-            ("strategy", self.strategy_name),
-            ("compute_method", self.options.compute_method),
-        ):
-            if saved.get(key) != mine:
-                raise ValueError(
-                    f"checkpoint was saved with {key}={saved.get(key)!r} but this preconditioner "
-                    f"has {key}={mine!r}"
-                )
-        resized = saved.get("world_size") != self.comm.size
-        if resized and not allow_world_size_change:
-            raise ValueError(
-                f"checkpoint was saved with world_size={saved.get('world_size')!r} but this "
-                f"preconditioner has world_size={self.comm.size!r} (pass "
-                "allow_world_size_change=True to continue without a bitwise guarantee)"
-            )
-        missing = sorted(set(state["layers"]) - set(self.layers))
-        if missing:
-            raise ValueError(f"checkpoint has K-FAC layers this model lacks: {missing}")
-        self.steps = int(state["steps"])
-        entries = {n: e for n, e in state["layers"].items() if n in self.layers}
-        if resized:
-            self._load_resized(entries, saved.get("world_size"))
-        else:
-            self.strategy.placed = bool(state["placed"])
-            self.strategy.load_state_dict(state.get("strategy_state", {}))
-            for name, entry in entries.items():  # placement first: it decides what is held
-                load_layer_state(self.layers[name], entry, self.method, held=None)
-            self.strategy.restore(self._layer_list, given=self._given_options)
-            for name, entry in entries.items():
-                layer = self.layers[name]
-                load_layer_state(layer, entry, self.method, **self._held(layer))
-        self._arm(self.steps)
-
-    def _load_resized(self, entries: dict[str, dict[str, Any]], saved_size: Any) -> None:
-        """Load layer entries saved by another number of ranks (see :meth:`load_state_dict`)."""
-        # The saved owners may not exist here: place with nominal shapes now (every
-        # rank captures every layer until the first step places with measured ones).
-        self.strategy.placed = False
-        self.strategy.place(
-            self._layer_list,
-            [layer_shape(x, 1, 1) for x in self._layer_list],
+        loaded = load_state(
+            state,
+            self.layers,
+            self.strategy,
+            world_size=self.comm.size,
+            method=self.method,
+            strategy_name=self.strategy_name,
+            compute_method=self.options.compute_method,
             given=self._given_options,
+            allow_world_size_change=allow_world_size_change,
         )
-        for name, entry in entries.items():
-            layer = self.layers[name]
-            here = {
-                **entry,
-                "owner": layer.owner,
-                "a_owner": layer.factors["A"].owner,
-                "g_owner": layer.factors["G"].owner,
-            }
-            load_layer_state(layer, here, self.method, held=True)
-        # Identical on every rank (they load the same state), so all agree on the step.
-        self._decompose_next = any(
-            entry[w] is not None and entry[f"{w}_decomp"] is None
-            for entry in entries.values()
-            for w in FACTORS
-        )
-        warnings.warn(
-            f"dpkfac: checkpoint was saved with world_size={saved_size!r}, this preconditioner has "
-            f"world_size={self.comm.size}: continuing with the saved factors"
-            + (
-                " (the missing decompositions are computed at the next step)"
-                if self._decompose_next
-                else " and decompositions"
-            )
-            + "; layers are placed again at the next step, and the run is not a bitwise "
-            "continuation",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        self.steps = loaded.steps
+        if loaded.resized:
+            self._decompose_next = loaded.decompose_next
+        self._arm(self.steps)
 
     def __repr__(self) -> str:
         return (

@@ -156,7 +156,7 @@ def _private_members() -> set[str]:
 
 def test_no_module_touches_the_preconditioners_private_members() -> None:
     private = _private_members()
-    assert {"_fidelity", "_decompose", "_timer", "_other_params"} <= private
+    assert {"_fidelity", "_decompose", "_timer", "_params"} <= private
     found = []
     paths = [*PACKAGE.rglob("*.py"), *(ROOT / "experiments").rglob("*.py")]
     for path in paths:

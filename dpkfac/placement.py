@@ -1,0 +1,129 @@
+"""Placement: the strategy built at start-up, and "auto" resolved and layers placed at step one.
+
+Two decisions are made before a run's curvature work starts, and neither
+belongs to the step loop or to a strategy:
+
+* :func:`build_strategy`, at construction: a scheme that places work by a
+  hardware model (spd_kfac, grouped's "auto" without ``hardware=``) has it
+  measured on the run's group first (a collective), then the runtime
+  strategy is made;
+* :func:`finalise_placement`, at the first ``step()``: the ranks agree on the
+  shapes of the step's batch, options left to choose ("auto") are priced by
+  the cost model's :func:`~dpkfac.costmodel.predict.resolve` for exactly those
+  shapes, the strategy is configured with the choice, and the layers are
+  placed for good; each rank then drops what it built of layers others hold.
+
+It sits below the preconditioner (which calls it) and beside the cost model
+(which it calls), so the runtime and a prediction resolve "auto" the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from dpkfac.comm import Communicator
+from dpkfac.costmodel.auto import Candidate, log_choice
+from dpkfac.costmodel.predict import resolve
+from dpkfac.curvature import KFACLayer
+from dpkfac.curvature.decomposition import Decomposition
+from dpkfac.options import KFACOptions
+from dpkfac.plan import Scheme, StrategyOptions
+from dpkfac.probes import start_up_hardware
+from dpkfac.strategies import Strategy, strategy_class
+from dpkfac.strategies.base import layer_shape
+
+__all__ = ["build_strategy", "finalise_placement"]
+
+log = logging.getLogger("dpkfac")
+
+
+def build_strategy(
+    scheme: type[Scheme],
+    options: StrategyOptions,
+    *,
+    comm: Communicator,
+    method: type[Decomposition],
+    kfac: KFACOptions,
+) -> Strategy:
+    """The runtime strategy, once the start-up measurement its options ask for is done.
+
+    The options the run was given decide its one-time setup (the caller keeps
+    them); a hardware model the scheme places work by is measured now, on this
+    group (a collective).
+    """
+    if scheme.measures_hardware(options):
+        options = scheme.with_hardware(options, start_up_hardware(comm))
+    return strategy_class(scheme.name)(
+        comm,
+        method,
+        options,
+        decomposition_dtype=kfac.decomposition_dtype,
+        bucket_cap_mb=kfac.bucket_cap_mb,
+        kfac=kfac,
+    )
+
+
+def finalise_placement(
+    layers: Sequence[KFACLayer],
+    strategy: Strategy,
+    *,
+    comm: Communicator,
+    kfac: KFACOptions,
+    given: StrategyOptions,
+    overlap_installed: bool,
+) -> list[Candidate] | None:
+    """Place layers from the first batch's shapes, agreed on by all ranks.
+
+    Where options are left to choose ("auto"), the cost model resolves them
+    first for these shapes, and the strategy is configured with the choice; a
+    candidate that overlaps is allowed only where the overlapped mode's hooks
+    were installed at construction (``overlap_installed``).
+
+    Returns:
+        Every candidate "auto" priced, or None where the strategy was already
+        configured (nothing was resolved now).
+    """
+    stats = [float(v) for x in layers for v in (x.batch_size, x.positions)]
+    if strategy.scheme.placement_uses_batch(given):
+        stats = comm.agree_max(stats)
+    # A step's batch is its k micro-batches: placing by one micro-batch would
+    # place (and so precondition) an accumulated run unlike the same batch in one.
+    k = kfac.accumulation_steps
+    shapes = [
+        layer_shape(x, k * int(stats[2 * i]), int(stats[2 * i + 1])) for i, x in enumerate(layers)
+    ]
+    choice = None
+    if not strategy.configured:
+        scheme = strategy.scheme
+        chosen, choice = resolve(
+            scheme,
+            strategy.options,
+            shapes=shapes,
+            world_size=comm.size,
+            kfac=kfac,
+            allow=lambda c: overlap_installed or not scheme.traits(c).overlapped_precondition,
+        )
+        strategy.configure(chosen)
+        log_choice(strategy.scheme, comm.size, chosen, choice)
+    strategy.place(layers, shapes, final=True, given=given)
+    if comm.rank == 0 and comm.size > 1:
+        for x in layers:
+            log.info(
+                "placed %s: owner rank %d, A decomposed by %s, G by %s",
+                x.name,
+                x.owner,
+                x.a_owner,
+                x.g_owner,
+            )
+    for layer in layers:
+        if not strategy.captures(layer):
+            # Another rank holds this layer: drop what was built here, and what a
+            # checkpoint of another world size gave every rank (dp_kfac's factors).
+            layer.clear_pending()
+            keep_decompositions = strategy.preconditions(layer)
+            for state in layer.factors.values():
+                state.running = None
+                if not keep_decompositions:  # a gradient worker keeps them
+                    state.decomposition = None
+    return choice
