@@ -91,6 +91,8 @@ class DPKFACScheme(Scheme):
             captures_all=False,
             factor_comm="none",
             triangle=False,
+            # The owner alone preconditions a layer, so no rank needs another's
+            # decompositions: the plan gets no decomposition group, and none is sent.
             decomposition_broadcast=False,
             preconditions_all=False,
             owner_grad_reduction=options.grad_reduction == "owner",
