@@ -1,10 +1,11 @@
-"""KFACPreconditioner: capture hooks, the generic step loop and checkpoint state.
+"""KFACPreconditioner: the public API and the generic step loop.
 
 The loop is the same for every distribution scheme; at each point it asks
 the strategy object (:mod:`dpkfac.strategies`) what this rank should do:
 
-1. capture (hooks): build batch factors for the layers this rank captures,
-   A in the forward hook and G in a hook on the layer's output tensor;
+1. capture (hooks, :mod:`dpkfac.capture`): build batch factors for the layers
+   this rank captures, A in the forward hook and G in a hook on the layer's
+   output tensor;
 2. average gradients across ranks (unless DDP already has);
 3. reduce batch factors (strategy-specific) and fold them into running averages;
 4. on decomposition steps, decompose the factors this rank is assigned and
@@ -12,20 +13,19 @@ the strategy object (:mod:`dpkfac.strategies`) what this rank should do:
 5. precondition the layers this rank is responsible for and share the results;
 6. scale by the KL clip and write the gradients back for ``optimizer.step()``.
 
-The G hook is registered on the layer's *output tensor* rather than with
-``register_full_backward_hook``: a tensor hook registered before an in-place
-op (``nn.ReLU(inplace=True)``) still receives the gradient of the value the
-layer produced, whereas the module backward hook errors out.
-
-Under ``torch.compile`` the hooks are not traced: they put two operators into
-the model's graph that run the same capture when the graph runs (no graph
-break, one graph with the capture and one without; :mod:`dpkfac.compile`).
+This module is the one orchestrator: what runs around the loop lives beside
+it, below it, and is handed what it needs, never the preconditioner: the
+capture hooks and the parameters they follow (:mod:`dpkfac.capture`), the
+strategy built at start-up and the first step's placement, where "auto"
+options are resolved (:mod:`dpkfac.placement`), checkpoints and world-size
+changes (:mod:`dpkfac.state`), the layer report (:mod:`dpkfac.report`), the
+overlapped mode (:mod:`dpkfac.overlap`) and the fidelity probe
+(:mod:`dpkfac.fidelity`). docs/design.md walks through one dp_kfac step.
 """
 
 from __future__ import annotations
 
 import inspect
-import logging
 import re
 import warnings
 from collections.abc import Iterable
@@ -52,13 +52,11 @@ from dpkfac.options import KFACOptions, Scalar, Schedule
 from dpkfac.overlap import OverlapContext, OverlapEngine
 from dpkfac.placement import build_strategy, finalise_placement
 from dpkfac.plan import SCHEMES, Scheme, StrategyOptions, scheme_of, scheme_options
-from dpkfac.report import format_table, layer_rows, skipped_modules, slow_factors
+from dpkfac.report import format_table, layer_rows, report_construction, skipped_modules
 from dpkfac.state import load_state, save_state
 from dpkfac.stats import CommStats, PhaseTimer
 from dpkfac.strategies import Preconditioned, Strategy
 from dpkfac.strategies.base import layer_shape, precondition_layer
-
-log = logging.getLogger("dpkfac")
 
 
 def _scheme_and_options(
@@ -297,7 +295,13 @@ class KFACPreconditioner:
         self._layer_list = list(self.layers.values())
         self._params = Parameters(self.module, self._layer_list)
         self._skipped = skipped_modules(self.module, self.layers, self._skip)
-        self._report_construction()
+        report_construction(
+            self._layer_list,
+            self._skipped,
+            rank=self.comm.rank,
+            device_type=self.device.type,
+            inv_update_steps=self.options.inv_update_steps,
+        )
         # Checked even while the probe is off: a typo should not wait for fidelity_every > 0.
         select_layers(list(self.layers), self.options.fidelity_layers)
         self.strategy.place(
@@ -426,35 +430,6 @@ class KFACPreconditioner:
         self._buffer_peak = max(self._buffer_peak, nbytes)
 
     # ------------------------------------------------------------ registration
-    def _report_construction(self) -> None:
-        """Log what is preconditioned and what is not (rank 0); warn of slow factors."""
-        if self.comm.rank == 0:
-            for x in self._layer_list:
-                log.info(
-                    "K-FAC layer %s (%s): A %d x %d, G %d x %d",
-                    x.name,
-                    type(x.module).__name__,
-                    x.helper.a_dim,
-                    x.helper.a_dim,
-                    x.helper.g_dim,
-                    x.helper.g_dim,
-                )
-            for skipped in self._skipped:
-                log.info("not preconditioned: %s (%s): %s", *vars(skipped).values())
-        slow = slow_factors(self._layer_list, self.device.type)
-        if slow:
-            listed = ", ".join(f"{n} {w} {d}-wide (~{t:.0f} s)" for n, w, d, t in slow[:3])
-            interval = self.options.inv_update_steps
-            warnings.warn(
-                f"dpkfac: decomposing the widest factors will dominate a step on "
-                f"{self.device.type}: {listed}{' and more' if len(slow) > 3 else ''} per "
-                f"decomposition step; raise inv_update_steps (now {interval!r}) so they are "
-                "decomposed rarely, leave those layers out (skip_layers), or use "
-                "compute_method='inverse'",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-
     def summary(self) -> str:
         """A table of the K-FAC layers (sizes, placement, MiB held here) and of the modules
         left alone with the reason, then the time per phase (ms). Reads timings: on a GPU

@@ -5,12 +5,15 @@ A researcher's first question about a new model is what K-FAC does with it.
 preconditioned, with the reason; :func:`layer_rows` describes every K-FAC
 layer; :func:`format_table` renders both for ``KFACPreconditioner.summary()``;
 :func:`slow_factors` finds the factors whose decomposition alone takes long
-enough to dominate a step on the run's device.
+enough to dominate a step on the run's device; :func:`report_construction`
+logs the first two and warns of the last when a preconditioner is built.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +24,8 @@ from dpkfac.attention import not_capturable
 from dpkfac.curvature import KFACLayer, helper_for
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.plan.assignment import EIGH_COEFF
+
+log = logging.getLogger("dpkfac")
 
 #: Predicted seconds of one factor's decomposition above which the run is warned.
 SLOW_DECOMPOSITION_S = 1.0
@@ -154,3 +159,43 @@ def format_table(
             + ", ".join(f"{k} {v:.1f}" for k, v in timings_ms.items() if v)
         )
     return "\n".join(lines)
+
+
+def report_construction(
+    layers: Sequence[KFACLayer],
+    skipped: Sequence[Skipped],
+    *,
+    rank: int,
+    device_type: str,
+    inv_update_steps: object,
+) -> None:
+    """Log what is preconditioned and what is not (rank 0); warn of slow factors.
+
+    Called by the preconditioner's constructor itself: the warning points at
+    the user's ``KFACPreconditioner(...)``.
+    """
+    if rank == 0:
+        for x in layers:
+            log.info(
+                "K-FAC layer %s (%s): A %d x %d, G %d x %d",
+                x.name,
+                type(x.module).__name__,
+                x.helper.a_dim,
+                x.helper.a_dim,
+                x.helper.g_dim,
+                x.helper.g_dim,
+            )
+        for entry in skipped:
+            log.info("not preconditioned: %s (%s): %s", *vars(entry).values())
+    slow = slow_factors(layers, device_type)
+    if slow:
+        listed = ", ".join(f"{n} {w} {d}-wide (~{t:.0f} s)" for n, w, d, t in slow[:3])
+        warnings.warn(
+            f"dpkfac: decomposing the widest factors will dominate a step on "
+            f"{device_type}: {listed}{' and more' if len(slow) > 3 else ''} per "
+            f"decomposition step; raise inv_update_steps (now {inv_update_steps!r}) so they are "
+            "decomposed rarely, leave those layers out (skip_layers), or use "
+            "compute_method='inverse'",
+            RuntimeWarning,
+            stacklevel=3,
+        )
