@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dpkfac.curvature import COMPUTE_METHODS as _DECOMPOSITIONS
+from dpkfac.curvature import DECOMPOSITIONS
 from dpkfac.curvature.factors import WEIGHT_SHARING
 from dpkfac.curvature.kernels import FACTOR_METHODS
 from dpkfac.plan.options import (
@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 #: The compute methods, as the decompositions registry names them.
-COMPUTE_METHODS = tuple(_DECOMPOSITIONS)
+COMPUTE_METHODS = tuple(DECOMPOSITIONS)
 
 
 def _check_steps(name: str, value: Any) -> None:

@@ -44,7 +44,7 @@ from dpkfac.capture import Capture, Parameters, find_layers
 from dpkfac.comm import Communicator
 from dpkfac.compile import unwrap_compiled
 from dpkfac.costmodel.auto import Candidate
-from dpkfac.curvature import COMPUTE_METHODS, KFACLayer
+from dpkfac.curvature import DECOMPOSITIONS, KFACLayer
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.device import HostReader
 from dpkfac.fidelity import FidelityProbe, select_layers
@@ -255,7 +255,7 @@ class KFACPreconditioner:
         self.module: nn.Module = unwrap_compiled(
             model.module if isinstance(model, DistributedDataParallel) else model
         )
-        self.method = COMPUTE_METHODS[self.options.compute_method]
+        self.method = DECOMPOSITIONS[self.options.compute_method]
         self.steps = 0
 
         self._stats = CommStats()

@@ -7,7 +7,7 @@ calls what, and all collectives live in :mod:`dpkfac.comm`.
 from __future__ import annotations
 
 from dpkfac.curvature.decomposition import (
-    COMPUTE_METHODS,
+    DECOMPOSITIONS,
     Decomposition,
     EigenDecomposition,
     InverseDecomposition,
@@ -18,7 +18,7 @@ from dpkfac.curvature.layer import KFACLayer
 from dpkfac.curvature.modules import MODULE_HELPERS, ModuleHelper, helper_for
 
 __all__ = [
-    "COMPUTE_METHODS",
+    "DECOMPOSITIONS",
     "MODULE_HELPERS",
     "Decomposition",
     "EigenDecomposition",

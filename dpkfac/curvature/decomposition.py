@@ -203,7 +203,8 @@ class InverseDecomposition(Decomposition):
         return [self.inv]
 
 
-COMPUTE_METHODS: dict[str, type[Decomposition]] = {
+#: The decomposition of each compute method (the choices: dpkfac.options.COMPUTE_METHODS).
+DECOMPOSITIONS: dict[str, type[Decomposition]] = {
     "eigen": EigenDecomposition,
     "inverse": InverseDecomposition,
 }
