@@ -15,9 +15,10 @@ in the library's words. Both entry points use these checks.
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +92,119 @@ _TRAINING: Checks = {
     "optimizer.weight_decay": (_optional(_non_negative), "a non-negative number"),
 }
 
+
+@dataclass(frozen=True)
+class Table:
+    """One results table, ``results/<name>.*``, and the function that writes it.
+
+    ``kind``: ``measured`` (a sweep's rows, ``writer(rows, out)``: conf/table/<name>.yaml's
+    callback, or ``python -m experiments.bench.tables <name>`` from results/raw/<name>.csv),
+    ``predicted`` (``writer(out)``: nothing measured) or ``task`` (one benchmark job,
+    ``task=<name>``, runs and writes it: ``writer(cfg)``). ``writer``: ``module:function``,
+    imported when the table is written. ``shown`` (how results/README.md calls the
+    numbers: measured, predicted, simulated) and ``what`` (one sentence): its line there, if any.
+    """
+
+    name: str
+    kind: str
+    writer: str
+    shown: str = ""
+    what: str = ""
+
+    def write(self, *args: Any) -> dict[str, Path]:
+        module, function = self.writer.split(":")
+        result: dict[str, Path] = getattr(importlib.import_module(module), function)(*args)
+        return result
+
+    @property
+    def recipe(self) -> str:
+        """The command that writes it."""
+        if self.kind == "predicted":
+            return f"python -m experiments.bench.tables {self.name}"
+        sweep = "-m " if self.kind == "measured" else ""
+        return f"python -m experiments.bench {sweep}table={self.name}"
+
+
+_TABLES = "experiments.bench.tables:write_"
+#: Every table, in results/README.md's order (docs/reproduction.md, "How to add a table").
+TABLES = {
+    t.name: t
+    for t in (
+        Table(
+            "second_order_update",
+            "measured",
+            _TABLES + "second_order_update",
+            "measured",
+            "Cost of one second-order update per strategy (compute, bytes, K-FAC memory), "
+            "DP-KFAC against the baselines, six models.",
+        ),
+        Table(
+            "ablation",
+            "measured",
+            _TABLES + "ablation",
+            "measured + predicted",
+            "From D-KFAC to DP-KFAC one switch at a time, every strategy config interleaved at "
+            "P=2, beside the cost model's prediction at P=64 on V100/InfiniBand.",
+        ),
+        Table(
+            "time_breakdown",
+            "measured",
+            _TABLES + "time_breakdown",
+            "measured",
+            "One iteration split into its phases per strategy (the stacked bars).",
+        ),
+        Table(
+            "scaling",
+            "measured",
+            _TABLES + "scaling",
+            "measured + predicted",
+            "Iteration time at P=1, 2, 4 and predicted to 256; the cost model's per-phase error "
+            "with the predicted world size held out (scaling_errors.csv).",
+        ),
+        Table(
+            "convergence",
+            "measured",
+            _TABLES + "convergence",
+            "measured",
+            "Test accuracy per epoch on scikit-learn digits (the default preset) per strategy "
+            "and P, and the smoke status of every training preset.",
+        ),
+        Table(
+            "convergence_scale",
+            "measured",
+            "experiments.bench.convergence_scale:write_convergence_scale",
+        ),
+        Table(
+            "fidelity",
+            "task",
+            "experiments.bench.run:fidelity_task",
+            "measured",
+            "Cosine between the update from an owner's local factors and the one from all "
+            "ranks' factors, per layer over training steps.",
+        ),
+        Table("factor_kernels", "task", "experiments.bench.run:factor_kernels_task"),
+        Table(
+            "paper",
+            "predicted",
+            "experiments.bench.paper:write_paper",
+            "predicted",
+            "The DP-KFAC paper's headline ratios predicted at P=64 on V100/InfiniBand for the "
+            "paper-size models.",
+        ),
+        Table(
+            "scale_sim",
+            "task",
+            "experiments.bench.run:scale_sim_task",
+            "simulated",
+            "One rank of a P=64-1024 job on torch's fake process group: its bytes, calls and "
+            "memory against the cost model's, exactly.",
+        ),
+    )
+}
 #: What a benchmark job does: the first three write benchmark rows (a table preset's callback
-#: turns a sweep's rows into its table); the others are the jobs of table presets that
-#: write their own files (conf/table/fidelity.yaml, factor_kernels.yaml, scale_sim.yaml).
+#: turns a sweep's rows into its table); the others are the jobs of the ``task`` tables.
 ROW_TASKS = ("timing", "convergence", "convergence_scale")
-TABLE_TASKS = ("fidelity", "factor_kernels", "scale_sim")
+TABLE_TASKS = tuple(name for name, t in TABLES.items() if t.kind == "task")
 TASKS = (*ROW_TASKS, *TABLE_TASKS)
 #: Values of ``trainer.precision`` (Hydra reads a bare 32 as an int).
 PRECISIONS = (32, "32", "bf16", "fp16")

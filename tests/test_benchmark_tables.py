@@ -769,7 +769,7 @@ def test_the_results_index_is_generated_from_the_results() -> None:
     assert text.rstrip("\n").split("\n") == results_index.index(ROOT / "results"), (
         "results/README.md is stale: run make notebook"
     )
-    for entry in results_index.TABLES:
+    for entry in results_index.TABLES.values():
         if (ROOT / "results" / f"{entry.name}.md").exists():
             assert f"[{entry.name}]({entry.name}.md)" in text
 

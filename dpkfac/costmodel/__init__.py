@@ -20,7 +20,7 @@ and for plain data parallelism (``strategy=None``, :func:`predict_sgd`):
 flops against seconds); :func:`fit` fits one to measured runs
 (:class:`Measurement`); :data:`PRESETS` holds the papers' 64-GPU cluster
 (estimates with sources) and this machine (measured). :func:`predicted_table`
-builds the DP-KFAC paper's table; ``python -m dpkfac.costmodel`` prints it,
+prices every configuration on the papers' models; ``python -m dpkfac.costmodel`` prints it,
 and ``python -m dpkfac.costmodel balance`` the load balance of DP-KFAC's
 layer assignments on the same models.
 
@@ -56,7 +56,7 @@ from dpkfac.costmodel.memory import (
 )
 from dpkfac.costmodel.predict import Prediction, StepPrediction, predict, predict_sgd, resolve
 from dpkfac.costmodel.shapes import ModelShapes, as_model_shapes, shapes_from_model
-from dpkfac.costmodel.table import BASELINES, VARIANTS, format_table, predicted_table
+from dpkfac.costmodel.table import VARIANTS, format_table, predicted_table
 from dpkfac.costmodel.timing import owner_seconds, seconds_cost
 from dpkfac.costmodel.traffic import Collective, Placement, comm_counts
 from dpkfac.costmodel.zoo import PAPER_MODELS, bert_qa, resnet50, transformer
@@ -74,7 +74,6 @@ from dpkfac.plan.hardware import (
 from dpkfac.plan.presets import PRESETS
 
 __all__ = [
-    "BASELINES",
     "OPTIMIZER_STATE",
     "PAPER_MODELS",
     "PRESETS",

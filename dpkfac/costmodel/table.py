@@ -1,12 +1,11 @@
-"""The DP-KFAC paper's headline table, predicted: cost per second-order update at 64 GPUs.
+"""Predicted cost per second-order update, one row per model and strategy configuration.
 
-For each model and strategy variant: the busiest rank's K-FAC computation
-(factor construction, decomposition, preconditioning), the communication
-K-FAC adds to plain data parallelism, the busiest rank's K-FAC memory, and
-the iteration time against SGD's. Every row that is not a baseline carries
-the ratios the paper reports ("how many times lower"): each baseline of
-:data:`dpkfac.plan.configs.BASELINES` over the row (``<metric>_x_d_kfac``, ...)
-and the best (cheapest) baseline over the row (``<metric>_x_best``).
+For each: the busiest rank's K-FAC computation (factor construction,
+decomposition, preconditioning), the communication K-FAC adds to plain data
+parallelism, the busiest rank's K-FAC memory, and the iteration time against
+SGD's. The DP-KFAC paper's headline (these costs of dp_kfac against the best
+of :data:`dpkfac.plan.configs.BASELINES`) is one table, ``results/paper.md``
+(:mod:`experiments.bench.paper`).
 """
 
 from __future__ import annotations
@@ -18,15 +17,14 @@ from dpkfac.costmodel.predict import predict, predict_sgd
 from dpkfac.options import KFACOptions
 from dpkfac.plan import scheme_of
 from dpkfac.plan.assignment import LayerShape
-from dpkfac.plan.configs import BASELINES, kfac_configs
+from dpkfac.plan.configs import kfac_configs
 from dpkfac.plan.hardware import Hardware
 from dpkfac.plan.presets import PRESETS
 
-__all__ = ["BASELINES", "VARIANTS", "format_table", "predicted_table"]
+__all__ = ["VARIANTS", "format_table", "predicted_table"]
 
 #: Table rows: every configuration that preconditions (label -> (strategy, options)).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = kfac_configs()
-_METRICS = ("computation_s", "communication_s", "memory_mb", "total_communication_s")
 
 ModelSpec = Sequence[LayerShape] | tuple[Sequence[LayerShape], KFACOptions]
 
@@ -38,7 +36,6 @@ def predicted_table(
     variants: Mapping[str, tuple[str, Mapping[str, Any]]] = VARIANTS,
     *,
     kfac: KFACOptions | None = None,
-    baselines: Sequence[str] = BASELINES,
     **options: Any,
 ) -> list[dict[str, Any]]:
     """One row per model and strategy variant.
@@ -50,7 +47,6 @@ def predicted_table(
         hardware: device and network model (default: ``v100_ib100``).
         variants: label -> (strategy, strategy options) rows per model.
         kfac: the preconditioner's options of models that bring none.
-        baselines: labels of ``variants`` every other row is compared with.
         **options: further :func:`~dpkfac.costmodel.predict` arguments shared
             by every row (``param_itemsize``, ``ddp``, ``bias``, ``other_params``).
 
@@ -59,8 +55,7 @@ def predicted_table(
         ``computation_s``, ``communication_s`` (added to SGD's),
         ``total_communication_s`` (gradients included), ``memory_mb``,
         ``kfac_wire_mb`` (wire MiB per rank and update beyond SGD's),
-        ``iteration_s``, ``sgd_iteration_s`` and, on rows that are not
-        baselines, ``<metric>_x_<baseline>`` and ``<metric>_x_best``.
+        ``iteration_s``, ``sgd_iteration_s`` and ``configuration`` (what it chose).
     """
     hw = hardware or PRESETS["v100_ib100"]
     rows: list[dict[str, Any]] = []
@@ -69,47 +64,33 @@ def predicted_table(
         common = {"world_size": world_size, "hardware": hw, "kfac": model_kfac, **options}
         sgd = predict_sgd(shapes, **common)
         sgd_wire = sum(c.wire_bytes for c in sgd.update.collectives)
-        by_label: dict[str, dict[str, Any]] = {}
         for label, (strategy, extra) in variants.items():
             pred = predict(shapes, strategy=strategy, options=extra, **common)
             assert pred.options is not None  # a prediction with a strategy has its options
             wire = sum(c.wire_bytes for c in pred.update.collectives)
-            row: dict[str, Any] = {
-                "model": model_name,
-                "strategy": label,
-                "computation_s": pred.computation,
-                "communication_s": pred.communication,
-                "total_communication_s": sum(pred.update.comm_serial.values()),
-                "memory_mb": pred.memory_max / 2**20,
-                "kfac_wire_mb": (wire - sgd_wire) / 2**20,
-                "iteration_s": pred.iteration,
-                "sgd_iteration_s": sgd.iteration,
-                "configuration": scheme_of(strategy).describe(pred.options),
-            }
-            by_label[label] = row
-            rows.append(row)
-        present = [b for b in baselines if b in by_label]
-        for label, row in by_label.items():
-            if label in present or not present:
-                continue
-            for metric in _METRICS:
-                for b in present:
-                    row[f"{metric}_x_{b}"] = _ratio(by_label[b][metric], row[metric])
-                best = min(by_label[b][metric] for b in present)
-                row[f"{metric}_x_best"] = _ratio(best, row[metric])
+            rows.append(
+                {
+                    "model": model_name,
+                    "strategy": label,
+                    "computation_s": pred.computation,
+                    "communication_s": pred.communication,
+                    "total_communication_s": sum(pred.update.comm_serial.values()),
+                    "memory_mb": pred.memory_max / 2**20,
+                    "kfac_wire_mb": (wire - sgd_wire) / 2**20,
+                    "iteration_s": pred.iteration,
+                    "sgd_iteration_s": sgd.iteration,
+                    "configuration": scheme_of(strategy).describe(pred.options),
+                }
+            )
     return rows
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else float("inf")
 
 
 def _num(x: float, scale: float = 1.0) -> str:
     return f"{round(x * scale, 1) + 0.0:.1f}"  # + 0.0: no "-0.0" from round-off
 
 
-def format_table(rows: Sequence[Mapping[str, Any]], baselines: Sequence[str] = BASELINES) -> str:
-    """Markdown: one line per model and variant, then the ratios against the baselines."""
+def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown: one line per model and configuration."""
     head = (
         "| model | strategy | computation (ms) | communication (ms) | memory (MiB) "
         "| K-FAC wire (MiB) | comm. incl. gradients (ms) | iteration (ms) | SGD iteration (ms) |"
@@ -126,24 +107,6 @@ def format_table(rows: Sequence[Mapping[str, Any]], baselines: Sequence[str] = B
             _num(r["sgd_iteration_s"], 1e3),
         ]
         lines.append(f"| {r['model']} | {_label(r)} | " + " | ".join(cells) + " |")
-    vs_heads = " | ".join(f"vs {b} (comp / comm / mem)" for b in baselines)
-    lines += [
-        "",
-        f"How many times lower (best of {', '.join(baselines)} / the row):",
-        "",
-        "| model | strategy | computation | communication | memory | comm. incl. gradients "
-        f"| {vs_heads} |",
-        "|" + "---|" * (6 + len(baselines)),
-    ]
-    for r in rows:
-        if "computation_s_x_best" not in r:
-            continue
-        vs = [
-            " / ".join(f"{r.get(f'{m}_x_{b}', float('nan')):.2f}" for m in _METRICS[:3])
-            for b in baselines
-        ]
-        best = " | ".join(f"{r[f'{m}_x_best']:.2f}" for m in _METRICS)
-        lines.append(f"| {r['model']} | {_label(r)} | {best} | " + " | ".join(vs) + " |")
     return "\n".join(lines)
 
 

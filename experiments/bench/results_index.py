@@ -1,98 +1,22 @@
 """``results/README.md``: what each table in ``results/`` is, and how far to trust it.
 
-One line of prose per table says what it holds and whether it was measured
-here or predicted; the rest is read from the saved rows, so it cannot drift:
-the hardware (cores, threads per rank, torch), how many repeated runs stand
-behind each number, and how noisy they were (the spread of the measured ratio
-to SGD over those runs, of the accuracy over seeds). ``make notebook`` (through
-``python -m experiments.bench.results_index``) rewrites it; a test compares it
-with a fresh :func:`index`.
+One line of prose per table (:data:`experiments.config.TABLES`) says what it holds and
+whether it was measured here or predicted; the rest is read from the saved rows, so it
+cannot drift: the hardware (cores, threads per rank, torch), how many repeated runs
+stand behind each number, and how noisy they were (the spread of the measured ratio to
+SGD over those runs, of the accuracy over seeds). ``make notebook`` (through ``python -m
+experiments.bench.results_index``) rewrites it; a test compares it with a fresh
+:func:`index`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from experiments.bench import tables
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One table of ``results/``.
-
-    Attributes:
-        name: the file stem (``results/<name>.md``).
-        kind: "measured" (on this machine), "predicted" (the cost model) or "simulated".
-        what: what it holds, in one sentence.
-        recipe: the command that writes it.
-    """
-
-    name: str
-    kind: str
-    what: str
-    recipe: str
-
-
-TABLES = (
-    Entry(
-        "second_order_update",
-        "measured",
-        "Cost of one second-order update per strategy (compute, bytes, K-FAC memory), "
-        "DP-KFAC against the baselines, six models.",
-        "python -m experiments.bench -m table=second_order_update",
-    ),
-    Entry(
-        "ablation",
-        "measured + predicted",
-        "From D-KFAC to DP-KFAC one switch at a time, every strategy config interleaved at "
-        "P=2, beside the cost model's prediction at P=64 on V100/InfiniBand.",
-        "python -m experiments.bench -m table=ablation",
-    ),
-    Entry(
-        "time_breakdown",
-        "measured",
-        "One iteration split into its phases per strategy (the stacked bars).",
-        "python -m experiments.bench -m table=time_breakdown",
-    ),
-    Entry(
-        "scaling",
-        "measured + predicted",
-        "Iteration time at P=1, 2, 4 and predicted to 256; the cost model's per-phase error "
-        "with the predicted world size held out (scaling_errors.csv).",
-        "python -m experiments.bench -m table=scaling",
-    ),
-    Entry(
-        "convergence",
-        "measured",
-        "Test accuracy per epoch on scikit-learn digits (the default preset) per strategy "
-        "and P, and the smoke status of every training preset.",
-        "python -m experiments.bench -m table=convergence",
-    ),
-    Entry(
-        "fidelity",
-        "measured",
-        "Cosine between the update from an owner's local factors and the one from all "
-        "ranks' factors, per layer over training steps.",
-        "python -m experiments.bench table=fidelity",
-    ),
-    Entry(
-        "paper",
-        "predicted",
-        "The DP-KFAC paper's headline ratios predicted at P=64 on V100/InfiniBand for the "
-        "paper-size models.",
-        "python -m experiments.bench.tables paper",
-    ),
-    Entry(
-        "scale_sim",
-        "simulated",
-        "One rank of a P=64-1024 job on torch's fake process group: its bytes, calls and "
-        "memory against the cost model's, exactly.",
-        "python -m experiments.bench table=scale_sim",
-    ),
-)
+from experiments.config import TABLES
 
 
 def _conditions(raw: pd.DataFrame) -> str:
@@ -163,17 +87,17 @@ def index(results: Path) -> list[str]:
         "| table | kind | what | measured on | runs | noise | recipe |",
         "|---|---|---|---|---|---|---|",
     ]
-    for entry in TABLES:
-        if not (results / f"{entry.name}.md").exists():
+    for entry in TABLES.values():
+        if not entry.shown or not (results / f"{entry.name}.md").exists():
             continue
         path = results / "raw" / f"{entry.name}.csv"
         raw = tables.load_rows([path]) if path.exists() else pd.DataFrame()
         if not raw.empty:
             raw = raw[raw["error"] == ""]
-        measured = "–" if entry.kind in ("predicted", "simulated") else _conditions(raw)
-        runs = "–" if entry.kind in ("predicted", "simulated") else _runs(raw)
+        measured = "–" if entry.shown in ("predicted", "simulated") else _conditions(raw)
+        runs = "–" if entry.shown in ("predicted", "simulated") else _runs(raw)
         lines.append(
-            f"| [{entry.name}]({entry.name}.md) | {entry.kind} | {entry.what} | {measured} | "
+            f"| [{entry.name}]({entry.name}.md) | {entry.shown} | {entry.what} | {measured} | "
             f"{runs} | {_noise(entry.name, raw, results)} | `{entry.recipe}` |"
         )
     return lines

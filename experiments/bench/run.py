@@ -63,6 +63,7 @@ from experiments.bench.measure import step_kinds
 from experiments.config import (
     CONF_DIR,
     TABLE_TASKS,
+    TABLES,
     ExperimentError,
     check_update_intervals,
     compose_config,
@@ -425,14 +426,8 @@ def run(
 
 
 def run_table_task(cfg: DictConfig) -> dict[str, Path]:
-    """Run a job of ``task=fidelity``, ``factor_kernels`` or ``scale_sim``; returns its files.
-
-    ``fidelity``: the ``fidelity`` node's runs and steps, probing every
-    ``fidelity.every`` steps, with ``world_size`` ranks per run and this job's
-    strategy config. ``factor_kernels``: the ``factor_kernels`` node's batch,
-    repetitions and thread counts. ``scale_sim``: the ``scale_sim`` node's
-    models, world sizes, ranks, strategy configs and limits, simulated in this
-    process. All write to ``results_dir``.
+    """Run the job of a ``task`` table (:data:`experiments.config.TABLES`): its writer
+    below writes to ``results_dir`` and returns its files.
 
     Raises:
         ExperimentError: a value the checks reject, or ranks started by torchrun
@@ -445,47 +440,57 @@ def run_table_task(cfg: DictConfig) -> dict[str, Path]:
         raise ExperimentError(
             f"task={cfg.task} is one process that starts its own ranks: run it without torchrun"
         )
-    out = Path(str(cfg.results_dir))
-    if cfg.task == "fidelity":
-        from experiments.bench.fidelity import run_fidelity
+    return TABLES[cfg.task].write(cfg)
 
-        node = cfg.fidelity
-        log.info("fidelity: runs %s on %s rank(s)", list(node.runs), cfg.world_size)
-        return run_fidelity(
-            list(node.runs),
-            {str(k): int(v) for k, v in node.steps.items()},
-            nproc=int(cfg.world_size),
-            every=int(node.every),
-            strategy=strategy_name(cfg.strategy),
-            out=out,
-            timeout=float(node.timeout_s),
-        )
-    if cfg.task == "scale_sim":
-        from experiments.bench.scale_sim import Limit, run_scale_sim
 
-        node = cfg.scale_sim
-        plain = OmegaConf.to_container(node, resolve=True)
-        assert isinstance(plain, dict)
-        log.info(
-            "scale_sim: %s at P=%s, ranks %s",
-            ", ".join(plain["models"]),
-            plain["world_sizes"],
-            plain["ranks"],
-        )
-        return run_scale_sim(
-            plain["models"],
-            [int(p) for p in plain["world_sizes"]],
-            plain["ranks"],
-            plain["strategies"],
-            limits=[Limit.parse(limit) for limit in plain["limits"]],
-            hardware=str(plain["hardware"]),
-            paper=bool(plain["paper"]),
-            factor_method=plain["factor_method"],
-            out=out,
-        )
+def fidelity_task(cfg: DictConfig) -> dict[str, Path]:
+    """``task=fidelity``: the ``fidelity`` node's runs with this job's strategy config."""
+    from experiments.bench.fidelity import run_fidelity
+
+    node = cfg.fidelity
+    log.info("fidelity: runs %s on %s rank(s)", list(node.runs), cfg.world_size)
+    return run_fidelity(
+        list(node.runs),
+        {str(k): int(v) for k, v in node.steps.items()},
+        nproc=int(cfg.world_size),
+        every=int(node.every),
+        strategy=strategy_name(cfg.strategy),
+        out=Path(str(cfg.results_dir)),
+        timeout=float(node.timeout_s),
+    )
+
+
+def scale_sim_task(cfg: DictConfig) -> dict[str, Path]:
+    """``task=scale_sim``: the ``scale_sim`` node's jobs, simulated in this process."""
+    from experiments.bench.scale_sim import Limit, run_scale_sim
+
+    plain = OmegaConf.to_container(cfg.scale_sim, resolve=True)
+    assert isinstance(plain, dict)
+    log.info(
+        "scale_sim: %s at P=%s, ranks %s",
+        ", ".join(plain["models"]),
+        plain["world_sizes"],
+        plain["ranks"],
+    )
+    return run_scale_sim(
+        plain["models"],
+        [int(p) for p in plain["world_sizes"]],
+        plain["ranks"],
+        plain["strategies"],
+        limits=[Limit.parse(limit) for limit in plain["limits"]],
+        hardware=str(plain["hardware"]),
+        paper=bool(plain["paper"]),
+        factor_method=plain["factor_method"],
+        out=Path(str(cfg.results_dir)),
+    )
+
+
+def factor_kernels_task(cfg: DictConfig) -> dict[str, Path]:
+    """``task=factor_kernels``: the ``factor_kernels`` node's batch, repetitions and threads."""
     from experiments.bench.factor_kernels import run_factor_kernels
 
     node = cfg.factor_kernels
+    out = Path(str(cfg.results_dir))
     return run_factor_kernels(
         [int(t) for t in node.threads], int(node.batch), int(node.reps), out=out
     )

@@ -40,7 +40,7 @@ import argparse
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from experiments.bench import convergence_scale, plots, smoke, takeaways, workloads
+from experiments.bench import plots, smoke, takeaways, workloads
 from experiments.bench.aggregate import ITERATION_PARTS
 from experiments.bench.pages import (
     JOB,
@@ -61,6 +61,7 @@ from experiments.bench.pages import (
     write_page,
 )
 from experiments.bench.plots import COMPARED, REFERENCE
+from experiments.config import TABLES
 
 log = logging.getLogger(__name__)
 
@@ -788,25 +789,16 @@ def write_convergence(df: pd.DataFrame, out: Path) -> dict[str, Path]:
 
 
 # -------------------------------------------------------------------- common
-WRITERS: dict[str, Callable[[pd.DataFrame, Path], dict[str, Path]]] = {
-    "second_order_update": write_second_order_update,
-    "time_breakdown": write_time_breakdown,
-    "scaling": write_scaling,
-    "convergence": write_convergence,
-    "ablation": write_ablation,
-    "convergence_scale": convergence_scale.write_convergence_scale,
-}
-
-
 def write_table(name: str, rows: pd.DataFrame, results_dir: str | Path = "results") -> dict:
     """Keep ``rows`` as ``results/raw/<name>.csv`` and write the table's files."""
-    if name not in WRITERS:
-        raise ValueError(f"unknown table {name!r}; expected one of {sorted(WRITERS)}")
+    measured = [n for n, t in TABLES.items() if t.kind == "measured"]
+    if name not in measured:
+        raise ValueError(f"unknown table {name!r}; expected one of {sorted(measured)}")
     out = Path(results_dir)
     (out / "raw").mkdir(parents=True, exist_ok=True)
     raw = out / "raw" / f"{name}.csv"
     rows.to_csv(raw, index=False)
-    paths = WRITERS[name](rows, out)
+    paths = TABLES[name].write(rows, out)
     paths["raw"] = raw
     return paths
 
@@ -838,17 +830,15 @@ class TableCallback(Callback):
 def main(argv: Sequence[str] | None = None) -> None:
     """Rewrite one table from saved rows (default: ``results/raw/<table>.csv``)."""
     parser = argparse.ArgumentParser(description="Write a table from benchmark rows.")
-    parser.add_argument("table", choices=sorted([*WRITERS, "paper"]))
+    parser.add_argument("table", choices=sorted(n for n, t in TABLES.items() if t.kind != "task"))
     parser.add_argument("--rows", nargs="*", help="sweep folders, rows.json or CSV files")
     parser.add_argument("--results", default="results", help="output folder")
     args = parser.parse_args(argv)
-    if args.table == "paper":  # predicted from the configs alone: no rows to read
-        from experiments.bench.paper import write_paper
-
-        print("\n".join(str(p) for p in write_paper(Path(args.results)).values()))
-        return
-    sources = args.rows or [Path(args.results) / "raw" / f"{args.table}.csv"]
-    paths = write_table(args.table, load_rows(sources), args.results)
+    if TABLES[args.table].kind == "predicted":  # from the configs alone: no rows to read
+        paths = TABLES[args.table].write(Path(args.results))
+    else:
+        sources = args.rows or [Path(args.results) / "raw" / f"{args.table}.csv"]
+        paths = write_table(args.table, load_rows(sources), args.results)
     print("\n".join(str(p) for p in paths.values()))
 
 
