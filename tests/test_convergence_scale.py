@@ -190,6 +190,12 @@ def test_the_writer_chooses_on_validation_and_states_the_claim(tmp_path: Path) -
     assert "P=4: 1.50x fewer steps, each 1.50x dearer, neither wins (1.00x SGD's" in md[3]
     assert "P=16: 1.00x fewer steps, each 1.50x dearer, cheaper steps win (1.50x" in md[3]
     assert paths["png"].exists()
+    text = paths["md"].read_text()
+    assert "Grid points in this table: 36 runs" in text
+    assert (
+        "- mnist1d_mlp, P=16: d_kfac, dp_kfac, none; multipliers 0.5, 2; seeds 0, 1 (12 runs)"
+        in text
+    )
 
 
 def test_a_failed_job_is_listed_not_dropped(tmp_path: Path) -> None:

@@ -729,6 +729,24 @@ def _markdown_frame(cells: pd.DataFrame) -> pd.DataFrame:
     return show[list(columns)].rename(columns=columns)
 
 
+def coverage(runs: pd.DataFrame) -> list[str]:
+    """What the table holds, per (model, P): configurations, multipliers and seeds run.
+
+    A sweep run in parts (one command per part, the rows merged with
+    ``python -m experiments.bench.tables convergence_scale --rows A B``) shows
+    here how much of the preset's grid it covers; cells not listed were not run.
+    """
+    lines = [f"Grid points in this table: {len(runs)} runs (cells not listed were not run)."]
+    for (model, p), g in runs.groupby(["model", "world_size"], sort=True):
+        configs = ", ".join(sorted(g["strategy"].unique()))
+        mults = ", ".join(f"{m:g}" for m in sorted(g["lr_multiplier"].unique()))
+        seeds = ", ".join(str(int(x)) for x in sorted(g["seed"].unique()))
+        lines.append(
+            f"- {model}, P={int(p)}: {configs}; multipliers {mults}; seeds {seeds} ({len(g)} runs)"
+        )
+    return lines
+
+
 def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     """``results/convergence_scale.*``: every grid point (CSV), chosen cells (md), figure."""
     from experiments.bench.pages import footer, ok_rows, to_markdown, with_takeaway, write_page
@@ -795,6 +813,8 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
             f"{m} {t:.2f}" for m, t in runs.groupby("model", sort=False)["target"].first().items()
         )
         + ".",
+        "",
+        *coverage(runs),
     ]
     for model, g in cells.groupby("model", sort=False):
         md += [
