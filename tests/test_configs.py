@@ -37,7 +37,6 @@ SAMPLES = {
     ("tests/test_scale_sim.py", "VARIANTS"),  # one of each kind, start-up measurements given
     ("tests/test_strategies_accounting.py", "VARIANTS"),
     ("tests/test_differential.py", "KINDS"),  # the fuzzer's kinds (scheme names among them)
-    ("tests/test_differential.py", "_variants"),
     ("tests/test_plot_colors.py", "DRAWN"),
     ("tests/test_benchmark_tables.py", "ABLATION_KFAC"),  # the ablation table's rows
     ("tests/test_benchmark_tables.py", "ABLATION_ORDER"),
