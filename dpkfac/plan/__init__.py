@@ -12,6 +12,8 @@ cost model (:mod:`dpkfac.costmodel`) prices the same one.
 * :mod:`~dpkfac.plan.hardware`, :mod:`~dpkfac.plan.presets`,
   :mod:`~dpkfac.plan.probes`: the hardware model, its presets and the sizes
   of the start-up measurements;
+* :mod:`~dpkfac.plan.configs`: the named configurations of the schemes
+  (``dp_kfac_owner``, ``kaisa_mem_opt``, ...), their one list;
 * :class:`Traits`, :class:`Plan`, :class:`Scheme` and one scheme per
   distribution scheme, registered here by name.
 
