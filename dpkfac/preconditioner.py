@@ -52,6 +52,7 @@ from dpkfac.options import KFACOptions, Scalar, Schedule
 from dpkfac.overlap import OverlapContext, OverlapEngine
 from dpkfac.placement import build_strategy, finalise_placement
 from dpkfac.plan import SCHEMES, Scheme, StrategyOptions, scheme_of, scheme_options
+from dpkfac.plan.configs import resolve as resolve_config
 from dpkfac.report import format_table, layer_rows, report_construction, skipped_modules
 from dpkfac.state import load_state, save_state
 from dpkfac.stats import CommStats, PhaseTimer
@@ -77,7 +78,9 @@ def _scheme_and_options(
                 f"({', '.join(s.Options.__name__ for s in SCHEMES.values())})"
             )
         return matches[0], strategy
-    scheme = scheme_of(strategy)
+    # A configuration's name (dp_kfac_owner) is its scheme with options; explicit ones win.
+    name, values = resolve_config(strategy, values)
+    scheme = scheme_of(name)
     return scheme, scheme_options(scheme.name, values, common=_common_keywords())
 
 

@@ -176,12 +176,15 @@ def test_resolve_gives_the_scheme_and_options_explicit_ones_winning() -> None:
         configs.resolve("none", {})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="preconditioner.py's _scheme_and_options must call dpkfac.plan.configs.resolve",
-)
 def test_python_reads_configuration_names() -> None:
     from torch import nn
 
     pre = dpkfac.KFACPreconditioner(nn.Sequential(nn.Linear(3, 2)), strategy="dp_kfac_owner")
     assert pre.strategy.options.grad_reduction == "owner"
+    # Explicit options win over the configuration's; any spelling reads.
+    pre = dpkfac.KFACPreconditioner(
+        nn.Sequential(nn.Linear(3, 2)), strategy="DP-KFAC-owner", grad_reduction="allreduce"
+    )
+    assert pre.strategy.options.grad_reduction == "allreduce"
+    with pytest.raises(ValueError, match="'none'"):
+        dpkfac.KFACPreconditioner(nn.Sequential(nn.Linear(3, 2)), strategy="none")
