@@ -348,7 +348,7 @@ def _check_cases(
                 first = _add(alone.update.comm, pred.setup_comm)
             assert _add(stats[0]) == first, (name, rank)
         if pipelined and not name.startswith("spd-measured"):
-            assert plan == pred.plan, name
+            assert plan == pred.fusion_buckets, name
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
@@ -767,8 +767,8 @@ def test_spd_plan_follows_the_fusion_rule() -> None:
     kw = {"strategy": "spd_kfac", "world_size": 2, "hardware": HW}
     base = {"local_threshold": 0}
     one = predict(shapes, options={**base, "comm_alpha": 1e3, "comm_beta": 0.0}, **kw)
-    assert len(one.plan) == 1
-    assert one.plan[0] == [
+    assert len(one.fusion_buckets) == 1
+    assert one.fusion_buckets[0] == [
         ("conv", "A"),
         ("fc1", "A"),
         ("fc2", "A"),
@@ -777,7 +777,7 @@ def test_spd_plan_follows_the_fusion_rule() -> None:
         ("conv", "G"),
     ]
     alone = predict(shapes, options={**base, "comm_alpha": 0.0, "comm_beta": 0.0}, **kw)
-    assert len(alone.plan) == 6
+    assert len(alone.fusion_buckets) == 6
     unfused = predict(shapes, options={**base, "fusion": "none"}, **kw)
     assert unfused.update.comm["factor_allreduce"]["calls"] == 6
 

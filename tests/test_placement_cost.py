@@ -84,9 +84,9 @@ def test_owner_seconds_add_up_to_each_ranks_predicted_compute(model) -> None:
     p = 4
     pr = predict(shapes, strategy="dp_kfac", world_size=p, hardware=HW, kfac=kfac)
     step = pr.steps[(True, True)]
-    assert pr.roles is not None
+    assert pr.plan is not None
     for rank, phases in enumerate(step.phases_per_rank):
-        owned = [s for i, s in enumerate(shapes) if pr.roles.preconditions(rank, i)]
+        owned = [s for i, s in enumerate(shapes) if pr.plan.preconditions(rank, i)]
         expected = sum(
             owner_seconds(
                 s,

@@ -55,8 +55,8 @@ class Prediction:
         memory: ``memory_usage()`` of every rank.
         setup: one-time collectives (placement agreement, fusion planning).
         placement: owners and decomposers (None without K-FAC).
-        roles: the run's plan: placement, roles and groups (None without K-FAC).
-        plan: the fusion buckets of (layer, "A"/"G") keys of pipelined factor traffic.
+        plan: the run's plan: placement, roles and groups (None without K-FAC).
+        fusion_buckets: the fusion buckets of (layer, "A"/"G") keys of pipelined factor traffic.
         sgd_grad_comm: seconds of plain data parallelism's gradient all-reduce.
         kfac: the preconditioner's common options the prediction assumed.
         options: the strategy's options (None without K-FAC).
@@ -71,8 +71,8 @@ class Prediction:
     memory: list[dict[str, int]]
     setup: list[tr.Collective]
     placement: Placement | None
-    roles: Plan | None
-    plan: list[list[Key]] | None
+    plan: Plan | None
+    fusion_buckets: list[list[Key]] | None
     sgd_grad_comm: float
     kfac: KFACOptions
     options: StrategyOptions | None = None
@@ -551,8 +551,8 @@ def predict(
         memory=memory,
         setup=setup if active else [],
         placement=placement,
-        roles=roles,
-        plan=plan,
+        plan=roles,
+        fusion_buckets=plan,
         sgd_grad_comm=sgd_grad_comm,
         kfac=replace(kfac, factor_update_steps=f_every, inv_update_steps=i_every),
         options=opts,
