@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 from dpkfac.comm import Communicator
 from dpkfac.costmodel.auto import Candidate, log_choice
+from dpkfac.costmodel.fitting import calibrate
 from dpkfac.costmodel.predict import resolve
 from dpkfac.curvature import KFACLayer
 from dpkfac.curvature.decomposition import Decomposition
@@ -53,7 +54,7 @@ def build_strategy(
     group (a collective).
     """
     if scheme.measures_hardware(options):
-        options = scheme.with_hardware(options, start_up_hardware(comm))
+        options = scheme.with_hardware(options, start_up_hardware(comm, calibrate))
     return strategy_class(scheme.name)(
         comm,
         method,

@@ -22,7 +22,7 @@ import torch
 
 from dpkfac.comm import Communicator
 from dpkfac.plan.fusion import CommModel, fit_comm_model
-from dpkfac.plan.hardware import Engine, Hardware, Link, Sample, calibrate
+from dpkfac.plan.hardware import Engine, Hardware, Link, Sample
 from dpkfac.plan.presets import PRESETS
 from dpkfac.plan.probes import (
     ALLREDUCE_PROBE_NUMELS,
@@ -31,7 +31,18 @@ from dpkfac.plan.probes import (
     PROBE_REPEATS,
 )
 
-__all__ = ["measure_comm_model", "measure_in_group", "median_time", "start_up_hardware"]
+__all__ = [
+    "HardwareFit",
+    "measure_comm_model",
+    "measure_in_group",
+    "median_time",
+    "start_up_hardware",
+]
+
+#: Fits a hardware model to samples, called as ``fit(samples, base=..., name=...)``: the
+#: cost model's :func:`dpkfac.costmodel.fitting.calibrate`, handed in by the caller
+#: because measurement sits on a floor below the cost model.
+HardwareFit = Callable[..., Hardware]
 
 
 def median_time(fn: Callable[[], object], repeats: int) -> float:
@@ -45,7 +56,9 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_in_group(comm: Communicator, base: Hardware, name: str = "measured") -> Hardware:
+def measure_in_group(
+    comm: Communicator, base: Hardware, fit: HardwareFit, name: str = "measured"
+) -> Hardware:
     """This rank's ``eigh`` engine and the group's broadcast link, measured in-process.
 
     A collective: every rank of ``comm`` calls it. Each rank times ``eigh`` of
@@ -53,14 +66,16 @@ def measure_in_group(comm: Communicator, base: Hardware, name: str = "measured")
     The ranks meet (a tiny all-reduce) before each broadcast size, and the
     fastest of the repeats counts, so a rank that arrives late (still timing
     its decompositions, or building another model) does not pass its delay
-    off as transfer time. The fitted parameters are then agreed by an
-    element-wise maximum (the slowest rank's view), so every rank returns the
-    same model and a placement computed from it is the same everywhere. The
+    off as transfer time. ``fit`` fits this rank's samples; the fitted
+    parameters are then agreed by an element-wise maximum (the slowest rank's
+    view), so every rank returns the same model and a placement computed from
+    it is the same everywhere. The
     collectives are accounted in the "setup" category (:data:`MEASURE_COLLECTIVES`).
 
     Args:
         comm: the preconditioner's communicator.
         base: where the other links and engines come from.
+        fit: the fit of samples to a hardware model (:data:`HardwareFit`).
         name: the result's name.
     """
     device = comm.device if comm.device.type == "cuda" else torch.device("cpu")
@@ -94,7 +109,7 @@ def measure_in_group(comm: Communicator, base: Hardware, name: str = "measured")
             comm.broadcast([buf], 0, "setup")
             times.append(time.perf_counter() - start)
         samples.append(Sample.collective("broadcast", 4 * numel, min(times), comm.size))
-    fitted = calibrate(samples, base=base, name=name)
+    fitted = fit(samples, base=base, name=name)
     eigh, bcast = fitted.engine("eigh"), fitted.link("broadcast")
     inv_rate, latency, alpha, beta = comm.agree_max(
         [1.0 / eigh.rate, eigh.latency, bcast.alpha, bcast.beta]
@@ -108,7 +123,7 @@ def measure_in_group(comm: Communicator, base: Hardware, name: str = "measured")
     )
 
 
-def start_up_hardware(comm: Communicator) -> Hardware:
+def start_up_hardware(comm: Communicator, fit: HardwareFit) -> Hardware:
     """The model a strategy measures when it starts: ``measure_in_group`` on this machine's preset.
 
     A collective over ``comm`` (nothing is measured on one rank: no
@@ -117,7 +132,7 @@ def start_up_hardware(comm: Communicator) -> Hardware:
     base = PRESETS["cpu_gloo_local"]
     if not comm.active:
         return base
-    return measure_in_group(comm, base)
+    return measure_in_group(comm, base, fit)
 
 
 def measure_comm_model(comm: Communicator) -> CommModel:

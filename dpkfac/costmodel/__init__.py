@@ -29,9 +29,10 @@ Layout: ``shapes`` (what a model contributes, :func:`shapes_from_model`),
 and memory, exact), ``timing`` (work per phase, critical path), ``predict``,
 ``auto`` (:func:`resolve`: "auto" priced candidate by candidate), ``table``,
 ``balance``, ``calibration`` (local micro-benchmarks), ``fitting`` (hardware
-from measured runs). The hardware model, its presets and the plans it prices
-live on the plan floor (:mod:`dpkfac.plan`); this package reads the same
-:class:`~dpkfac.plan.Plan` the runtime executes.
+from samples, :func:`calibrate` by :func:`nnls`, and from measured runs). The
+hardware model, its presets and the plans it prices live on the plan floor
+(:mod:`dpkfac.plan`); this package reads the same :class:`~dpkfac.plan.Plan`
+the runtime executes.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ from dpkfac.costmodel.fitting import (
     Measurement,
     ModelFit,
     Regime,
+    calibrate,
     calibrate_measurements,
     fit,
+    nnls,
     predict_measurement,
 )
 from dpkfac.costmodel.memory import (
@@ -66,8 +69,6 @@ from dpkfac.plan.hardware import (
     Link,
     Sample,
     Work,
-    calibrate,
-    nnls,
     scaled,
     wire_bytes,
 )

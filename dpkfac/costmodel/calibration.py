@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dpkfac.plan.hardware import Hardware, Sample, calibrate
+from dpkfac.costmodel.fitting import calibrate
+from dpkfac.plan.hardware import Hardware, Sample
 from dpkfac.probes import median_time
 
 if TYPE_CHECKING:

@@ -1,4 +1,8 @@
-"""Fitting a :class:`~dpkfac.costmodel.Hardware` model to measured runs.
+"""Fitting a :class:`~dpkfac.costmodel.Hardware` model to samples and to measured runs.
+
+:func:`calibrate` fits links and engines to :class:`~dpkfac.costmodel.Sample`
+records (work against seconds) by non-negative least squares (:func:`nnls`);
+everything below builds such samples.
 
 Micro-benchmarks (:mod:`dpkfac.costmodel.calibration`) time kernels and
 collectives alone; a real run also pays Python overhead, allocator traffic
@@ -44,9 +48,12 @@ measured wait (:func:`fit_overlap`).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from dpkfac.costmodel.optimizers import step_bytes
 from dpkfac.costmodel.predict import Prediction, predict, resolve
@@ -54,7 +61,7 @@ from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.costmodel.timing import COMM_PHASES, COMPUTE_PHASES, forward_backward_work
 from dpkfac.options import KFACOptions, StrategyOptions
 from dpkfac.plan import canonical_name, scheme_of, scheme_options
-from dpkfac.plan.hardware import COLLECTIVE_KINDS, Engine, Hardware, Link, Sample, calibrate
+from dpkfac.plan.hardware import COLLECTIVE_KINDS, Engine, Hardware, Link, Sample
 from dpkfac.plan.hardware import scaled as scaled_hardware
 
 __all__ = [
@@ -62,6 +69,7 @@ __all__ = [
     "Measurement",
     "ModelFit",
     "Regime",
+    "calibrate",
     "calibrate_measurements",
     "core_share",
     "fit",
@@ -70,6 +78,7 @@ __all__ = [
     "hardware_at_share",
     "hardware_for",
     "measured_phases",
+    "nnls",
     "phase_samples",
     "phases_from_timings",
     "predict_measurement",
@@ -78,6 +87,105 @@ __all__ = [
 ]
 
 Key = tuple[str, str]
+
+
+def nnls(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+    """``argmin ||A x - y||`` subject to ``x >= 0`` (``scipy.optimize.nnls``).
+
+    Columns are scaled to unit norm first, because latency columns (calls)
+    and throughput columns (bytes, flops) differ by ten orders of magnitude.
+    A negative latency or rate would be meaningless, hence the constraint.
+    """
+    # Imported here: scipy.optimize adds about a second to ``import dpkfac``.
+    from scipy.optimize import nnls as scipy_nnls
+
+    if not rows:
+        return []
+    a = np.asarray(rows, dtype=np.float64)
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0.0] = 1.0
+    x, _ = scipy_nnls(a / norms, np.asarray(y, dtype=np.float64))
+    return [float(v) for v in x / norms]
+
+
+def calibrate(
+    samples: Iterable[Sample],
+    *,
+    name: str = "calibrated",
+    base: Hardware | None = None,
+    relative: bool = True,
+    log2p: bool | None = None,
+) -> Hardware:
+    """Fit links and engines to measurements by non-negative least squares.
+
+    Every kind seen in the samples gets two unknowns (seconds per call and
+    seconds per byte or flop); samples may mix kinds (a measured phase that
+    ran several collective kinds), since the model is linear in all of them.
+    Collective kinds get a third, ``alpha_log2p`` (start-up seconds per
+    doubling of the world size), when the samples span more than one world
+    size above 1: with a single one it cannot be told apart from ``alpha``.
+
+    Args:
+        samples: measurements.
+        name: name of the result.
+        base: source of the kinds the samples do not cover. Without it, a
+            missing "reduce"/"broadcast" link copies the fitted all-reduce
+            link, and missing engines raise ValueError.
+        relative: minimise relative rather than absolute residuals, so short
+            phases weigh as much as long ones (the model should be within a
+            fixed percentage of every phase).
+        log2p: fit ``alpha_log2p`` (None: when the collective samples span
+            several world sizes above 1).
+
+    Returns:
+        The fitted hardware model.
+    """
+    samples = [s for s in samples if s.seconds > 0]
+    kinds = sorted({k for s in samples for k in s.work})
+    if not kinds:
+        raise ValueError("no samples with positive seconds")
+    if log2p is None:
+        sizes = {s.world_size for s in samples if set(s.work) & set(COLLECTIVE_KINDS)}
+        log2p = len(sizes - {1}) > 1
+    rows, y = [], []
+    for s in samples:
+        weight = 1.0 / s.seconds if relative else 1.0
+        row = []
+        for k in kinds:
+            calls, amount = s.work.get(k, (0.0, 0.0))
+            row += [calls * weight, amount * weight]
+            if log2p and k in COLLECTIVE_KINDS:
+                row.append(calls * math.log2(max(s.world_size, 1)) * weight)
+        rows.append(row)
+        y.append(s.seconds * weight)
+    x = iter(nnls(rows, y))
+    links = dict(base.links) if base else {}
+    engines = dict(base.engines) if base else {}
+    for k in kinds:
+        per_call, per_unit = next(x), next(x)
+        if k in COLLECTIVE_KINDS:
+            per_doubling = next(x) if log2p else 0.0
+            links[k] = Link(alpha=per_call, beta=per_unit, alpha_log2p=per_doubling)
+        else:
+            engines[k] = Engine(
+                rate=math.inf if per_unit == 0 else 1.0 / per_unit, latency=per_call
+            )
+    if "allreduce" not in links:
+        raise ValueError("calibrate needs all-reduce samples (or a base hardware model)")
+    if "matmul" not in engines:
+        for k in ("factor", "precondition", "forward_backward"):
+            if k in engines:
+                engines["matmul"] = engines[k]
+                break
+    missing = {"matmul", "eigh", "inverse"} - set(engines)
+    if missing:
+        raise ValueError(f"no samples for {sorted(missing)} and no base hardware model")
+    sources = (f"calibrated from {len(samples)} samples of {', '.join(kinds)}",)
+    overlap = base.overlap if base else 1.0
+    backend = base.backend if base else "nccl"
+    return Hardware(
+        name, links, engines, sources + (base.sources if base else ()), overlap, backend
+    )
 
 
 @dataclass(frozen=True)

@@ -19,15 +19,16 @@ Time is predicted from *work*, a mapping ``kind -> (calls, amount)``:
   full factors from triangle-packed buffers (bytes written; falls back to
   ``"memory"``).
 
-Both forms are linear in their parameters, so :func:`calibrate` fits them to
-measured ``(work, seconds)`` samples by non-negative least squares.
+Both forms are linear in their parameters, so the cost model
+(:func:`dpkfac.costmodel.fitting.calibrate`) fits them to measured
+``(work, seconds)`` samples (:class:`Sample`) by non-negative least squares.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -40,8 +41,6 @@ __all__ = [
     "Sample",
     "Work",
     "add_work",
-    "calibrate",
-    "nnls",
     "reduce_scatter_future",
     "scaled",
     "uneven_all_gather",
@@ -231,7 +230,7 @@ class Hardware:
         )
 
 
-# ------------------------------------------------------------------ calibration
+# ------------------------------------------------------------------ samples
 @dataclass(frozen=True)
 class Sample:
     """One measurement: ``seconds`` spent on ``work`` at ``world_size`` ranks."""
@@ -254,149 +253,6 @@ class Sample:
         if kind not in COMPUTE_KINDS:
             raise ValueError(f"unknown compute kind {kind!r}; expected one of {COMPUTE_KINDS}")
         return cls({kind: (calls, flops)}, seconds)
-
-
-def _solve(m: list[list[float]], v: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting; singular pivots give zeros."""
-    n = len(v)
-    a = [[*row, v[i]] for i, row in enumerate(m)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(a[r][c]))
-        a[c], a[p] = a[p], a[c]
-        if abs(a[c][c]) < 1e-12:
-            continue
-        for r in range(n):
-            if r != c and a[r][c] != 0.0:
-                f = a[r][c] / a[c][c]
-                a[r] = [x - f * y for x, y in zip(a[r], a[c], strict=True)]
-    return [a[i][n] / a[i][i] if abs(a[i][i]) >= 1e-12 else 0.0 for i in range(n)]
-
-
-def nnls(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
-    """``argmin ||A x - y||`` subject to ``x >= 0`` (Lawson-Hanson active set).
-
-    Columns are scaled to unit norm first, because latency columns (calls)
-    and throughput columns (bytes, flops) differ by ten orders of magnitude.
-    A negative latency or rate would be meaningless, hence the constraint.
-    """
-    n = len(rows[0]) if rows else 0
-    norms = [math.sqrt(sum(r[j] ** 2 for r in rows)) or 1.0 for j in range(n)]
-    a = [[r[j] / norms[j] for j in range(n)] for r in rows]
-
-    def gradient(x: list[float]) -> list[float]:
-        res = [
-            yi - sum(aij * xj for aij, xj in zip(ai, x, strict=True))
-            for ai, yi in zip(a, y, strict=True)
-        ]
-        return [sum(a[i][j] * res[i] for i in range(len(a))) for j in range(n)]
-
-    def least_squares(cols: list[int]) -> list[float]:
-        gram = [[sum(r[i] * r[j] for r in a) for j in cols] for i in cols]
-        rhs = [sum(r[i] * yi for r, yi in zip(a, y, strict=True)) for i in cols]
-        s = [0.0] * n
-        for i, val in zip(cols, _solve(gram, rhs), strict=True):
-            s[i] = val
-        return s
-
-    x, active = [0.0] * n, set()
-    tol = 1e-12 * max(1.0, math.sqrt(sum(v * v for v in y)))
-    for _ in range(3 * n + 3):
-        w = gradient(x)
-        free = [j for j in range(n) if j not in active and w[j] > tol]
-        if not free:
-            break
-        active.add(max(free, key=lambda j: w[j]))
-        while True:
-            s = least_squares(sorted(active))
-            if all(s[j] > 0 for j in active):
-                x = s
-                break
-            step = min(x[j] / (x[j] - s[j]) for j in active if s[j] <= 0)
-            x = [xj + step * (sj - xj) for xj, sj in zip(x, s, strict=True)]
-            active -= {j for j in active if x[j] <= tol}
-            if not active:
-                break
-    return [max(xj, 0.0) / norms[j] for j, xj in enumerate(x)]
-
-
-def calibrate(
-    samples: Iterable[Sample],
-    *,
-    name: str = "calibrated",
-    base: Hardware | None = None,
-    relative: bool = True,
-    log2p: bool | None = None,
-) -> Hardware:
-    """Fit links and engines to measurements by non-negative least squares.
-
-    Every kind seen in the samples gets two unknowns (seconds per call and
-    seconds per byte or flop); samples may mix kinds (a measured phase that
-    ran several collective kinds), since the model is linear in all of them.
-    Collective kinds get a third, ``alpha_log2p`` (start-up seconds per
-    doubling of the world size), when the samples span more than one world
-    size above 1: with a single one it cannot be told apart from ``alpha``.
-
-    Args:
-        samples: measurements.
-        name: name of the result.
-        base: source of the kinds the samples do not cover. Without it, a
-            missing "reduce"/"broadcast" link copies the fitted all-reduce
-            link, and missing engines raise ValueError.
-        relative: minimise relative rather than absolute residuals, so short
-            phases weigh as much as long ones (the model should be within a
-            fixed percentage of every phase).
-        log2p: fit ``alpha_log2p`` (None: when the collective samples span
-            several world sizes above 1).
-
-    Returns:
-        The fitted hardware model.
-    """
-    samples = [s for s in samples if s.seconds > 0]
-    kinds = sorted({k for s in samples for k in s.work})
-    if not kinds:
-        raise ValueError("no samples with positive seconds")
-    if log2p is None:
-        sizes = {s.world_size for s in samples if set(s.work) & set(COLLECTIVE_KINDS)}
-        log2p = len(sizes - {1}) > 1
-    rows, y = [], []
-    for s in samples:
-        weight = 1.0 / s.seconds if relative else 1.0
-        row = []
-        for k in kinds:
-            calls, amount = s.work.get(k, (0.0, 0.0))
-            row += [calls * weight, amount * weight]
-            if log2p and k in COLLECTIVE_KINDS:
-                row.append(calls * math.log2(max(s.world_size, 1)) * weight)
-        rows.append(row)
-        y.append(s.seconds * weight)
-    x = iter(nnls(rows, y))
-    links = dict(base.links) if base else {}
-    engines = dict(base.engines) if base else {}
-    for k in kinds:
-        per_call, per_unit = next(x), next(x)
-        if k in COLLECTIVE_KINDS:
-            per_doubling = next(x) if log2p else 0.0
-            links[k] = Link(alpha=per_call, beta=per_unit, alpha_log2p=per_doubling)
-        else:
-            engines[k] = Engine(
-                rate=math.inf if per_unit == 0 else 1.0 / per_unit, latency=per_call
-            )
-    if "allreduce" not in links:
-        raise ValueError("calibrate needs all-reduce samples (or a base hardware model)")
-    if "matmul" not in engines:
-        for k in ("factor", "precondition", "forward_backward"):
-            if k in engines:
-                engines["matmul"] = engines[k]
-                break
-    missing = {"matmul", "eigh", "inverse"} - set(engines)
-    if missing:
-        raise ValueError(f"no samples for {sorted(missing)} and no base hardware model")
-    sources = (f"calibrated from {len(samples)} samples of {', '.join(kinds)}",)
-    overlap = base.overlap if base else 1.0
-    backend = base.backend if base else "nccl"
-    return Hardware(
-        name, links, engines, sources + (base.sources if base else ()), overlap, backend
-    )
 
 
 def scaled(hardware: Hardware, *, network: float = 1.0, compute: float = 1.0) -> Hardware:

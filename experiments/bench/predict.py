@@ -42,7 +42,7 @@ from dpkfac.costmodel import fitting as fitting_lib
 from dpkfac.costmodel.memory import activation_bytes, process_memory_of
 from dpkfac.options import KFACOptions
 from dpkfac.plan import scheme_of
-from dpkfac.plan.hardware import Link, Sample, calibrate
+from dpkfac.plan.hardware import Link, Sample
 from dpkfac.strategies import canonical_name, strategy_options
 from experiments.bench.measure import OPTIMIZER
 
@@ -608,7 +608,7 @@ def probe_links(row: Mapping[str, Any]) -> dict[str, Link]:
         Sample.collective(e["kind"], int(e["nbytes"]), float(e["seconds"]), int(e["world_size"]))
         for e in probes
     ]
-    fitted = calibrate(samples, name="probes", base=PRESETS[BASE_PRESET], log2p=False)
+    fitted = fitting_lib.calibrate(samples, name="probes", base=PRESETS[BASE_PRESET], log2p=False)
     return {kind: fitted.links[kind] for kind in {e["kind"] for e in probes}}
 
 
