@@ -628,8 +628,8 @@ def _check_convergence_scale(node: DictConfig) -> None:
         raise bad("experiment", f"one of {presets}")
     checks: Checks = {
         "batch_size": (_positive_int, "a positive integer"),
-        "base_batch": (_positive_int, "a positive integer"),
-        "base_lr": (_positive, "a positive number"),
+        "base_batch": (lambda v: v is None or _positive_int(v), "null or a positive integer"),
+        "base_lr": (lambda v: v is None or _positive(v), "null or a positive number"),
         "lr_multiplier": (_positive, "a positive number"),
         "fidelity_every": (lambda v: _is_int(v) and v >= 0, "a non-negative integer (0: off)"),
     }

@@ -43,12 +43,14 @@ def test_the_preset_composes_and_validates() -> None:
     node = cfg.convergence_scale
     assert node.batch_size == 16 and node.hardware == "v100_ib100"
     assert dict(node.seeds_at) == {256: 1}
-    assert set(node.targets) == {"mnist1d_mlp", "mnist1d_cnn"}
+    assert set(node.targets) == {"mnist1d_mlp", "mnist1d_cnn", "digits_cnn"}
+    assert dict(node.max_world_size) == {"digits_cnn": 16}
+    assert list(node.overrides) == ["data.val_fraction=0.1"]  # lr chosen on validation
     preset = (ROOT / "conf" / "table" / "convergence_scale.yaml").read_text()
     for sweep in (
         "strategy: none,dp_kfac,d_kfac,kaisa_mem_opt,grouped_auto",
         "world_size: 1,4,16,64,256",
-        "convergence_scale.experiment: mnist1d_mlp,mnist1d_cnn",
+        "convergence_scale.experiment: mnist1d_mlp,mnist1d_cnn,digits_cnn",
         "seed: 0,1,2",
     ):
         assert sweep in preset, sweep
@@ -62,10 +64,10 @@ def test_the_preset_composes_and_validates() -> None:
         ("convergence_scale.hardware=tpu", "convergence_scale.hardware='tpu'"),
         ("convergence_scale.lr_multiplier=-1", "convergence_scale.lr_multiplier=-1"),
         ("convergence_scale.fidelity_every=-2", "convergence_scale.fidelity_every=-2"),
-        ("convergence_scale.experiment=digits_cnn", "convergence_scale.targets="),
+        ("convergence_scale.experiment=cifar10_resnet32", "convergence_scale.targets="),
         ("convergence_scale.targets.mnist1d_mlp=1.5", "convergence_scale.targets="),
         ("convergence_scale.seeds_at={256:0}", "convergence_scale.seeds_at="),
-        ("convergence_scale.max_world_size={nope:4}", "convergence_scale.max_world_size="),
+        ("convergence_scale.max_world_size={digits_cnn:0}", "convergence_scale.max_world_size="),
     ],
 )
 def test_bad_values_are_named(override: str, named: str) -> None:
@@ -77,10 +79,15 @@ def test_learning_rate_rule_and_skips() -> None:
     node = {"batch_size": 16, "base_lr": 0.05, "base_batch": 64, "lr_multiplier": 0.5}
     assert cs.learning_rate(node, 1) == pytest.approx(0.05 * 16 / 64 * 0.5)
     assert cs.learning_rate(node, 256) == pytest.approx(0.05 * 4096 / 64 * 0.5)
+    # null: the experiment preset's own lr and batch (digits_cnn: 0.02 at 32).
+    own = {**node, "base_lr": None, "base_batch": None, "experiment": "digits_cnn"}
+    assert cs.base_lr_and_batch(own) == (0.02, 32)
+    assert cs.learning_rate(own, 4) == pytest.approx(0.02 * 64 / 32 * 0.5)
+    assert cs.skip_reason(_compose("world_size=64", "convergence_scale.experiment=digits_cnn"))
     assert cs.skip_reason(_compose("world_size=256", "seed=0")) is None
     assert "seeds 0..0" in str(cs.skip_reason(_compose("world_size=256", "seed=1")))
     assert cs.skip_reason(_compose("world_size=64", "seed=2")) is None
-    limited = _compose("world_size=64", "convergence_scale.max_world_size={mnist1d_mlp:16}")
+    limited = _compose("world_size=64", "+convergence_scale.max_world_size.mnist1d_mlp=16")
     assert "up to P=16" in str(cs.skip_reason(limited))
 
 
@@ -192,6 +199,10 @@ def test_the_writer_chooses_on_validation_and_states_the_claim(tmp_path: Path) -
     assert paths["png"].exists()
     text = paths["md"].read_text()
     assert "Grid points in this table: 36 runs" in text
+    line = cs.headline(cells)
+    assert line is not None and line.startswith("- **Convergence as P grows**")
+    assert "mnist1d_mlp at P=16 (global batch 256, 2+ seed(s)): dp_kfac 1872 steps, " in line
+    assert "d_kfac 1092 steps to 0.85" in line
     assert (
         "- mnist1d_mlp, P=16: d_kfac, dp_kfac, none; multipliers 0.5, 2; seeds 0, 1 (12 runs)"
         in text

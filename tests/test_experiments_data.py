@@ -224,3 +224,25 @@ def test_multirun_sweeps_strategies(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(p.parent.name for p in tmp_path.glob("*/metrics.json"))
     assert runs == ["0_dp_kfac", "1_d_kfac", "2_spd_kfac"]
+
+
+def test_digits_validation_split_is_cut_from_training_images(tmp_path) -> None:
+    """data.val_fraction holds out validation images from the training split only: the
+    test split is the one the default run scores on, whatever the validation share."""
+    from experiments.data.digits import DigitsData
+
+    kw = {"root": None, "fake": False, "batch_size": 16, "eval_batch_size": 64, "num_workers": 0}
+    plain = DigitsData(**kw)
+    plain.setup(DistEnv(), tmp_path)
+    held = DigitsData(**kw, val_fraction=0.1)
+    held.setup(DistEnv(), tmp_path)
+    assert plain.val_dataset is None
+    assert held.val_dataset is not None
+    n_train, n_val = len(held.train_dataset), len(held.val_dataset)
+    assert n_train + n_val == len(plain.train_dataset) == 1437
+    assert n_val == pytest.approx(0.1 * 1797, abs=1)
+    assert torch.equal(held.eval_dataset.tensors[1], plain.eval_dataset.tensors[1])
+    val_labels = held.val_dataset.tensors[1]
+    assert set(val_labels.tolist()) == set(range(10))  # stratified
+    with pytest.raises(ValueError, match=r"data.val_fraction=0.8"):
+        DigitsData(**kw, val_fraction=0.8)

@@ -16,7 +16,8 @@ What the job fixes, and why:
   grows with P, as in a data-parallel job that adds GPUs, which is where the
   owner's share of the batch (what its factors see) shrinks.
 * **Learning-rate rule**: linear scaling from the preset's learning rate at
-  its batch, ``lr = base_lr * (batch_size * P / base_batch) * multiplier``,
+  its batch, ``lr = base_lr * (batch_size * P / base_batch) * multiplier``
+  (``base_lr``/``base_batch`` null: the experiment preset's own lr and batch),
   with a small grid of multipliers swept; :func:`choose_lr` picks one per
   (model, configuration, P) on the validation split's final accuracy (mean
   over seeds), never on the test set, and every grid point stays in the CSV.
@@ -96,18 +97,28 @@ class ScaleLogger(NullLogger):
                 f.writelines(json.dumps(line) + "\n" for line in lines)
 
 
+def base_lr_and_batch(node: DictConfig | Mapping[str, Any]) -> tuple[float, int]:
+    """The learning rate and batch the rule scales from: ``base_lr`` and ``base_batch``, or
+    where null the experiment preset's own ``optimizer.lr`` and ``data.batch_size``."""
+    lr, batch = node.get("base_lr"), node.get("base_batch")
+    if lr is None or batch is None:
+        from experiments.config import compose_config
+
+        preset = compose_config("config", [f"experiment={node['experiment']}"])
+        lr = preset.optimizer.lr if lr is None else lr
+        batch = preset.data.batch_size if batch is None else batch
+    return float(lr), int(batch)
+
+
 def learning_rate(node: DictConfig | Mapping[str, Any], world_size: int) -> float:
     """The job's learning rate: linear scaling from the preset's, times the grid's multiplier.
 
-    ``base_lr * (batch_size * world_size / base_batch) * lr_multiplier``.
+    ``base_lr * (batch_size * world_size / base_batch) * lr_multiplier``
+    (:func:`base_lr_and_batch`).
     """
+    base_lr, base_batch = base_lr_and_batch(node)
     global_batch = int(node["batch_size"]) * int(world_size)
-    return (
-        float(node["base_lr"])
-        * global_batch
-        / int(node["base_batch"])
-        * float(node["lr_multiplier"])
-    )
+    return base_lr * global_batch / base_batch * float(node["lr_multiplier"])
 
 
 def skip_reason(cfg: DictConfig) -> str | None:
@@ -346,6 +357,7 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
     per_kind = fidelity_by_kind(probes, layer_kinds(model))
     predicted = predicted_iteration(train_cfg, p, str(node.hardware), model, example)
     kfac = _plain(train_cfg.strategy) if uses_preconditioner(train_cfg.strategy) else None
+    base_lr, base_batch = base_lr_and_batch(node)
     row = {
         "task": TASK,
         "model": str(node.experiment),
@@ -358,8 +370,7 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
         "lr_multiplier": float(node.lr_multiplier),
         "lr": float(train_cfg.optimizer.lr),
         "lr_rule": (
-            f"lr = {float(node.base_lr)} x (batch {int(node.batch_size)} x P / "
-            f"{int(node.base_batch)}) x multiplier"
+            f"lr = {base_lr} x (batch {int(node.batch_size)} x P / {base_batch}) x multiplier"
         ),
         "target": target,
         "steps_per_epoch": round(result["steps"] / result["epochs"]) if result["epochs"] else 0,
@@ -570,6 +581,30 @@ def takeaway(cells: pd.DataFrame) -> list[str]:
         lines.append(text + ".")
         lines += _time_sentence(model, by, sizes)
     return lines
+
+
+def headline(cells: pd.DataFrame) -> str | None:
+    """The README's line: per model, dp_kfac's and d_kfac's steps to target at the largest P
+    both ran, with the seeds behind them (None: no such P yet)."""
+    parts = []
+    for model, g in cells.groupby("model", sort=False):
+        by = {(r["strategy"], int(r["P"])): r for _, r in g.iterrows()}
+        sizes = [p for s, p in by if s == REFERENCE and (BASELINE, p) in by]
+        if not sizes:
+            continue
+        p = max(sizes)
+        dp, d = by[(REFERENCE, p)], by[(BASELINE, p)]
+        parts.append(
+            f"{model} at P={p} (global batch {int(dp['global_batch'])}, "
+            f"{int(min(dp['seeds'], d['seeds']))}+ seed(s)): {REFERENCE} {_steps_text(dp)}, "
+            f"{BASELINE} {_steps_text(d)} to {float(dp['target']):.2f}"
+        )
+    if not parts:
+        return None
+    return (
+        "- **Convergence as P grows** (ranks as threads of one process, per-rank batch fixed; "
+        f"`results/convergence_scale.md` says which cells have run): {'; '.join(parts)}."
+    )
 
 
 def _steps_text(r: Mapping[str, Any]) -> str:

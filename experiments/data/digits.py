@@ -26,14 +26,28 @@ class DigitsData(DataModule):
 
     Args:
         test_fraction: Share of the images held out for evaluation.
+        val_fraction: Share of the images held out for validation (scored as
+            ``val_accuracy``, for choosing hyperparameters without the test set);
+            0: no validation split, every non-test image trains.
         **kwargs: See :class:`~experiments.data.loading.DataModule`.
     """
 
     name = "digits"
 
-    def __init__(self, test_fraction: float = 0.2, **kwargs: Any) -> None:
+    def __init__(
+        self, test_fraction: float = 0.2, val_fraction: float = 0.0, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
+        for key, value in (("test_fraction", test_fraction), ("val_fraction", val_fraction)):
+            if not 0.0 <= float(value) < 1.0:
+                raise ValueError(f"data.{key}={value!r}: expected a number in [0, 1)")
+        if test_fraction + val_fraction >= 1.0:
+            raise ValueError(
+                f"data.val_fraction={val_fraction!r} and data.test_fraction={test_fraction!r} "
+                "leave no training images"
+            )
         self.test_fraction = test_fraction
+        self.val_fraction = val_fraction
 
     def load(self, root: Path | None, env: DistEnv) -> tuple[Dataset, Dataset]:
         """Scale pixels by the training set's mean and std; images are 1x8x8."""
@@ -46,12 +60,22 @@ class DigitsData(DataModule):
         x_train, x_test, y_train, y_test = train_test_split(
             images, labels, test_size=self.test_fraction, stratify=labels, random_state=0
         )
+        x_val = y_val = None
+        if self.val_fraction > 0:  # cut from the training images; the test split is unchanged
+            x_train, x_val, y_train, y_val = train_test_split(
+                x_train,
+                y_train,
+                test_size=self.val_fraction / (1.0 - self.test_fraction),
+                stratify=y_train,
+                random_state=0,
+            )
         mean, std = x_train.mean(), x_train.std()
 
         def tensors(x: np.ndarray, y: np.ndarray) -> TensorDataset:
             x = ((x - mean) / std).astype(np.float32).reshape(-1, 1, 8, 8)
             return TensorDataset(torch.from_numpy(x), torch.from_numpy(y.astype(np.int64)))
 
+        self.val_dataset = None if x_val is None else tensors(x_val, y_val)
         return tensors(x_train, y_train), tensors(x_test, y_test)
 
     def build_task(self) -> Task:
