@@ -199,6 +199,7 @@ def test_the_writer_chooses_on_validation_and_states_the_claim(tmp_path: Path) -
     assert paths["png"].exists()
     text = paths["md"].read_text()
     assert "Grid points in this table: 36 runs" in text
+    assert "lr = 0.05 x (batch 16 x P / 64) x multiplier (mnist1d_mlp)" in text  # per model
     line = cs.headline(cells)
     assert line is not None and line.startswith("- **Convergence as P grows**")
     assert "mnist1d_mlp at P=16 (global batch 256, 2+ seed(s)): dp_kfac 1872 steps, " in line

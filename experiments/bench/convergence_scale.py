@@ -828,7 +828,12 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         "",
         "Every rank a thread of one process (`launcher=threads`), the training entry point's",
         f"own loop; per-rank batch {int(first['batch_size'])} (the global batch grows with P);",
-        f"learning-rate rule: {first['lr_rule']}, the multiplier chosen per (model,",
+        "learning-rate rule: "
+        + "; ".join(
+            f"{rule} ({model})"
+            for model, rule in runs.groupby("model", sort=False)["lr_rule"].first().items()
+        )
+        + ", the multiplier chosen per (model,",
         "configuration, P) on the validation split's final accuracy (mean over seeds), never",
         "on the test set (every grid point is in `convergence_scale.csv`; `grid edge`: the",
         "best multiplier is the grid's smallest or largest). Steps and epochs to target: the",
