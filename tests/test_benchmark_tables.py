@@ -407,7 +407,8 @@ def test_calibration_separates_one_core_and_shared_core_regimes() -> None:
     """Rows the model itself generates give back both regimes' links and overlaps."""
     from dataclasses import replace
 
-    from dpkfac.costmodel import PRESETS, Link, scaled
+    from dpkfac.costmodel import PRESETS, Link, fitting, scaled
+    from dpkfac.costmodel.timing import COMM_PHASES
     from experiments.bench import predict as bp
 
     one_core = replace(
@@ -432,26 +433,26 @@ def test_calibration_separates_one_core_and_shared_core_regimes() -> None:
             row = fake_row(strategy, p, cpus=2, device="cpu", fusion_plan=plan)
             ranks = bp.predict_row(row, hw).update.phases_per_rank
             row["rank_timings"] = json.dumps(ranks)
-            row["least_wait"] = json.dumps({ph: min(r[ph] for r in ranks) for ph in bp.COMM})
+            row["least_wait"] = json.dumps({ph: min(r[ph] for r in ranks) for ph in COMM_PHASES})
             rows.append(row)
-    cal = bp.calibrate_rows(rows)
-    shared = bp.shared_core_links(rows, cal)
+    ms = [bp.measurement(r) for r in rows]
+    cal = fitting.calibrate_measurements(ms, PRESETS["cpu_gloo_local"], "calibrated")
+    shared = fitting.shared_core_links(ms, cal)
     assert set(shared) == {4}
     for kind in ("allreduce", "broadcast"):
         assert cal.link(kind).alpha == pytest.approx(one_core.link(kind).alpha, rel=1e-3)
         assert cal.link(kind).beta == pytest.approx(one_core.link(kind).beta, rel=1e-3)
-        fitted = shared[4]["links"][kind]
+        fitted = shared[4].links[kind]
         assert fitted.alpha == pytest.approx(shared_links[kind].alpha, rel=1e-3)
         assert fitted.beta == pytest.approx(shared_links[kind].beta, rel=1e-3)
-    shapes, ws = bp.row_shapes(rows[0])
-    overlap, regimes = bp.fit_overlap([(cal, rows, shapes, ws)], shared)
+    overlap, regimes = fitting.fit_overlap([fitting.ModelFit(cal, tuple(ms))], shared)
     assert overlap == pytest.approx(0.2, abs=0.01)
     hw = replace(cal, overlap=overlap)
-    assert regimes[4]["overlap"] == pytest.approx(0.7, abs=0.01)
-    for row in rows:
-        predicted = bp.predict_row(row, bp.hardware_for(row, hw, regimes)).update.phases
+    assert regimes[4].overlap == pytest.approx(0.7, abs=0.01)
+    for row, m in zip(rows, ms, strict=True):
+        predicted = fitting.predict_measurement(m, fitting.hardware_for(m, hw, regimes))
         for phase, seconds in bp.measured_phases(row).items():
-            assert predicted[phase] == pytest.approx(seconds, rel=0.01, abs=1e-9), phase
+            assert predicted.update.phases[phase] == pytest.approx(seconds, rel=0.01, abs=1e-9)
 
 
 def ablation_rows() -> pd.DataFrame:

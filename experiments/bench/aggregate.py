@@ -33,6 +33,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from dpkfac.costmodel.timing import COMM_PHASES, COMPUTE_PHASES
 from dpkfac.stats import COMM_CATEGORIES, PHASES
 
 #: Phases timed by the preconditioner, in the order of an iteration.
@@ -45,8 +46,9 @@ ITERATION_PARTS = (
     "step_other",
     "optimizer",
 )
-COMPUTE_PHASES = ("factor_compute", "decomposition", "precondition")
-COMM_PHASES = ("factor_comm", "decomposition_comm", "precond_comm")
+#: Second-order communication: the cost model's communication phases less the
+#: gradient reduction, which first-order training pays too (a row's ``comm_s``).
+SECOND_ORDER_COMM = tuple(p for p in COMM_PHASES if p != "grad_comm")
 SECOND_ORDER_CATEGORIES = ("factor_allreduce", "decomposition_broadcast", "precond_broadcast")
 #: What a process holds besides K-FAC state (:class:`dpkfac.ProcessMemory`'s fields),
 #: kept as ``mem_process_<part>`` columns beside the total ``mem_process``.
@@ -110,7 +112,7 @@ def least_wait(results: Sequence[dict[str, Any]]) -> dict[str, float]:
         phase: statistics.median(
             min(r["records"][j]["phases"].get(phase, 0.0) for r in results) for j in steps
         )
-        for phase in ("grad_comm", *COMM_PHASES)
+        for phase in COMM_PHASES
     }
 
 
@@ -173,7 +175,7 @@ def aggregate(
     if peaks:  # the CUDA allocator's peak: the most any rank reached in any measured step
         row["mem_process_peak_cuda"] = max(peaks)
     row["compute_s"] = sum(row[f"{p}_s"] for p in COMPUTE_PHASES)
-    row["comm_s"] = sum(row[f"{p}_s"] for p in COMM_PHASES)
+    row["comm_s"] = sum(row[f"{p}_s"] for p in SECOND_ORDER_COMM)
     row["second_order_s"] = row["compute_s"] + row["comm_s"] + row["step_other_s"]
     row["bytes_second_order"] = sum(row[f"bytes_{c}"] for c in SECOND_ORDER_CATEGORIES)
     row["wire_second_order"] = sum(row[f"wire_{c}"] for c in SECOND_ORDER_CATEGORIES)

@@ -1,25 +1,26 @@
 """Benchmark rows meet the cost model (:mod:`dpkfac.costmodel`).
 
-The bridge between the two: :func:`measurement` turns a row of ``python -m experiments.bench``
-into a :class:`dpkfac.costmodel.Measurement` (shapes, strategy, the
-preconditioner's options, per-rank timings, least waits, shared cores), and
-everything else is the cost model's own code (:mod:`dpkfac.costmodel.fitting`,
-whose docstring explains the fitting: phases compared on the busiest rank
-for compute and the least-waiting rank for communication, shared-core
-regimes, the per-model forward/backward rate and the overlap of pipelined
-traffic). Three uses:
+Four parts:
 
+* **Rows to measurements.** :func:`measurement` turns a row of
+  ``python -m experiments.bench`` into a :class:`dpkfac.costmodel.Measurement`
+  (shapes, strategy, the preconditioner's options, per-rank timings, least
+  waits, shared cores); fitting and predicting measurements are the cost
+  model's own (:mod:`dpkfac.costmodel.fitting`, whose docstring explains the
+  fitting).
 * **Exact bytes.** :func:`predict_row` replays a measured job (same shapes,
   strategy, options and, for a pipelined strategy, the fusion plan the run
   fixed) and :func:`byte_mismatches` compares every category's bytes, calls
   and wire bytes with what the run counted.
-* **Calibration.** :func:`calibrate_rows` fits a ``Hardware`` to the
-  measured per-rank phase timings of paper-setting rows, starting from the
-  ``cpu_gloo_local`` preset for kinds the rows do not cover.
+* **Rows as a row reports them.** :func:`amortised_prediction`,
+  :func:`paper_predictions` and :func:`row_process_memory`: predictions
+  weighted over the row's update intervals, at the paper's sizes, and the
+  whole process's memory (the ablation and second_order_update tables).
 * **Scaling.** :func:`scaling_frames` puts measured rows beside
-  predictions at P = 1..256 on (a) the calibrated model with the measured
-  (CPU-sized) shapes and (b) the ``v100_ib100`` preset with the paper's
-  shapes, and reports measured-vs-predicted error per phase.
+  predictions at P = 1..256 on (a) the model calibrated to the rows with the
+  measured (CPU-sized) shapes and (b) the ``v100_ib100`` preset with the
+  paper's shapes, and reports measured-vs-predicted error per phase, in
+  sample and held out (links from the job's own probes, :func:`probe_links`).
 
 Whether a row is K-FAC is read from its ``kfac_options`` (JSON ``null``:
 first order), never from its strategy label; the strategy of a K-FAC row is
@@ -40,14 +41,14 @@ import pandas as pd
 from dpkfac.costmodel import PRESETS, Hardware, Measurement, ModelShapes, Prediction
 from dpkfac.costmodel import fitting as fitting_lib
 from dpkfac.costmodel.memory import activation_bytes, process_memory_of
+from dpkfac.costmodel.timing import COMM_PHASES, COMPUTE_PHASES
 from dpkfac.options import KFACOptions
 from dpkfac.plan import scheme_of
 from dpkfac.plan.hardware import Link, Sample
 from dpkfac.strategies import canonical_name, strategy_options
+from experiments.bench.aggregate import SECOND_ORDER_CATEGORIES, SECOND_ORDER_COMM, kind_weights
 from experiments.bench.measure import OPTIMIZER
 
-COMPUTE = ("factor_compute", "decomposition", "precondition")
-COMM = ("grad_comm", "factor_comm", "decomposition_comm", "precond_comm")
 PREDICTED_P = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: The ``phase`` of the error rows that compare a whole step (measured less its barriers).
 ITERATION = "iteration"
@@ -60,11 +61,6 @@ PAPER_PRESET = "v100_ib100"
 BASE_PRESET = "cpu_gloo_local"
 _KFAC_FIELDS = frozenset(f.name for f in fields(KFACOptions))
 _DTYPE_FIELDS = ("factor_dtype", "decomposition_dtype")
-
-#: Oversubscribed world size -> ``{"links": ..., "overlap": ...}`` fitted to its own rows.
-Regimes = Mapping[int, Mapping[str, Any]]
-#: Per model: its hardware (forward/backward rate of its own), rows, shapes, weight sharing.
-ModelFit = tuple[Hardware, list[Mapping[str, Any]], ModelShapes, str]
 
 
 def _json(value: Any) -> Any:
@@ -208,8 +204,6 @@ def predicted_counts(row: Mapping[str, Any], prediction: Prediction) -> dict[str
 
 def _weights(row: Mapping[str, Any]) -> dict[str, float]:
     """How often each step kind occurs at the row's update intervals."""
-    from experiments.bench.aggregate import kind_weights
-
     return kind_weights(int(row.get("factor_update_steps", 1)), int(row.get("inv_update_steps", 1)))
 
 
@@ -231,15 +225,13 @@ def amortised_prediction(row: Mapping[str, Any], prediction: Prediction) -> dict
         per rank, gradients included) and ``memory_bytes`` (K-FAC state of
         the busiest rank).
     """
-    from experiments.bench.aggregate import COMM_PHASES, SECOND_ORDER_CATEGORIES
-
     out = dict.fromkeys(("iteration_s", "compute_s", "comm_s", "grad_comm_s"), 0.0)
     for kind, weight in _weights(row).items():
         step = prediction.steps[STEP_OF_KIND[kind]]
         phases = step.phases
         out["iteration_s"] += weight * step.iteration
         out["compute_s"] += weight * step.computation
-        out["comm_s"] += weight * sum(phases.get(p, 0.0) for p in COMM_PHASES)
+        out["comm_s"] += weight * sum(phases.get(p, 0.0) for p in SECOND_ORDER_COMM)
         out["grad_comm_s"] += weight * phases.get("grad_comm", 0.0)
     counts = predicted_counts(row, prediction)
     zero = {"bytes": 0.0, "wire_bytes": 0.0}
@@ -349,92 +341,11 @@ def _paper(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return [r for r in rows if r.get("setting", "paper") == "paper"]
 
 
-def _to_regimes(shared: Regimes | None) -> dict[int, fitting_lib.Regime]:
-    return {
-        int(p): fitting_lib.Regime(dict(r["links"]), r.get("overlap"))
-        for p, r in (shared or {}).items()
-    }
-
-
-def _from_regimes(regimes: Mapping[int, fitting_lib.Regime]) -> dict[int, dict[str, Any]]:
-    out: dict[int, dict[str, Any]] = {}
-    for p, r in regimes.items():
-        out[p] = {"links": dict(r.links)}
-        if r.overlap is not None:
-            out[p]["overlap"] = r.overlap
-    return out
-
-
-def hardware_for(
-    row: Mapping[str, Any], hardware: Hardware, shared: Regimes | None = None
-) -> Hardware:
-    """``hardware`` as the row's ranks had it (:func:`dpkfac.costmodel.fitting.hardware_for`).
-
-    Args:
-        row: a benchmark row.
-        hardware: the one-core-per-rank model.
-        shared: links (and overlap) per oversubscribed world size
-            (:func:`shared_core_links`, :func:`fit_overlap`).
-    """
-    regime = _to_regimes(shared).get(int(row["world_size"]))
-    return fitting_lib.hardware_at_share(hardware, core_share(row), regime)
-
-
 def measured_phases(row: Mapping[str, Any]) -> dict[str, float]:
     """Seconds per phase as the cost model defines them (busiest rank / least wait)."""
     least = _json(row.get("least_wait"))
     least = least if isinstance(least, dict) and least else None
     return fitting_lib.phases_from_timings(_json(row["rank_timings"]), least)
-
-
-def calibrate_rows(rows: Iterable[Mapping[str, Any]], name: str = "calibrated") -> Hardware:
-    """The one-core-per-rank ``Hardware`` fitted to the paper-setting rows' phase timings.
-
-    Engines and links come from the rows whose ranks had a core each (see
-    :func:`dpkfac.costmodel.fitting.calibrate_measurements`); kinds the rows do
-    not cover keep the ``cpu_gloo_local`` preset's values.
-    """
-    ms = [measurement(r) for r in _paper(rows)]
-    return fitting_lib.calibrate_measurements(ms, PRESETS[BASE_PRESET], name)
-
-
-def shared_core_links(
-    rows: Iterable[Mapping[str, Any]], hardware: Hardware
-) -> dict[int, dict[str, Any]]:
-    """Links fitted to each oversubscribed world size's communication phases, as measured.
-
-    Returns:
-        World size -> ``{"links": ...}`` (:func:`fit_overlap` adds ``"overlap"``).
-    """
-    ms = [measurement(r) for r in _paper(rows)]
-    return _from_regimes(fitting_lib.shared_core_links(ms, hardware))
-
-
-def with_forward_backward(
-    hardware: Hardware, rows: list[Mapping[str, Any]], shapes: ModelShapes
-) -> Hardware:
-    """``hardware`` with the forward/backward rate that reproduces the rows' measured median."""
-    ms = [measurement(r, shapes=shapes) for r in rows]
-    return fitting_lib.with_forward_backward(hardware, ms)
-
-
-def fit_overlap(
-    models: Iterable[ModelFit], shared: Regimes | None = None
-) -> tuple[float | None, dict[int, dict[str, Any]]]:
-    """The overlap of pipelined traffic per regime (:func:`dpkfac.costmodel.fitting.fit_overlap`).
-
-    Args:
-        models: per model, (hardware, rows, shapes, weight sharing).
-        shared: the regimes of :func:`shared_core_links`.
-    """
-    fits = [
-        fitting_lib.ModelFit(
-            hw, tuple(measurement(r, shapes=shapes, weight_sharing=ws) for r in rows)
-        )
-        for hw, rows, shapes, ws in models
-    ]
-    own, regimes = fitting_lib.fit_overlap(fits, _to_regimes(shared))
-    return own, _from_regimes(regimes)
 
 
 def _prediction_row(
@@ -445,7 +356,7 @@ def _prediction_row(
     entry = {"model": model, "strategy": strategy, "source": source, "world_size": p}
     entry["iteration_ms"] = 1e3 * step.iteration
     entry["fwd_bwd_ms"] = 1e3 * step.breakdown.get("forward_backward", 0.0)
-    for phase in (*COMPUTE, *COMM):
+    for phase in (*COMPUTE_PHASES, *COMM_PHASES):
         entry[f"{phase}_ms"] = 1e3 * phases.get(phase, 0.0)
     entry["bytes_per_rank"] = sum(c.nbytes for c in step.collectives)
     entry["wire_bytes_per_rank"] = sum(c.wire_bytes for c in step.collectives)
@@ -521,38 +432,13 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
                 overlapped = phase in pred.overlapped_phases
                 if overlapped and seconds <= 0:
                     continue  # DDP's all-reduces: inside the backward pass, not timed apart
-                errors.append(
-                    {
-                        "model": model,
-                        "strategy": r["strategy"],
-                        "world_size": m.world_size,
-                        "phase": phase + (" (overlapped)" if overlapped else ""),
-                        "measured_ms": 1e3 * seconds,
-                        "predicted_ms": 1e3 * fit.get(phase, 0.0),
-                        "error_%": _err(fit.get(phase, 0.0), seconds),
-                        "held_out_ms": 1e3 * hold[phase] if phase in hold else float("nan"),
-                        "held_out_error_%": _err(hold[phase], seconds)
-                        if phase in hold
-                        else float("nan"),
-                    }
-                )
+                name = phase + (" (overlapped)" if overlapped else "")
+                held_phase = hold.get(phase)
+                errors.append(_error_row(r, m, name, seconds, fit.get(phase, 0.0), held_phase))
             # The whole step, less the benchmark's own barriers (``isolate_comm``).
             measured = float(r["iteration_s"]) - float(r.get("comm_sync_s", 0.0) or 0.0)
-            errors.append(
-                {
-                    "model": model,
-                    "strategy": r["strategy"],
-                    "world_size": m.world_size,
-                    "phase": ITERATION,
-                    "measured_ms": 1e3 * measured,
-                    "predicted_ms": 1e3 * pred.update.iteration,
-                    "error_%": _err(pred.update.iteration, measured),
-                    "held_out_ms": 1e3 * held_iteration if held_iteration else float("nan"),
-                    "held_out_error_%": _err(held_iteration, measured)
-                    if held_iteration
-                    else float("nan"),
-                }
-            )
+            held_step = held_iteration or None  # 0: no held-out fit at this P
+            errors.append(_error_row(r, m, ITERATION, measured, pred.update.iteration, held_step))
         labels = dict.fromkeys(r["strategy"] for r, _ in mine)
         for label in labels:
             runs = [(r, m) for r, m in mine if r["strategy"] == label]
@@ -643,6 +529,29 @@ def _machine(rows: list[Mapping[str, Any]]) -> str:
 
 def _err(predicted: float, measured: float) -> float:
     return 100.0 * (predicted - measured) / measured if measured > 0 else float("nan")
+
+
+def _error_row(
+    row: Mapping[str, Any],
+    m: Measurement,
+    phase: str,
+    measured: float,
+    predicted: float,
+    held_out: float | None,
+) -> dict[str, Any]:
+    """One row of :func:`scaling_frames`'s errors (``held_out`` None: no held-out fit)."""
+    nan = float("nan")
+    return {
+        "model": m.model,
+        "strategy": row["strategy"],
+        "world_size": m.world_size,
+        "phase": phase,
+        "measured_ms": 1e3 * measured,
+        "predicted_ms": 1e3 * predicted,
+        "error_%": _err(predicted, measured),
+        "held_out_ms": nan if held_out is None else 1e3 * held_out,
+        "held_out_error_%": nan if held_out is None else _err(held_out, measured),
+    }
 
 
 def error_summary(errors: pd.DataFrame) -> pd.DataFrame:
