@@ -249,35 +249,20 @@ def run_fidelity(
 def layer_summary(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per run and layer (in the order the probe reported them): the cosine's mean and
     minimum over the probed steps, the mean relative error and the number of probes."""
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in rows:
-        key = (str(r["run"]), str(r["layer"]))
-        entry = out.setdefault(
-            key,
-            {
-                "run": key[0],
-                "world_size": int(r["world_size"]),
-                "strategy": str(r["strategy"]),
-                "layer": key[1],
-                "cosines": [],
-                "errors": [],
-            },
-        )
-        entry["cosines"].append(float(r["cosine"]))
-        entry["errors"].append(float(r["rel_error"]))
-    summary = []
-    for entry in out.values():
-        cosines, errors = entry.pop("cosines"), entry.pop("errors")
-        summary.append(
-            {
-                **entry,
-                "cosine_mean": sum(cosines) / len(cosines),
-                "cosine_min": min(cosines),
-                "rel_error_mean": sum(errors) / len(errors),
-                "probes": len(cosines),
-            }
-        )
-    return summary
+    import pandas as pd
+
+    frame = pd.DataFrame(list(rows)).astype(
+        {"world_size": int, "strategy": str, "cosine": float, "rel_error": float}
+    )
+    summary = frame.groupby(["run", "layer"], sort=False).agg(
+        world_size=("world_size", "first"),
+        strategy=("strategy", "first"),
+        cosine_mean=("cosine", "mean"),
+        cosine_min=("cosine", "min"),
+        rel_error_mean=("rel_error", "mean"),
+        probes=("cosine", "size"),
+    )
+    return summary.reset_index().to_dict("records")
 
 
 def takeaway(summary: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -67,8 +67,7 @@ class Row:
 # ------------------------------------------------------------------ helpers
 def preconditioner_kwargs_of(name: str) -> dict[str, Any] | None:
     """The preconditioner arguments of ``conf/strategy/<name>.yaml`` (None: first order)."""
-    from hydra.utils import instantiate
-
+    from experiments.bench.measure import with_schedules
     from experiments.config import compose_config
     from experiments.preconditioning import preconditioner_kwargs, to_dtype
 
@@ -76,12 +75,7 @@ def preconditioner_kwargs_of(name: str) -> dict[str, Any] | None:
     kwargs = preconditioner_kwargs(cfg.strategy)
     if kwargs is None:
         return None
-    out = {}
-    for key, value in kwargs.items():
-        if hasattr(value, "get") and "_target_" in value:  # a schedule node
-            value = instantiate(value)
-        out[key] = to_dtype(key, value)
-    return out
+    return {key: to_dtype(key, value) for key, value in with_schedules(kwargs).items()}
 
 
 class Timer:

@@ -33,7 +33,7 @@ import contextlib
 import datetime
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -132,14 +132,22 @@ def process_group(device: str, timeout_s: float) -> Iterator[tuple[int, int, tor
         dist.destroy_process_group()
 
 
+def with_schedules(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Preconditioner arguments with their schedule nodes (``_target_``) instantiated."""
+    from hydra.utils import instantiate
+
+    return {
+        key: instantiate(value) if isinstance(value, Mapping) and "_target_" in value else value
+        for key, value in kwargs.items()
+    }
+
+
 class _Stepper:
     """One rank's model, batch, optimizer and preconditioner (or the first-order all-reduce)."""
 
     def __init__(
         self, spec: dict[str, Any], member: dict[str, Any], rank: int, device: torch.device
     ) -> None:
-        from hydra.utils import instantiate
-
         from dpkfac import KFACPreconditioner
         from dpkfac.comm import Communicator
         from dpkfac.stats import CommStats, PhaseTimer
@@ -160,12 +168,7 @@ class _Stepper:
         if member["kfac"] is not None:
             # The strategy config's arguments (``strategy`` is its algorithm); schedules
             # of the step are instantiated here. Update intervals follow the step kinds.
-            kwargs = {
-                key: instantiate(value)
-                if isinstance(value, dict) and "_target_" in value
-                else value
-                for key, value in member["kfac"].items()
-            }
+            kwargs = with_schedules(member["kfac"])
             if "auto_intervals" in _option_names(kwargs.get("strategy")):
                 # A strategy that prices the schedule (grouped's "auto") is told the
                 # setting's intervals: the cycle of step kinds below is not the run's.

@@ -418,10 +418,8 @@ def simulate(
         strategy = pre.strategy
         plan = getattr(strategy, "fusion_plan", None)
         result.configuration = strategy.scheme.describe(strategy.options)
-        for key in ("comm", "memory", "setup", "measured_step"):
-            setattr(result, key, measured[key])
-        for key in ("pg_s", "construct_s", "first_step_s", "step_s"):
-            setattr(result, key, measured[key])
+        for key, value in measured.items():
+            setattr(result, key, value)
         result.note = "; ".join(notes)
         key = (
             repr(pre.options),
@@ -517,25 +515,16 @@ def strategy_config(cfg: Any, *, factor_method: str | None = None) -> StrategyCo
             tensors "unfold" (one product per factor) simulates several times
             faster than "auto" (one product per block of the triangle).
     """
-    from hydra.utils import instantiate
-
+    from experiments.bench.measure import with_schedules
     from experiments.preconditioning import preconditioner_kwargs, strategy_name
 
     kwargs = preconditioner_kwargs(cfg.strategy)
     if kwargs is None:
         raise ValueError(f"strategy={strategy_name(cfg.strategy)} configures no preconditioner")
-    kwargs = {
-        key: instantiate(value) if _is_target(value) else value for key, value in kwargs.items()
-    }
+    kwargs = with_schedules(kwargs)
     if factor_method is not None:
         kwargs["factor_method"] = factor_method
     return StrategyConfig(strategy_name(cfg.strategy), kwargs)
-
-
-def _is_target(value: Any) -> bool:
-    from omegaconf import DictConfig
-
-    return isinstance(value, DictConfig | Mapping) and "_target_" in value
 
 
 def workload_model(cfg: Any, *, paper: bool = True) -> FakeModel:
