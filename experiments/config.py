@@ -173,6 +173,10 @@ TABLES = {
             "convergence_scale",
             "measured",
             "experiments.bench.convergence_scale:write_convergence_scale",
+            "measured",
+            "Steps to a target test accuracy as P grows (MNIST-1D and digits, ranks as threads "
+            "of one process), per configuration at the learning rate chosen on validation; "
+            "the page lists which grid points have run.",
         ),
         Table(
             "fidelity",

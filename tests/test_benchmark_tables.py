@@ -623,6 +623,9 @@ def test_results_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     rows = pd.DataFrame([fake_row(s, p) for s in ("none", "dp_kfac") for p in (1, 2)])
     tables.write_table("scaling", rows, results)
     tables.write_table("ablation", ablation_rows(), results)
+    from test_convergence_scale import _rows as convergence_scale_rows
+
+    tables.write_table("convergence_scale", convergence_scale_rows(), results)
     (results / "fidelity.csv").write_text(
         "run,world_size,strategy,step,layer,cosine,rel_error\n"
         "digits_cnn,2,dp_kfac,1,conv,0.99,0.01\ndigits_cnn,2,dp_kfac,3,fc,0.8,0.5\n"
@@ -648,7 +651,7 @@ def test_results_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         for out in cell.get("outputs", [])
         if "image/png" in out.get("data", {})
     ]
-    assert len(images) == 6
+    assert len(images) == 7  # one figure per table section
     assert os.environ["RESULTS_DIR"] == str(results)
 
 
@@ -661,7 +664,7 @@ def test_the_readme_headline_is_generated_from_the_results() -> None:
 
     repo = Path(__file__).resolve().parents[1]
     expected = takeaways.headline(repo / "results")
-    assert 3 <= len(expected) <= 6
+    assert 3 <= len(expected) <= 7
     assert takeaways.readme_block(repo / "README.md") == expected, (
         "README headline is stale: run python -m experiments.bench.takeaways"
     )

@@ -202,7 +202,7 @@ def test_the_writer_chooses_on_validation_and_states_the_claim(tmp_path: Path) -
     assert "lr = 0.05 x (batch 16 x P / 64) x multiplier (mnist1d_mlp)" in text  # per model
     line = cs.headline(cells)
     assert line is not None and line.startswith("- **Convergence as P grows**")
-    assert "mnist1d_mlp at P=16 (global batch 256, 2+ seed(s)): dp_kfac 1872 steps, " in line
+    assert "mnist1d_mlp at P=16 (global batch 256, 2 seed(s)): dp_kfac 1872 steps, " in line
     assert "d_kfac 1092 steps to 0.85" in line
     assert (
         "- mnist1d_mlp, P=16: d_kfac, dp_kfac, none; multipliers 0.5, 2; seeds 0, 1 (12 runs)"

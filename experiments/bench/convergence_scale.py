@@ -596,7 +596,7 @@ def headline(cells: pd.DataFrame) -> str | None:
         dp, d = by[(REFERENCE, p)], by[(BASELINE, p)]
         parts.append(
             f"{model} at P={p} (global batch {int(dp['global_batch'])}, "
-            f"{int(min(dp['seeds'], d['seeds']))}+ seed(s)): {REFERENCE} {_steps_text(dp)}, "
+            f"{int(min(dp['seeds'], d['seeds']))} seed(s)): {REFERENCE} {_steps_text(dp)}, "
             f"{BASELINE} {_steps_text(d)} to {float(dp['target']):.2f}"
         )
     if not parts:

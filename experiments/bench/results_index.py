@@ -19,19 +19,23 @@ from experiments.bench import tables
 from experiments.config import TABLES
 
 
-def _conditions(raw: pd.DataFrame) -> str:
+def _conditions(raw: pd.DataFrame, name: str = "") -> str:
     if raw.empty:
         return "–"
     cores = "/".join(dict.fromkeys(str(int(c)) for c in raw.get("cpus", pd.Series()).dropna()))
     threads = "/".join(dict.fromkeys(str(int(c)) for c in raw.get("threads", pd.Series()).dropna()))
     backend = "gloo" if int(raw.get("world_size", pd.Series([1])).max()) > 1 else "one process"
+    if name == "convergence_scale":  # launcher=threads: every rank a thread of one process
+        backend = "ranks as threads of one process"
     return f"{cores or '?'} CPU cores, {threads or '?'} thread(s)/rank, {backend}"
 
 
 def _runs(raw: pd.DataFrame) -> str:
     if raw.empty or "seed" not in raw:
         return "1" if not raw.empty else "–"
-    per_job = raw.groupby(["model", "setting", "world_size", "strategy"], dropna=False)["seed"]
+    # A job is one grid point but its seed (a convergence_scale job also has a multiplier).
+    job = [c for c in ("model", "setting", "world_size", "strategy", "lr_multiplier") if c in raw]
+    per_job = raw.groupby(job, dropna=False)["seed"]
     counts = per_job.nunique(dropna=False)
     lo, hi = int(counts.min()), int(counts.max())
     return str(lo) if lo == hi else f"{lo}–{hi}"
@@ -68,6 +72,17 @@ def _noise(name: str, raw: pd.DataFrame, results: Path) -> str:
                     f"{final['std'].max():.4f} at most"
                 )
         return "one seed per run: not measured"
+    if name == "convergence_scale":
+        path = results / "convergence_scale_cells.csv"
+        if path.exists():
+            cells = pd.read_csv(path)
+            several = cells[cells["seeds"] > 1]
+            if len(several):
+                return (
+                    f"final accuracy std over seeds {several['final_acc_std'].median():.4f} "
+                    f"(median over {len(several)} cells with several seeds)"
+                )
+        return "one seed per cell: not measured"
     if name == "fidelity":
         return "one run per model: not measured"
     return "exact (no timing)"
@@ -94,7 +109,9 @@ def index(results: Path) -> list[str]:
         raw = tables.load_rows([path]) if path.exists() else pd.DataFrame()
         if not raw.empty:
             raw = raw[raw["error"] == ""]
-        measured = "–" if entry.shown in ("predicted", "simulated") else _conditions(raw)
+        measured = (
+            "–" if entry.shown in ("predicted", "simulated") else _conditions(raw, entry.name)
+        )
         runs = "–" if entry.shown in ("predicted", "simulated") else _runs(raw)
         lines.append(
             f"| [{entry.name}]({entry.name}.md) | {entry.shown} | {entry.what} | {measured} | "

@@ -229,7 +229,7 @@ def _predicted_line(practical: pd.DataFrame) -> str:
 
 
 def headline(results: Path) -> list[str]:
-    """3–6 bullets for the README's first screen, from ``results/*.csv``."""
+    """3–7 bullets for the README's first screen, from ``results/*.csv``."""
     lines = []
     path = results / "second_order_update.csv"
     if path.exists():
