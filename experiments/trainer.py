@@ -143,7 +143,7 @@ class Trainer:
         too (under dp-kfac each rank holds its own layers' factors).
         """
         broadcast_buffers(self.model, self.env)
-        rng = self.env.all_gather_objects(capture_rng_state())
+        rng = self.env.gather_objects(capture_rng_state())
         pre_state = self.pre.state_dict() if self.pre is not None else None
         if not self.env.is_main:
             return None

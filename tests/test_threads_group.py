@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dpkfac.comm import Communicator
+from experiments.distributed import DistEnv
 from experiments.threads import ThreadWorld, launch, run_threads
 
 pytestmark = pytest.mark.distributed
@@ -342,3 +343,17 @@ def test_ranks_start_from_the_launching_threads_streams() -> None:
     expected = torch.rand(1).item()
     torch.manual_seed(7)
     assert launch(lambda rank, world_size: torch.rand(1).item(), 3) == [expected] * 3
+
+
+def _env_objects(rank: int, world_size: int) -> tuple[list[Any] | None, list[Any]]:
+    env = DistEnv(rank=rank, world_size=world_size)
+    return env.gather_objects({"rank": rank}, dst=1), env.all_gather_objects(rank)
+
+
+def test_dist_env_gathers_objects_onto_one_rank() -> None:
+    """Evaluation and checkpoints gather onto one rank (P unpicklings, not P**2)."""
+    world_size = 3
+    results = run_threads(_env_objects, world_size)
+    for rank, (onto, everyone) in enumerate(results):
+        assert onto == ([{"rank": r} for r in range(world_size)] if rank == 1 else None)
+        assert everyone == list(range(world_size))

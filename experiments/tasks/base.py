@@ -66,5 +66,7 @@ def evaluate(task: Task, model: nn.Module, loader: Iterable[Any], env: DistEnv) 
             records.extend(task.predict(bare, to_device(batch, env.device)))
     finally:
         bare.train(was_training)
-    gathered = [r for rank_records in env.all_gather_objects(records) for r in rank_records]
-    return task.score(gathered)
+    # Rank 0 scores and shares the (small) result: P unpicklings of the records, not P**2.
+    gathered = env.gather_objects(records)
+    scores = task.score([r for recs in gathered for r in recs]) if gathered is not None else None
+    return env.broadcast_object(scores)
