@@ -793,6 +793,8 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         md = ["# Convergence as P grows (MNIST-1D)", "", "No successful runs."]
         paths["md"] = write_page(out / "convergence_scale.md", md + footer(df))
         return paths
+    if "pred_chosen" in runs:  # empty in a CSV read back: NaN, which is truthy
+        runs["pred_chosen"] = runs["pred_chosen"].fillna("")
     runs = choose_lr(runs)
     grid = runs[
         [
