@@ -20,36 +20,27 @@ from typing import Any
 
 
 def run_convergence(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train with ``spec["train_config"]`` on this rank; rank 0 also returns the history.
+    """Train with ``spec["train_config"]`` (whose ``trainer.threads`` is the job's) on this rank.
 
-    Args:
-        spec: the benchmark's job spec: ``train_config`` (the resolved training
-            config, whose ``trainer.threads`` is the job's ``threads``).
-
-    Returns:
-        ``rank``, ``result`` (what :func:`experiments.train.run` returned) and,
-        on rank 0, ``history`` (the trainer's evaluations, from ``metrics.json``).
+    Returns ``rank``, ``result`` (what :func:`experiments.train.run` returned) and, on
+    rank 0, ``history`` (the trainer's evaluations, from ``metrics.json``).
     """
     from omegaconf import OmegaConf
 
     from experiments.train import run
 
-    cfg = OmegaConf.create(spec["train_config"])  # its trainer.threads is the job's
+    cfg = OmegaConf.create(spec["train_config"])
     result = run(cfg)
     rank = int(os.environ.get("RANK", "0"))
-    history = None
-    if rank == 0:
-        history = json.loads((Path(cfg.output_dir) / "metrics.json").read_text())["history"]
+    metrics = Path(cfg.output_dir) / "metrics.json"
+    history = json.loads(metrics.read_text())["history"] if rank == 0 else None
     return {"rank": rank, "result": result, "history": history}
 
 
 def curve(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The table's accuracy curve from the trainer's evaluation history.
-
-    One point per evaluation: ``epoch``, ``test_acc`` (top-1 accuracy),
-    ``train_loss`` (mean over the steps since the previous evaluation) and
-    ``seconds`` (wall time of the run so far).
-    """
+    """The table's accuracy curve from the trainer's evaluation history, one point per
+    evaluation: ``epoch``, ``test_acc`` (top-1), ``train_loss`` (mean over the steps since
+    the previous evaluation) and ``seconds`` (wall time of the run so far)."""
     return [
         {
             "epoch": round(float(h["epoch"]), 4),

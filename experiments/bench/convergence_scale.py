@@ -2,37 +2,28 @@
 
 The DP-KFAC paper says DP-KFAC keeps D-KFAC's convergence. Its factors come
 from one rank's batch (1/P of the global one), so that claim can only fail at
-large P, where no run of this project had looked. This module runs the check
-with the real training code (``experiments.train.run``) under the in-process
-launcher (``launcher=threads``), so P = 1 ... 256 ranks fit on one small
-machine, and turns the runs into ``results/convergence_scale.{csv,md,png}``.
+large P. This module runs the check with the real training code
+(``experiments.train.run``) under the in-process launcher (``launcher=threads``),
+so P = 1 ... 256 ranks fit on one small machine, and turns the runs into
+``results/convergence_scale.{csv,md,png}``.
 
 One benchmark job (``python -m experiments.bench task=convergence_scale``) is
-one training run: an experiment preset (``convergence_scale.experiment``), a
-strategy config, ``world_size`` ranks, a learning-rate multiplier and a seed.
-What the job fixes, and why:
+one training run: an experiment preset, a strategy config, ``world_size``
+ranks, a learning-rate multiplier and a seed. What the job fixes, and why:
 
 * **Per-rank batch** ``convergence_scale.batch_size`` (16): the global batch
   grows with P, as in a data-parallel job that adds GPUs, which is where the
   owner's share of the batch (what its factors see) shrinks.
-* **Learning-rate rule**: linear scaling from the preset's learning rate at
-  its batch, ``lr = base_lr * (batch_size * P / base_batch) * multiplier``
-  (``base_lr``/``base_batch`` null: the experiment preset's own lr and batch),
-  with a small grid of multipliers swept; :func:`choose_lr` picks one per
-  (model, configuration, P) on the validation split's final accuracy (mean
-  over seeds), never on the test set, and every grid point stays in the CSV.
+* **Learning-rate rule**: linear scaling from the preset's learning rate at its
+  batch (:func:`learning_rate`) times a small grid of multipliers;
+  :func:`choose_lr` picks one per (model, configuration, P) on validation
+  accuracy, never on the test set, and every grid point stays in the CSV.
 * **The fidelity probe** (``strategy.fidelity_every``): the owner's
   preconditioned gradient from its own batch's factors against the one from
-  factors averaged over all ranks, logged by the trainer and recorded by
-  :class:`ScaleLogger`.
-* **grouped_auto** chooses its (k, f) for ``convergence_scale.hardware``
-  (``v100_ib100``), the hardware whose step time is predicted, not for the
-  in-process group, whose "links" are a thread hand-over.
-
-Each row also carries the cost model's predicted seconds per step for the
-same model, per-rank batch, strategy options and P on that hardware
-(:func:`predicted_iteration`), so the writer can put time-to-accuracy
-(steps to target x seconds per step) beside the steps.
+  factors averaged over all ranks, recorded by :class:`ScaleLogger`.
+* **grouped_auto** chooses its (k, f) for ``convergence_scale.hardware``, the
+  hardware whose step time is predicted (:func:`predicted_iteration`, for time
+  to target), not for the in-process group, whose "links" are a thread hand-over.
 """
 
 from __future__ import annotations
@@ -44,7 +35,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,23 +102,17 @@ def base_lr_and_batch(node: DictConfig | Mapping[str, Any]) -> tuple[float, int]
 
 
 def learning_rate(node: DictConfig | Mapping[str, Any], world_size: int) -> float:
-    """The job's learning rate: linear scaling from the preset's, times the grid's multiplier.
-
-    ``base_lr * (batch_size * world_size / base_batch) * lr_multiplier``
-    (:func:`base_lr_and_batch`).
-    """
+    """The job's learning rate: linear scaling from :func:`base_lr_and_batch`, times the
+    grid's multiplier: ``base_lr * (batch_size * world_size / base_batch) * lr_multiplier``."""
     base_lr, base_batch = base_lr_and_batch(node)
     global_batch = int(node["batch_size"]) * int(world_size)
     return base_lr * global_batch / base_batch * float(node["lr_multiplier"])
 
 
 def skip_reason(cfg: DictConfig) -> str | None:
-    """Why this grid point is not run (None: run it).
-
-    A Hydra sweep is a full product; the preset keeps fewer seeds at large P
-    (``seeds_at``: P -> seeds) and stops an experiment at the P its data allows
-    (``max_world_size``: experiment -> P).
-    """
+    """Why this grid point is not run (None: run it). A Hydra sweep is a full product; the
+    preset keeps fewer seeds at large P (``seeds_at``: P -> seeds) and stops an experiment
+    at the P its data allows (``max_world_size``: experiment -> P)."""
     node = cfg.convergence_scale
     p, experiment = int(cfg.world_size), str(node.experiment)
     limit = (node.get("max_world_size") or {}).get(experiment)
@@ -140,19 +125,14 @@ def skip_reason(cfg: DictConfig) -> str | None:
 
 
 def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
-    """The training config of this job: the preset, the strategy, P threads, the lr rule.
-
-    Only what the study fixes is added to the preset (per-rank batch, the
-    learning rate of :func:`learning_rate`, the in-process launcher, the
-    fidelity probe, a logger that records step times and probe values, no
-    resuming, the replica check on) and then ``convergence_scale.overrides``.
-    """
+    """The training config of this job: the preset plus only what the study fixes (strategy,
+    per-rank batch, :func:`learning_rate`, P threads, the fidelity probe, :class:`ScaleLogger`,
+    no resuming, the replica check on), then ``convergence_scale.overrides``."""
     from hydra.errors import HydraException
 
     from experiments.config import compose_config, validate
 
-    node = cfg.convergence_scale
-    p = int(cfg.world_size)
+    node, p = cfg.convergence_scale, int(cfg.world_size)
     overrides = [
         f"experiment={node.experiment}",
         f"strategy={strategy_name(cfg.strategy)}",
@@ -178,9 +158,7 @@ def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
         train_cfg = compose_config("config", overrides)
     except HydraException as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ExperimentError(
-            f"cannot compose the convergence_scale training config: {first}"
-        ) from None
+        raise ExperimentError(f"cannot compose the {TASK} training config: {first}") from None
     if uses_preconditioner(train_cfg.strategy):
         train_cfg.strategy.fidelity_every = int(node.fidelity_every)
         if "hardware" in train_cfg.strategy and train_cfg.strategy.hardware is None:
@@ -194,12 +172,8 @@ def _plain(node: Any) -> Any:
 
 
 def model_and_input(train_cfg: DictConfig) -> tuple[Any, Any]:
-    """The job's model (as training builds it) and one input of its data.
-
-    The data module is set up once on one rank (MNIST-1D loads its cache) for
-    what only it knows: the model's arguments (classes, signal length) and the
-    input's shape.
-    """
+    """The job's model (as training builds it) and one input of its data, from its data
+    module set up on one rank: only it knows the model's arguments and the input's shape."""
     import torch
     from hydra.utils import instantiate
 
@@ -210,8 +184,7 @@ def model_and_input(train_cfg: DictConfig) -> tuple[Any, Any]:
         env = DistEnv(0, 1, 0, torch.device("cpu"))
         data.setup(env, Path(scratch))
         x = next(iter(data.eval_loader(env)))[0][:1]
-        model = instantiate(train_cfg.model, **data.model_kwargs())
-    return model, x
+        return instantiate(train_cfg.model, **data.model_kwargs()), x
 
 
 def predicted_iteration(
@@ -219,15 +192,10 @@ def predicted_iteration(
 ) -> dict[str, Any]:
     """The cost model's seconds per step of this job's model, batch and strategy at P ranks.
 
-    Shapes from the model itself (:func:`dpkfac.costmodel.shapes_from_model`,
-    the per-rank batch), the strategy config's options with the preset's
-    update intervals, :func:`dpkfac.costmodel.predict` on the ``hardware``
-    preset; ``iteration_avg`` averages the step kinds over the intervals.
-    SGD is plain data parallelism (DDP's overlapped all-reduces).
-
-    Returns:
-        ``pred_iteration_s``, ``pred_hardware`` and ``pred_chosen`` (what an
-        ``auto`` option resolved to, e.g. grouped's k and f; "" if none).
+    Shapes from the model at the per-rank batch, the strategy config's options with the
+    preset's update intervals (``iteration_avg`` averages over them); SGD is plain data
+    parallelism. Returns ``pred_iteration_s``, ``pred_hardware`` and ``pred_chosen``
+    (what an ``auto`` option resolved to, e.g. grouped's k and f; "" if none).
     """
     from dataclasses import fields
 
@@ -239,71 +207,51 @@ def predicted_iteration(
     options = preconditioner_kwargs(train_cfg.strategy)
     skip = (options or {}).get("skip_layers", [])
     shapes = shapes_from_model(model, example, batch, skip_layers=skip, ready_order=True)
+    values = {k: _plain(v) for k, v in (options or {}).items()}
+    name = values.pop("strategy", None)  # None (SGD): no strategy, no options
+    kfac: KFACOptions | None = None
+    if options is not None:
+        known = {f.name for f in fields(KFACOptions)}
+        common = {k: values.pop(k) for k in list(values) if k in known}
+        # Left out of the price: the fidelity probe (a measurement aid, not the algorithm)
+        # and schedules of the step (damping's changes nothing priced; an interval's would
+        # be priced as every step).
+        common = {
+            k: v
+            for k, v in common.items()
+            if k not in ("fidelity_every", "fidelity_layers")
+            and not (isinstance(v, dict) and "_target_" in v)
+        }
+        for key in ("factor_update_steps", "inv_update_steps"):
+            common[key] = int(common.get(key) or 1)
+        kfac = KFACOptions(**common)
     hw = PRESETS[hardware]
-    if options is None:
-        prediction = predict(shapes, strategy=None, world_size=world_size, hardware=hw)
-        return {
-            "pred_iteration_s": prediction.iteration_avg,
-            "pred_hardware": hardware,
-            "pred_chosen": "",
-        }
-    values = {k: _plain(v) for k, v in options.items()}
-    name = values.pop("strategy")
-    known = {f.name for f in fields(KFACOptions)}
-    common = {k: values.pop(k) for k in list(values) if k in known}
-    # Left out of the price: the fidelity probe (a measurement aid, not the algorithm)
-    # and schedules of the step (damping's changes nothing priced; an interval's would
-    # be priced as every step).
-    common = {
-        k: v
-        for k, v in common.items()
-        if k not in ("fidelity_every", "fidelity_layers")
-        and not (isinstance(v, dict) and "_target_" in v)
-    }
-    for key in ("factor_update_steps", "inv_update_steps"):
-        common[key] = int(common.get(key) or 1)
     prediction = predict(
-        shapes,
-        strategy=name,
-        world_size=world_size,
-        hardware=hw,
-        kfac=KFACOptions(**common),
-        options=values,
+        shapes, strategy=name, world_size=world_size, hardware=hw, kfac=kfac, options=values
     )
-    chosen = ""
-    if prediction.options is not None:
-        picked = {
-            k: getattr(prediction.options, k)
-            for k in ("factor_group_size", "grad_worker_fraction")
-            if values.get(k) == "auto" and hasattr(prediction.options, k)
-        }
-        chosen = ", ".join(f"{k}={v}" for k, v in picked.items())
+    picked = [
+        f"{k}={getattr(prediction.options, k)}"
+        for k in ("factor_group_size", "grad_worker_fraction")
+        if values.get(k) == "auto" and hasattr(prediction.options, k)
+    ]
     return {
         "pred_iteration_s": prediction.iteration_avg,
         "pred_hardware": hardware,
-        "pred_chosen": chosen,
+        "pred_chosen": ", ".join(picked),
     }
 
 
 def reached(history: Sequence[Mapping[str, Any]], target: float) -> tuple[float, float]:
     """(steps, epochs) of the first evaluation at or above ``target`` test accuracy (NaN: never)."""
-    for h in history:
-        if float(h.get("accuracy", -1.0)) >= target:
-            return float(h["step"]), float(h["epoch"])
-    return math.nan, math.nan
+    hit = next((h for h in history if float(h.get("accuracy", -1.0)) >= target), None)
+    return (math.nan, math.nan) if hit is None else (float(hit["step"]), float(hit["epoch"]))
 
 
 def _records(path: Path) -> tuple[list[float], list[dict[str, Any]]]:
     """Step times and fidelity entries from :class:`ScaleLogger`'s file."""
-    times, probes = [], []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            entry = json.loads(line)
-            if "step_time_s" in entry:
-                times.append(float(entry["step_time_s"]))
-            elif "cosine" in entry:
-                probes.append(entry)
-    return times, probes
+    entries = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    times = [float(e["step_time_s"]) for e in entries if "step_time_s" in e]
+    return times, [e for e in entries if "step_time_s" not in e and "cosine" in e]
 
 
 def layer_kinds(model: Any) -> dict[str, str]:
@@ -333,18 +281,14 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
     if reason is not None:
         log.info("convergence_scale: skipped (%s)", reason)
         return []
-    node = cfg.convergence_scale
-    p = int(cfg.world_size)
+    node, p, seed = cfg.convergence_scale, int(cfg.world_size), int(cfg.seed)
+    strategy = strategy_name(cfg.strategy)
     train_dir = output_dir / "train"
     train_cfg = training_config(cfg, train_dir)  # its trainer.threads sets the pool
+    lr = float(train_cfg.optimizer.lr)
     log.info(
-        "convergence_scale: %s %s P=%d lr %.4g (x%s) seed %d",
-        node.experiment,
-        strategy_name(cfg.strategy),
-        p,
-        float(train_cfg.optimizer.lr),
-        node.lr_multiplier,
-        int(cfg.seed),
+        f"{TASK}: {node.experiment} {strategy} P={p} lr {lr:.4g} (x{node.lr_multiplier}) "
+        f"seed {seed}"
     )
     started = time.perf_counter()
     result = run(train_cfg)
@@ -358,20 +302,30 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
     predicted = predicted_iteration(train_cfg, p, str(node.hardware), model, example)
     kfac = _plain(train_cfg.strategy) if uses_preconditioner(train_cfg.strategy) else None
     base_lr, base_batch = base_lr_and_batch(node)
+    batch = int(node.batch_size)
+    curve = [
+        {
+            "step": int(h["step"]),
+            "epoch": round(float(h["epoch"]), 4),
+            "test_acc": float(h["accuracy"]),
+            "val_acc": float(h.get("val_accuracy", math.nan)),
+            "train_loss": float(h.get("train_loss", math.nan)),
+        }
+        for h in history
+        if "accuracy" in h
+    ]
     row = {
         "task": TASK,
         "model": str(node.experiment),
         "label": f"{train_cfg.model._target_.rsplit('.', 1)[-1]} ({node.experiment} preset)",
-        "strategy": strategy_name(cfg.strategy),
+        "strategy": strategy,
         "world_size": p,
-        "seed": int(cfg.seed),
-        "batch_size": int(node.batch_size),
-        "global_batch": int(node.batch_size) * p,
+        "seed": seed,
+        "batch_size": batch,
+        "global_batch": batch * p,
         "lr_multiplier": float(node.lr_multiplier),
-        "lr": float(train_cfg.optimizer.lr),
-        "lr_rule": (
-            f"lr = {base_lr} x (batch {int(node.batch_size)} x P / {base_batch}) x multiplier"
-        ),
+        "lr": lr,
+        "lr_rule": f"lr = {base_lr} x (batch {batch} x P / {base_batch}) x multiplier",
         "target": target,
         "steps_per_epoch": round(result["steps"] / result["epochs"]) if result["epochs"] else 0,
         "steps": int(result["steps"]),
@@ -380,19 +334,7 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
         "final_val_acc": float(result.get("val_accuracy", math.nan)),
         "steps_to_target": steps,
         "epochs_to_target": epochs,
-        "curve": json.dumps(
-            [
-                {
-                    "step": int(h["step"]),
-                    "epoch": round(float(h["epoch"]), 4),
-                    "test_acc": float(h["accuracy"]),
-                    "val_acc": float(h.get("val_accuracy", math.nan)),
-                    "train_loss": float(h.get("train_loss", math.nan)),
-                }
-                for h in history
-                if "accuracy" in h
-            ]
-        ),
+        "curve": json.dumps(curve),
         "fidelity_every": int(node.fidelity_every) if kfac is not None else 0,
         "fidelity_probes": len(probes),
         "fidelity_cosine": json.dumps(per_kind),
@@ -436,37 +378,28 @@ def choose_lr(runs: pd.DataFrame) -> pd.DataFrame:
     runs["chosen"] = False
     for _, cell in runs.groupby(CELL, sort=False):
         means = cell.groupby("lr_multiplier", sort=True)["val_mean"].first().dropna()
-        if means.empty:
-            continue
-        best = means.idxmax()
-        runs.loc[cell.index, "chosen"] = cell["lr_multiplier"] == best
+        if not means.empty:
+            runs.loc[cell.index, "chosen"] = cell["lr_multiplier"] == means.idxmax()
     return runs
 
 
 def cells_frame(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per (model, configuration, P) at the chosen learning rate.
 
-    Steps and epochs to target: mean and standard deviation over the seeds that
-    reached it (``reached``: how many of ``seeds``), and their min and max (the
-    seed spread the takeaway uses); final test accuracy mean and std; the
-    fidelity cosine per layer kind (mean over seeds); replicas; the predicted
-    seconds per step and time to target; the measured CPU time per step at
-    small P (the in-process step of all P ranks divided by P).
+    Steps and epochs to target: mean and std over the seeds that reached it (``reached``
+    of ``seeds``) and their min and max (the seed spread the takeaway uses); the time per
+    step predicted, and measured at small P (the in-process step of all P ranks / P).
     """
+    from experiments.bench.plots import ordered
+
+    grids = runs.groupby(CELL, sort=False)["lr_multiplier"]
     rows = []
-    chosen = runs[runs["chosen"]]
-    for (model, strategy, p), cell in chosen.groupby(CELL, sort=False):
-        grid = sorted(
-            runs[
-                (runs["model"] == model)
-                & (runs["strategy"] == strategy)
-                & (runs["world_size"] == p)
-            ]["lr_multiplier"].unique()
-        )
+    for key, cell in runs[runs["chosen"]].groupby(CELL, sort=False):
+        model, strategy, p = key
+        grid = sorted(grids.get_group(key).unique())
         m = float(cell["lr_multiplier"].iloc[0])
-        steps = [float(v) for v in cell["steps_to_target"]]
-        hit = [v for v in steps if v == v]
-        s_mean, s_std = _mean_std(steps)
+        hit = cell["steps_to_target"].astype(float).dropna().tolist()
+        s_mean, s_std = _mean_std(hit)
         e_mean, e_std = _mean_std(list(cell["epochs_to_target"]))
         a_mean, a_std = _mean_std(list(cell["final_acc"]))
         kinds: dict[str, list[float]] = {}
@@ -513,52 +446,49 @@ def cells_frame(runs: pd.DataFrame) -> pd.DataFrame:
     frame = pd.DataFrame(rows)
     if frame.empty:
         return frame
-    from experiments.bench.plots import ordered
-
-    rank = {s: i for i, s in enumerate(ordered(list(frame["strategy"])))}
-    frame["_o"] = frame["strategy"].map(rank)
-    frame = frame.sort_values(["model", "P", "_o"], kind="stable").drop(columns="_o")
-    return frame.reset_index(drop=True)
+    rank = frame["strategy"].map({s: i for i, s in enumerate(ordered(list(frame["strategy"])))})
+    order = frame.assign(_o=rank).sort_values(["model", "P", "_o"], kind="stable").index
+    return frame.loc[order].reset_index(drop=True)
 
 
 def _within(dp: pd.Series, d: pd.Series) -> bool | None:
     """Whether dp_kfac's steps to target sit in d_kfac's seed spread, widened by one
     evaluation (steps to target are only known to the evaluation interval, one epoch).
-
     None when neither reached the target in every seed (nothing to compare); False when
-    d_kfac reached it in every seed and dp_kfac did not.
-    """
-    d_all = d["reached"] == d["seeds"]
-    dp_all = dp["reached"] == dp["seeds"]
-    if not d_all:
-        return None if not dp_all else True
-    if not dp_all:
-        return False
+    d_kfac reached it in every seed and dp_kfac did not."""
+    dp_all = bool(dp["reached"] == dp["seeds"])
+    if d["reached"] < d["seeds"]:
+        return True if dp_all else None
     slack = float(d["steps_per_epoch"])
-    return bool(d["steps_min"] - slack <= dp["steps_to_target"] <= d["steps_max"] + slack)
+    inside = d["steps_min"] - slack <= dp["steps_to_target"] <= d["steps_max"] + slack
+    return dp_all and bool(inside)
+
+
+def _compared(cells: pd.DataFrame) -> Iterator[tuple[str, pd.DataFrame, dict, list[int]]]:
+    """Per model: its cells, them by (strategy, P), and the P where dp_kfac and d_kfac both ran."""
+    if cells.empty:
+        return
+    for model, g in cells.groupby("model", sort=False):
+        by = {(r["strategy"], int(r["P"])): r for _, r in g.iterrows()}
+        sizes = sorted(p for s, p in by if s == REFERENCE and (BASELINE, p) in by)
+        if sizes:
+            yield str(model), g, by, sizes
 
 
 def takeaway(cells: pd.DataFrame) -> list[str]:
     """The claim, computed: does dp_kfac stay within d_kfac's seed spread as P grows?"""
-    if cells.empty:
-        return []
     lines = []
-    for model, g in cells.groupby("model", sort=False):
-        by = {(r["strategy"], int(r["P"])): r for _, r in g.iterrows()}
-        sizes = sorted({p for s, p in by if s == REFERENCE and (BASELINE, p) in by})
-        if not sizes:
-            continue
+    for model, g, by, sizes in _compared(cells):
         verdicts = {p: _within(by[(REFERENCE, p)], by[(BASELINE, p)]) for p in sizes}
-        target = float(g["target"].iloc[0])
         outside = [p for p, v in verdicts.items() if v is False]
         within = [p for p, v in verdicts.items() if v is True]
         unknown = [p for p, v in verdicts.items() if v is None]
+        target = float(g["target"].iloc[0])
         head = f"**Takeaway ({model}).** dp_kfac's steps to {target:.2f} test accuracy"
         if outside:
-            first = outside[0]
-            dp, d = by[(REFERENCE, first)], by[(BASELINE, first)]
+            dp, d = by[(REFERENCE, outside[0])], by[(BASELINE, outside[0])]
             text = (
-                f"{head} leave d_kfac's seed spread (± one evaluation) from P={first} "
+                f"{head} leave d_kfac's seed spread (± one evaluation) from P={outside[0]} "
                 f"(dp_kfac {_steps_text(dp)}, d_kfac {d['steps_min']:.0f}–{d['steps_max']:.0f}"
                 f" over {int(d['seeds'])} seed(s))"
             )
@@ -578,8 +508,7 @@ def takeaway(cells: pd.DataFrame) -> list[str]:
                 f"; not comparable at P={', '.join(str(p) for p in unknown)} "
                 "(d_kfac did not reach the target in every seed)"
             )
-        lines.append(text + ".")
-        lines += _time_sentence(model, by, sizes)
+        lines += [text + ".", *_time_sentence(model, by, sizes)]
     return lines
 
 
@@ -587,12 +516,8 @@ def headline(cells: pd.DataFrame) -> str | None:
     """The README's line: per model, dp_kfac's and d_kfac's steps to target at the largest P
     both ran, with the seeds behind them (None: no such P yet)."""
     parts = []
-    for model, g in cells.groupby("model", sort=False):
-        by = {(r["strategy"], int(r["P"])): r for _, r in g.iterrows()}
-        sizes = [p for s, p in by if s == REFERENCE and (BASELINE, p) in by]
-        if not sizes:
-            continue
-        p = max(sizes)
+    for model, _, by, sizes in _compared(cells):
+        p = sizes[-1]
         dp, d = by[(REFERENCE, p)], by[(BASELINE, p)]
         parts.append(
             f"{model} at P={p} (global batch {int(dp['global_batch'])}, "
@@ -619,42 +544,33 @@ def _time_sentence(
     """Which factor wins for dp_kfac against SGD: fewer steps, or cheaper steps (predicted)."""
     parts = []
     for p in sizes:
-        if (SGD, p) not in by:
-            continue
-        dp, sgd = by[(REFERENCE, p)], by[(SGD, p)]
-        if not (dp["reached"] == dp["seeds"] and sgd["reached"] == sgd["seeds"]):
+        dp, sgd = by[(REFERENCE, p)], by.get((SGD, p))
+        if sgd is None or dp["reached"] < dp["seeds"] or sgd["reached"] < sgd["seeds"]:
             continue
         fewer = sgd["steps_to_target"] / dp["steps_to_target"]
         dearer = dp["pred_iteration_ms"] / sgd["pred_iteration_ms"]
-        # Within 1% of each other neither factor wins: the ratios are rounded to 0.01.
-        winner = (
-            "fewer steps win"
-            if fewer > 1.01 * dearer
-            else "cheaper steps win"
-            if dearer > 1.01 * fewer
-            else "neither wins"
-        )
+        winner = "neither wins"  # within 1% of each other: the ratios are rounded to 0.01
+        if fewer > 1.01 * dearer:
+            winner = "fewer steps win"
+        elif dearer > 1.01 * fewer:
+            winner = "cheaper steps win"
         parts.append(
             f"P={p}: {fewer:.2f}x fewer steps, each {dearer:.2f}x dearer, {winner} "
             f"({dearer / fewer:.2f}x SGD's time to target)"
         )
-    if not parts:
-        return []
-    return [
+    sentence = (
         f"Time to target ({model}), dp_kfac against SGD, steps measured here x seconds per "
-        f"step predicted on `{by[(REFERENCE, sizes[0])]['pred_hardware']}`: "
-        + "; ".join(parts)
-        + "."
-    ]
+        f"step predicted on `{by[(REFERENCE, sizes[0])]['pred_hardware']}`: {'; '.join(parts)}."
+    )
+    return [sentence] if parts else []
 
 
 def curves_frame(runs: pd.DataFrame) -> pd.DataFrame:
     """Test accuracy per evaluation of the chosen runs, averaged over seeds."""
-    points = []
-    for r in runs[runs["chosen"]].to_dict("records"):
-        for c in json.loads(r["curve"]):
-            points.append({k: r[k] for k in CELL} | c)
-    frame = pd.DataFrame(points)
+    chosen = runs[runs["chosen"]].to_dict("records")
+    frame = pd.DataFrame(
+        [{k: r[k] for k in CELL} | c for r in chosen for c in json.loads(r["curve"])]
+    )
     if frame.empty:
         return frame
     return frame.groupby([*CELL, "step"], as_index=False, sort=False).agg(
@@ -687,34 +603,27 @@ def figure(curves: pd.DataFrame, cells: pd.DataFrame) -> Any:
         for k, s in enumerate(strategies)
     }
     for row, model in zip(axes, models, strict=True):
-        target = float(cells[cells["model"] == model]["target"].iloc[0])
+        mine = cells[cells["model"] == model]
+        target = float(mine["target"].iloc[0])
         for ax, p in zip(row, sizes, strict=False):
             sub = curves[(curves["model"] == model) & (curves["world_size"] == p)]
             for s in plots.ordered(list(sub["strategy"])):
                 line = sub[sub["strategy"] == s].sort_values("step")
                 ax.plot(line["step"], line["test_acc"], **looks[s])
             ax.axhline(target, color="0.5", linestyle=":", linewidth=1)
-            ax.set_title(f"{model}, P={p}")
-            ax.set_xlabel("optimizer step")
-            ax.set_ylabel("test accuracy")
+            ax.set(title=f"{model}, P={p}", xlabel="optimizer step", ylabel="test accuracy")
         ax = row[-1]
-        mine = cells[cells["model"] == model]
-        drawn = False
-        for s in strategies:
-            line = mine[(mine["strategy"] == s) & (mine["reached"] == mine["seeds"])]
-            if line.empty:
-                continue
-            drawn = True
+        done = mine[mine["reached"] == mine["seeds"]]
+        for s in plots.ordered(list(done["strategy"])):
+            line = done[done["strategy"] == s]
             ax.errorbar(
                 line["P"], line["steps_to_target"], yerr=line["steps_std"], capsize=3, **looks[s]
             )
-        if not drawn:
+        if done.empty:
             ax.text(0.5, 0.5, "target not reached", ha="center", transform=ax.transAxes)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"steps to {target:.2f} test accuracy")
-        ax.set_xlabel("P (ranks; per-rank batch fixed)")
-        ax.set_ylabel("steps to target")
+        ax.set(yscale="log", title=f"steps to {target:.2f} test accuracy")
+        ax.set(xlabel="P (ranks; per-rank batch fixed)", ylabel="steps to target")
     plots._strategy_legend(fig, [Line2D([], [], label=s, **looks[s]) for s in strategies])
     return fig
 
@@ -735,6 +644,31 @@ _SHOWN = {
     "measured_ms_per_rank": "CPU ms/step/rank",
     "measured_time_to_target_s": "CPU s to target",
 }
+#: Decimals of the markdown's numeric columns other than two.
+_DIGITS = {"pred. ms/step": 3, "CPU s to target": 1, "cosine Linear": 3, "cosine Conv2d": 3}
+#: Columns of ``convergence_scale.csv`` (``val_mean`` written as ``val_acc_mean_over_seeds``).
+_GRID = [
+    "model",
+    "strategy",
+    "world_size",
+    "global_batch",
+    "lr_multiplier",
+    "lr",
+    "seed",
+    "final_val_acc",
+    "val_mean",
+    "chosen",
+    "final_acc",
+    "steps_to_target",
+    "epochs_to_target",
+    "steps",
+    "epochs",
+    "fidelity_cosine",
+    "step_s",
+    "pred_iteration_s",
+    "replicas_identical",
+    "seconds",
+]
 
 
 def _pm(mean: float, std: float, digits: int) -> str:
@@ -757,20 +691,15 @@ def _markdown_frame(cells: pd.DataFrame) -> pd.DataFrame:
     show["replicas"] = [
         "–" if v is None or v != v else ("yes" if v else "NO") for v in show["replicas_identical"]
     ]
-    kinds = [c for c in show.columns if c.startswith("cosine_")]
-    columns = {**_SHOWN}
-    for k in kinds:
-        columns[k] = f"cosine {k.removeprefix('cosine_')}"
+    cosines = [c for c in show.columns if c.startswith("cosine_")]
+    columns = _SHOWN | {c: f"cosine {c.removeprefix('cosine_')}" for c in cosines}
     return show[list(columns)].rename(columns=columns)
 
 
 def coverage(runs: pd.DataFrame) -> list[str]:
-    """What the table holds, per (model, P): configurations, multipliers and seeds run.
-
-    A sweep run in parts (one command per part, the rows merged with
-    ``python -m experiments.bench.tables convergence_scale --rows A B``) shows
-    here how much of the preset's grid it covers; cells not listed were not run.
-    """
+    """What the table holds, per (model, P): configurations, multipliers and seeds run, so a
+    sweep run in parts (rows merged with ``tables convergence_scale --rows A B``) shows how
+    much of the preset's grid it covers."""
     lines = [f"Grid points in this table: {len(runs)} runs (cells not listed were not run)."]
     for (model, p), g in runs.groupby(["model", "world_size"], sort=True):
         configs = ", ".join(sorted(g["strategy"].unique()))
@@ -796,46 +725,21 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     if "pred_chosen" in runs:  # empty in a CSV read back: NaN, which is truthy
         runs["pred_chosen"] = runs["pred_chosen"].fillna("")
     runs = choose_lr(runs)
-    grid = runs[
-        [
-            "model",
-            "strategy",
-            "world_size",
-            "global_batch",
-            "lr_multiplier",
-            "lr",
-            "seed",
-            "final_val_acc",
-            "val_mean",
-            "chosen",
-            "final_acc",
-            "steps_to_target",
-            "epochs_to_target",
-            "steps",
-            "epochs",
-            "fidelity_cosine",
-            "step_s",
-            "pred_iteration_s",
-            "replicas_identical",
-            "seconds",
-        ]
-    ].rename(columns={"val_mean": "val_acc_mean_over_seeds"})
+    grid = runs[_GRID].rename(columns={"val_mean": "val_acc_mean_over_seeds"})
     grid.to_csv(paths["csv"], index=False)
     cells = cells_frame(runs)
-    cells.to_csv(out / "convergence_scale_cells.csv", index=False)
     paths["cells"] = out / "convergence_scale_cells.csv"
+    cells.to_csv(paths["cells"], index=False)
     first = runs.iloc[0]
+    per_model = runs.groupby("model", sort=False)
+    rules = "; ".join(f"{rule} ({m})" for m, rule in per_model["lr_rule"].first().items())
+    targets = ", ".join(f"{m} {t:.2f}" for m, t in per_model["target"].first().items())
     md = [
         "# Convergence as P grows: steps to a target accuracy, and their cost",
         "",
         "Every rank a thread of one process (`launcher=threads`), the training entry point's",
         f"own loop; per-rank batch {int(first['batch_size'])} (the global batch grows with P);",
-        "learning-rate rule: "
-        + "; ".join(
-            f"{rule} ({model})"
-            for model, rule in runs.groupby("model", sort=False)["lr_rule"].first().items()
-        )
-        + ", the multiplier chosen per (model,",
+        f"learning-rate rule: {rules}, the multiplier chosen per (model,",
         "configuration, P) on the validation split's final accuracy (mean over seeds), never",
         "on the test set (every grid point is in `convergence_scale.csv`; `grid edge`: the",
         "best multiplier is the grid's smallest or largest). Steps and epochs to target: the",
@@ -850,33 +754,13 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         "to target. CPU ms/step/rank: the measured in-process step of all P ranks divided by",
         f"P, at P ≤ {MEASURED_MAX_P} only ({first.get('cpus', '?')} CPU cores, shared with",
         "whatever else ran).",
-        "Targets: "
-        + ", ".join(
-            f"{m} {t:.2f}" for m, t in runs.groupby("model", sort=False)["target"].first().items()
-        )
-        + ".",
+        f"Targets: {targets}.",
         "",
         *coverage(runs),
     ]
     for model, g in cells.groupby("model", sort=False):
-        md += [
-            "",
-            f"## {model}",
-            "",
-            to_markdown(
-                _markdown_frame(g),
-                {
-                    "pred. ms/step": 3,
-                    "CPU ms/step/rank": 2,
-                    "pred. s to target": 2,
-                    "CPU s to target": 1,
-                    "cosine Linear": 3,
-                    "cosine Conv2d": 3,
-                },
-            ),
-        ]
-        chosen = g[g["pred_chosen"].astype(bool)]
-        for r in chosen.itertuples():
+        md += ["", f"## {model}", "", to_markdown(_markdown_frame(g), _DIGITS)]
+        for r in g[g["pred_chosen"].astype(bool)].itertuples():
             md.append(f"\n{r.strategy} at P={r.P}: the cost model chose {r.pred_chosen}.")
     md += footer(df)
     paths["md"] = write_page(out / "convergence_scale.md", with_takeaway(md, takeaway(cells)))

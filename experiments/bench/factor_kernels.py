@@ -38,27 +38,22 @@ def layer_inputs(batch: int) -> list[tuple[str, nn.Module, torch.Tensor, torch.T
     """(shape key, module, input, output gradient, count) per distinct layer shape."""
     torch.manual_seed(0)
     model = CIFARResNet(10, depth=32, shortcut="B")
-    seen: dict[str, list] = {}
-    grads: dict[str, torch.Tensor] = {}
+    seen: dict[str, list] = {}  # key -> [key, module, input, output gradient, count]
 
-    def hook(name, module, args, output):
+    def hook(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         key = _key(module, args[0])
         if key in seen:
             seen[key][4] += 1
             return
         seen[key] = [key, module, args[0].detach().clone(), None, 1]
-        output.register_hook(lambda g: grads.__setitem__(key, g.detach().clone()))
+        output.register_hook(lambda g: seen[key].__setitem__(3, g.detach().clone()))
 
-    for name, module in model.named_modules():
+    for module in model.modules():
         if isinstance(module, (nn.Conv2d, nn.Linear)):
-            module.register_forward_hook(lambda m, a, o, name=name: hook(name, m, a, o))
+            module.register_forward_hook(hook)
     x = torch.randn(batch, 3, 32, 32)
     F.cross_entropy(model(x), torch.randint(0, 10, (batch,))).backward()
-    rows = []
-    for key, entry in seen.items():
-        entry[3] = grads[key]
-        rows.append(tuple(entry))
-    return rows
+    return [tuple(entry) for entry in seen.values()]
 
 
 def _key(module: nn.Module, x: torch.Tensor) -> str:
@@ -112,10 +107,9 @@ def run(
         with torch.no_grad():
             ta = interleaved({m: _a_fn(module, x, m) for m in A_METHODS}, reps)
             tg = interleaved({m: _g_fn(module, g, m) for m in G_METHODS}, reps)
-        for m in A_METHODS:
-            totals[f"A {m}"] += count * ta[m]
-        for m in G_METHODS:
-            totals[f"G {m}"] += count * tg[m]
+        for side, times in (("A", ta), ("G", tg)):
+            for m, seconds in times.items():
+                totals[f"{side} {m}"] += count * seconds
         cells = "".join(f"{1e3 * ta[m]:>11.3f}" for m in A_METHODS)
         cells += "".join(f"{1e3 * tg[m]:>11.3f}" for m in G_METHODS)
         say(f"{key:<34}{count:>3}{cells}{ta['unfold'] / ta['auto']:>11.2f}")

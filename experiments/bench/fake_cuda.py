@@ -33,8 +33,9 @@ import contextlib
 import copy
 import functools
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -43,19 +44,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dpkfac
 from dpkfac.device import DryRunReader
-
-__all__ = [
-    "DEVICE",
-    "Outputs",
-    "copy_fake",
-    "drive_backward",
-    "dry_run_preconditioner",
-    "fake_forward_backward",
-    "fake_mode",
-    "fake_process_group",
-    "fake_step",
-    "on_fake_cuda",
-]
 
 DEVICE = torch.device("cuda", 0)
 
@@ -132,15 +120,19 @@ class Outputs:
             handle.remove()
 
 
-def _accumulate(param: nn.Parameter) -> None:
-    """Give ``param`` a fake gradient and run its post-accumulate-grad hooks, as autograd would.
+def _accumulate(params: Iterable[nn.Parameter], done: set[int]) -> None:
+    """Give each trainable parameter not in ``done`` a fake gradient and run its
+    post-accumulate-grad hooks, as autograd would; add it to ``done``.
 
     ``Tensor.register_post_accumulate_grad_hook`` keeps hooks in
     ``_post_accumulate_grad_hooks`` (the preconditioner's and dp_kfac's overlap's).
     """
-    param.grad = torch.randn_like(param)
-    for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
-        hook(param)
+    for param in params:
+        if param.requires_grad and id(param) not in done:
+            param.grad = torch.randn_like(param)
+            for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
+                hook(param)
+            done.add(id(param))
 
 
 def drive_backward(model: nn.Module, outputs: Outputs) -> int:
@@ -162,14 +154,9 @@ def drive_backward(model: nn.Module, outputs: Outputs) -> int:
         for hook in list((getattr(out, "_backward_hooks", None) or {}).values()):
             hook(torch.randn_like(out))
             called += 1
-        for p in module.parameters(recurse=False):
-            if p.requires_grad and id(p) not in done:
-                _accumulate(p)
-                done.add(id(p))
+        _accumulate(module.parameters(recurse=False), done)
     outputs.tensors.clear()
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in done:
-            _accumulate(p)
+    _accumulate(model.parameters(), done)
     return called
 
 
@@ -197,12 +184,8 @@ def fake_step(
 ) -> int:
     """One training step on fake CUDA: forward, hooks driven as in backward, ``pre.step()``.
 
-    Args:
-        model: the fake CUDA model.
-        pre: its preconditioner.
-        batch / side: without ``inputs``, a batch of ``batch`` RGB images of
-            ``side`` x ``side`` pixels.
-        inputs: the forward pass's positional inputs (fake CUDA tensors).
+    ``inputs``: the forward pass's positional inputs (fake CUDA tensors); without
+    them, a batch of ``batch`` RGB images of ``side`` x ``side`` pixels.
 
     Returns:
         How many output-gradient hooks fired.
@@ -233,13 +216,9 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised in this process")
-    capability = torch.cuda.get_device_capability
-    torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
-    try:
+    with mock.patch.object(torch.cuda, "get_device_capability", lambda *args, **kwargs: (9, 0)):
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
             yield
         finally:
             dist.destroy_process_group()
-    finally:
-        torch.cuda.get_device_capability = capability

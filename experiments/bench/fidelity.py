@@ -20,11 +20,10 @@ pixels), with the probe on, records what the trainer logs
   (:func:`write_markdown`; ``python -m experiments.bench.fidelity`` rewrites
   it and the figure from the CSV).
 
-The benchmark's ``table=fidelity`` preset (``task=fidelity``) calls it with the
-``fidelity`` node of ``conf/benchmark.yaml`` (which runs, their steps, the probe
-interval), the job's ``world_size`` (ranks per run), its strategy config and
-``results_dir``. With one rank the comparison is trivially exact (cosine 1), so
-the default is two ranks. A few minutes on two CPU cores.
+The ``table=fidelity`` preset (``task=fidelity``) calls it with the ``fidelity``
+node of ``conf/benchmark.yaml`` and the job's ``world_size`` (ranks per run: two,
+as one rank is trivially exact), strategy config and ``results_dir``. A few
+minutes on two CPU cores.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from experiments.bench.launch import free_port
 from experiments.loggers import NullLogger
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,20 +78,12 @@ class RecordingLogger(NullLogger):
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         rows: dict[str, dict[str, Any]] = {}
         for key, value in metrics.items():
-            if not key.startswith("fidelity/"):
-                continue
-            layer, _, name = key.removeprefix("fidelity/").rpartition("/")
-            rows.setdefault(layer, {"step": step, "layer": layer})[name] = float(value)
+            if key.startswith("fidelity/"):
+                layer, _, name = key.removeprefix("fidelity/").rpartition("/")
+                rows.setdefault(layer, {"step": step, "layer": layer})[name] = float(value)
         if rows:
             with self.path.open("a") as f:
-                for row in rows.values():
-                    f.write(json.dumps(row) + "\n")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+                f.writelines(json.dumps(row) + "\n" for row in rows.values())
 
 
 def train_run(
@@ -113,7 +104,7 @@ def train_run(
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
+        f"--master_port={free_port()}",
         "-m",
         "experiments.train",
         *overrides,
@@ -135,11 +126,8 @@ def train_run(
     if proc.returncode != 0:
         raise RuntimeError(f"run {name!r} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     print(f"{name}: {steps} steps on {nproc} rank(s) in {time.perf_counter() - started:.0f} s")
-    rows = []
-    for line in (out / RECORD).read_text().splitlines():
-        entry = json.loads(line)
-        rows.append({"run": name, "world_size": nproc, "strategy": strategy, **entry})
-    return rows
+    run = {"run": name, "world_size": nproc, "strategy": strategy}
+    return [run | json.loads(line) for line in (out / RECORD).read_text().splitlines()]
 
 
 def write_csv(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
@@ -147,8 +135,7 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
-        for row in rows:
-            writer.writerow({k: row[k] for k in FIELDS})
+        writer.writerows({k: row[k] for k in FIELDS} for row in rows)
 
 
 def figure(rows: Sequence[Mapping[str, Any]]) -> Any:
@@ -194,11 +181,12 @@ def figure(rows: Sequence[Mapping[str, Any]]) -> Any:
     return fig
 
 
-def plot(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
-    """Write :func:`figure` to ``path``."""
+def plot_and_summarise(rows: Sequence[Mapping[str, Any]], out: Path) -> Path:
+    """Write :func:`figure` to ``<out>/fidelity.png`` and :func:`write_markdown`'s table."""
     from experiments.bench import plots
 
-    plots.save(figure(rows), path)
+    plots.save(figure(rows), out / "fidelity.png")
+    return write_markdown(rows, out / "fidelity.md")
 
 
 def run_fidelity(
@@ -240,8 +228,7 @@ def run_fidelity(
             )
     paths = {"csv": out / "fidelity.csv", "png": out / "fidelity.png", "md": out / "fidelity.md"}
     write_csv(rows, paths["csv"])
-    plot(rows, paths["png"])
-    write_markdown(rows, paths["md"])
+    plot_and_summarise(rows, out)
     print(f"wrote {paths['csv']} ({len(rows)} rows), {paths['png']} and {paths['md']}")
     return paths
 
@@ -307,12 +294,12 @@ def write_markdown(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
         "| run | P | strategy | layer | mean cosine | worst cosine | mean rel. error | probes |",
         "|---|---:|---|---|---:|---:|---:|---:|",
     ]
-    for r in summary:
-        lines.append(
-            f"| {r['run']} | {r['world_size']} | {r['strategy']} | `{r['layer']}` | "
-            f"{r['cosine_mean']:.3f} | {r['cosine_min']:.3f} | {r['rel_error_mean']:.3f} | "
-            f"{r['probes']} |"
-        )
+    lines += [
+        f"| {r['run']} | {r['world_size']} | {r['strategy']} | `{r['layer']}` | "
+        f"{r['cosine_mean']:.3f} | {r['cosine_min']:.3f} | {r['rel_error_mean']:.3f} | "
+        f"{r['probes']} |"
+        for r in summary
+    ]
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -326,8 +313,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with (args.results / "fidelity.csv").open() as f:
         rows = list(csv.DictReader(f))
-    plot(rows, args.results / "fidelity.png")
-    print(write_markdown(rows, args.results / "fidelity.md"))
+    print(plot_and_summarise(rows, args.results))
 
 
 if __name__ == "__main__":

@@ -9,50 +9,35 @@ nothing is allocated or computed, so the paper-size ResNet-50 and BERT-large
 fit too. For each simulated rank, :func:`simulate` records
 
 * the bytes, calls and wire bytes per collective category of a steady
-  factor-and-decomposition step (``pre.comm_stats()`` after it) and the
-  K-FAC memory (``pre.memory_usage()``), beside the cost model's prediction
-  for the same rank and options (:func:`dpkfac.costmodel.predict` with
-  :func:`~dpkfac.costmodel.shapes_from_model` of the same model, the run's
-  :class:`~dpkfac.options.KFACOptions` and its resolved strategy options;
-  ``Prediction.steps[(True, True)].comm_of(rank)`` and
-  ``Prediction.memory[rank]``), and whether they are exactly equal (the
-  bytes of every category and the memory: ``match``; the calls and wire
-  bytes too: ``calls_match``);
+  factor-and-decomposition step (``pre.comm_stats()``) and the K-FAC memory
+  (``pre.memory_usage()``), beside :func:`dpkfac.costmodel.predict` for the
+  same rank, shapes (:func:`~dpkfac.costmodel.shapes_from_model` of the same
+  model) and resolved options (``Prediction.steps[(True, True)].comm_of(rank)``
+  and ``Prediction.memory[rank]``), and whether they are exactly equal (bytes
+  and memory: ``match``; calls and wire bytes too: ``calls_match``);
 * the one-time traffic (the "setup" category, from construction to the
   measured step) beside ``Prediction.setup_comm``;
-* start-up seconds, split into process-group creation, preconditioner
-  construction (placement with nominal shapes, a start-up measurement if
-  any) and the first ``pre.step()`` (final placement, "auto" resolution, the
-  first step's setup collectives, and that step's own fake work), plus a
-  steady ``pre.step()`` for comparison and the seconds of the prediction.
-  These are host ``time.perf_counter()`` seconds of this one process, with
-  fake kernels and collectives that move nothing: they show how start-up
-  *code* scales with P (placement, resolution, plans), not how long a GPU
-  job starts.
+* start-up seconds (process group, construction, the first ``pre.step()``:
+  final placement, "auto" resolution, setup collectives), a steady step and
+  the prediction's seconds. These are host seconds of this one process, with
+  fake kernels and collectives: they show how start-up *code* scales with P,
+  not how long a GPU job starts.
 
-Steps run with the library's update intervals (every step updates factors
-and decompositions; a strategy config's intervals are not passed). Step 0
-places; the steps after it run until one has no one-time ("setup")
-collective (spd_kfac profiles its fusion plan over its first
+Every step updates factors and decompositions (a strategy config's intervals
+are not passed). Step 0 places; the steps after it run until one has no
+one-time ("setup") collective (spd_kfac profiles its fusion plan over its first
 ``profile_steps`` factor updates, then agrees on it), and that step is the
-measured one. What a run would measure at start-up cannot be measured on
-fake tensors, so it is given: a strategy whose options leave the hardware
-model to a start-up measurement gets the ``hardware`` preset
-(``Scheme.with_hardware``), and one that would time the all-reduce's
-alpha-beta model gets the preset's all-reduce link at P (``comm_alpha``,
-``comm_beta``); the row's ``note`` says so. A pipelined strategy's fusion
-plan, fixed from ready times profiled on this rank, is replayed by the
-prediction (as :func:`experiments.bench.predict.predict_row` does for
-measured rows). Batch factors are built with ``factor_method="unfold"`` by
-default: bytes and memory do not depend on the kernel, and on fake tensors,
-where every operation costs its dispatch, one product per factor simulates
-about three times faster than "auto"'s one per block.
+measured one. What a run would measure at start-up cannot be measured on fake
+tensors, so :func:`run_arguments` gives it (the row's ``note`` says so). A
+pipelined strategy's fusion plan, profiled on this rank, is replayed by the
+prediction (as :func:`experiments.bench.predict.predict_row` does for measured
+rows). Batch factors use ``factor_method="unfold"`` by default: bytes and
+memory do not depend on the kernel, and on fake tensors one product per factor
+simulates about three times faster than "auto"'s one per block.
 
 ``python -m experiments.bench table=scale_sim`` (:func:`run_scale_sim`, the
-``scale_sim`` node of ``conf/benchmark.yaml``) simulates every (model,
-strategy config, P, rank) of its lists and writes ``results/scale_sim.csv``
-(one row each) and ``results/scale_sim.md`` (predicted against simulated
-bytes and memory, and start-up seconds against P).
+``scale_sim`` node of ``conf/benchmark.yaml``) writes ``results/scale_sim.csv``
+(one row per model, strategy config, P and rank) and ``results/scale_sim.md``.
 """
 
 from __future__ import annotations
@@ -67,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -99,15 +83,10 @@ class FakeModel:
 
     Every simulated rank gets a fresh copy (:meth:`copy`): a preconditioner
     hooks the modules it is given, and the template is never handed to one.
-
-    Args:
-        name: how rows call the model.
-        build: called under the fake mode on device "cuda": returns the
-            module and the positional inputs of one forward pass.
-        batch_size: the local batch ``N`` the shapes record (default: the
-            inputs' first dimension).
-        dtype: the default dtype while building (default: float32).
-        label: a longer description for the table.
+    ``build`` is called under the fake mode on device "cuda" and returns the
+    module and the positional inputs of one forward pass; ``batch_size`` is the
+    local batch ``N`` the shapes record (default: the inputs' first dimension);
+    ``label`` describes the model in the table.
     """
 
     def __init__(
@@ -116,15 +95,13 @@ class FakeModel:
         build: Callable[[], tuple[nn.Module, Sequence[Any]]],
         *,
         batch_size: int | None = None,
-        dtype: torch.dtype | None = None,
         label: str = "",
     ) -> None:
         self.name = name
         self.label = label or name
         self.mode: FakeTensorMode = fake_mode()
-        module, inputs = on_fake_cuda(self.mode, build, dtype)
-        module.train()
-        self.module: nn.Module = module
+        module, inputs = on_fake_cuda(self.mode, build)
+        self.module: nn.Module = module.train()
         self.inputs = tuple(inputs)
         self.batch_size = batch_size
         self._shapes: dict[tuple[str, ...], Any] = {}
@@ -132,11 +109,6 @@ class FakeModel:
     def copy(self) -> nn.Module:
         """A fresh copy of the model (same shapes, no hooks)."""
         return copy_fake(self.mode, self.module)
-
-    @property
-    def param_itemsize(self) -> int:
-        """Bytes per element of the parameters."""
-        return next(self.module.parameters()).element_size()
 
     def shapes(self, skip_layers: Sequence[str] = ()) -> Any:
         """:func:`dpkfac.costmodel.shapes_from_model` of the model (cached per ``skip_layers``)."""
@@ -154,13 +126,8 @@ class FakeModel:
 # ---------------------------------------------------------------- the strategy
 @dataclass(frozen=True)
 class StrategyConfig:
-    """A strategy config as the benchmark gives it: its name and preconditioner arguments.
-
-    Attributes:
-        name: the config's name (``dp_kfac_owner``, ...), how rows call it.
-        kwargs: ``KFACPreconditioner`` keyword arguments; ``strategy`` is the
-            config's ``algorithm``, the rest common and the strategy's own options.
-    """
+    """A strategy config as the benchmark gives it: its name (how rows call it) and its
+    ``KFACPreconditioner`` keyword arguments (``strategy``: the config's ``algorithm``)."""
 
     name: str
     kwargs: Mapping[str, Any]
@@ -197,11 +164,9 @@ def run_arguments(
     if scheme.measures_hardware(options):
         options = scheme.with_hardware(options, PRESETS[hardware])
         notes.append(f"hardware: {hardware} (not measured)")
-    if {"comm_alpha", "comm_beta"} <= own_names and all(
-        getattr(options, k) is None for k in ("comm_alpha", "comm_beta")
-    ):
-        link = PRESETS[hardware].link("allreduce")
-        p = int(world_size)
+    alpha_beta = ("comm_alpha", "comm_beta")
+    if set(alpha_beta) <= own_names and all(getattr(options, k) is None for k in alpha_beta):
+        link, p = PRESETS[hardware].link("allreduce"), int(world_size)
         alpha, beta = link.latency(p), link.beta * 2 * (p - 1) / p
         options = replace(options, comm_alpha=alpha, comm_beta=beta)
         notes.append(f"comm model: {hardware} all-reduce at P={p} (not measured)")
@@ -248,17 +213,11 @@ class RankResult:
 
     def row(self) -> dict[str, Any]:
         """One flat CSV row: totals, then bytes per category and memory per kind."""
-        out: dict[str, Any] = {
-            "model": self.model,
-            "strategy": self.strategy,
-            "algorithm": self.algorithm,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "configuration": self.configuration,
-            "match": "" if self.match is None else bool(self.match),
-            "calls_match": "" if self.calls_match is None else bool(self.calls_match),
-            "setup_match": "" if self.match is None else self.setup == self.predicted_setup,
-        }
+        head = ("model", "strategy", "algorithm", "world_size", "rank", "configuration")
+        out: dict[str, Any] = {k: getattr(self, k) for k in head}
+        out["match"] = "" if self.match is None else bool(self.match)
+        out["calls_match"] = "" if self.calls_match is None else bool(self.calls_match)
+        out["setup_match"] = "" if self.match is None else self.setup == self.predicted_setup
         for key in ("bytes", "calls", "wire_bytes"):
             out[f"{key}_sim"] = _total(self.comm, key)
             out[f"{key}_pred"] = _total(self.predicted_comm, key)
@@ -270,20 +229,10 @@ class RankResult:
         for kind in sorted(set(self.memory) | set(self.predicted_memory)):
             out[f"{kind}_sim"] = self.memory.get(kind)
             out[f"{kind}_pred"] = self.predicted_memory.get(kind)
-        out["setup_bytes_sim"] = self.setup.get("bytes") if self.setup else None
-        out["setup_bytes_pred"] = (
-            self.predicted_setup.get("bytes") if self.predicted_setup else None
-        )
-        out.update(
-            measured_step=self.measured_step,
-            pg_s=self.pg_s,
-            construct_s=self.construct_s,
-            first_step_s=self.first_step_s,
-            step_s=self.step_s,
-            predict_s=self.predict_s,
-            note=self.note,
-        )
-        return out
+        out["setup_bytes_sim"] = self.setup.get("bytes")
+        out["setup_bytes_pred"] = self.predicted_setup.get("bytes")
+        tail = ("measured_step", "pg_s", "construct_s", "first_step_s", "step_s", "predict_s")
+        return out | {k: getattr(self, k) for k in (*tail, "note")}
 
 
 def _total(comm: Mapping[str, Mapping[str, int]], key: str) -> int | None:
@@ -295,11 +244,8 @@ def _of(comm: Mapping[str, Mapping[str, int]], key: str) -> dict[str, int]:
     return {cat: int(c.get(key, 0)) for cat, c in comm.items() if c.get(key, 0)}
 
 
-_NO_SETUP = {"bytes": 0, "calls": 0, "wire_bytes": 0}
-
-
 def _setup_of(comm: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
-    return dict(comm.get("setup", _NO_SETUP))
+    return dict(comm.get("setup", {"bytes": 0, "calls": 0, "wire_bytes": 0}))
 
 
 @contextlib.contextmanager
@@ -319,17 +265,14 @@ def _quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _run_rank(
-    model: FakeModel, kwargs: Mapping[str, Any], world_size: int, rank: int
-) -> tuple[Any, dict[str, Any]]:
-    """Construction, first step and steps up to the measured one, as ``rank`` of ``world_size``.
+def _run_rank(model: FakeModel, kwargs: Mapping[str, Any], result: RankResult) -> Any:
+    """Construction, first step and steps up to the measured one, as ``result``'s rank.
 
-    Returns:
-        The preconditioner (its group destroyed) and what was measured.
+    Sets what was measured on ``result``; returns the preconditioner (its group destroyed).
     """
     module = model.copy()
     t0 = time.perf_counter()
-    with fake_process_group(rank, world_size), model.mode:
+    with fake_process_group(result.rank, result.world_size), model.mode:
         t1 = time.perf_counter()
         pre = dry_run_preconditioner(module, **kwargs)
         t2 = time.perf_counter()
@@ -339,9 +282,7 @@ def _run_rank(
         t4 = time.perf_counter()
         # Steps until one without one-time collectives: the measured step.
         setup = _setup_of(pre.comm_stats())
-        index = 0
-        while True:
-            index += 1
+        for index in range(1, MAX_WARMUP + 2):
             pre.reset_stats()
             fake_forward_backward(module, model.inputs)
             t5 = time.perf_counter()
@@ -352,17 +293,11 @@ def _run_rank(
             if not more["calls"] or index > MAX_WARMUP:
                 break
             setup = {k: setup[k] + more[k] for k in setup}
-        measured = {
-            "comm": comm,
-            "memory": pre.memory_usage(),
-            "setup": setup,
-            "measured_step": index,
-            "pg_s": t1 - t0,
-            "construct_s": t2 - t1,
-            "first_step_s": t4 - t3,
-            "step_s": t6 - t5,
-        }
-    return pre, measured
+        memory = pre.memory_usage()
+    result.comm, result.memory, result.setup, result.measured_step = comm, memory, setup, index
+    result.pg_s, result.construct_s = t1 - t0, t2 - t1
+    result.first_step_s, result.step_s = t4 - t3, t6 - t5
+    return pre
 
 
 def simulate(
@@ -405,7 +340,7 @@ def simulate(
         try:
             kwargs, notes = run_arguments(config, world_size, hardware)
             with _quiet():
-                pre, measured = _run_rank(model, kwargs, world_size, rank)
+                pre = _run_rank(model, kwargs, result)
         except (ValueError, TypeError) as err:
             result.note = f"cannot run at P={world_size}: {err}"
             continue
@@ -418,31 +353,21 @@ def simulate(
         strategy = pre.strategy
         plan = getattr(strategy, "fusion_plan", None)
         result.configuration = strategy.scheme.describe(strategy.options)
-        for key, value in measured.items():
-            setattr(result, key, value)
         result.note = "; ".join(notes)
-        key = (
-            repr(pre.options),
-            repr(strategy.options),
-            repr(plan),
-            model.name,
-            int(world_size),
-        )
+        key = (repr(pre.options), repr(strategy.options), repr(plan), model.name, int(world_size))
         if key not in cache:
             t = time.perf_counter()
-            cache[key] = (
-                predict(
-                    model.shapes(pre.options.skip_layers),
-                    strategy=pre.strategy_name,
-                    world_size=world_size,
-                    hardware=PRESETS[hardware],
-                    kfac=pre.options,
-                    options=strategy.options,
-                    param_itemsize=model.param_itemsize,
-                    fusion_plan=plan,
-                ),
-                time.perf_counter() - t,
+            prediction = predict(
+                model.shapes(pre.options.skip_layers),
+                strategy=pre.strategy_name,
+                world_size=world_size,
+                hardware=PRESETS[hardware],
+                kfac=pre.options,
+                options=strategy.options,
+                param_itemsize=next(model.module.parameters()).element_size(),
+                fusion_plan=plan,
             )
+            cache[key] = (prediction, time.perf_counter() - t)
         prediction, result.predict_s = cache[key]
         result.predicted_comm = prediction.steps[(True, True)].comm_of(rank)
         result.predicted_memory = dict(prediction.memory[rank])
@@ -461,16 +386,12 @@ def resolve_ranks(spec: Sequence[int | str], world_size: int) -> list[int]:
 
     Ranks out of range are dropped; the rest are sorted, each once.
     """
-    out = set()
-    for item in spec:
-        if isinstance(item, str) and item.strip() == "middle":
-            rank = world_size // 2
-        else:
-            rank = int(item)
-            rank = rank + world_size if rank < 0 else rank
-        if 0 <= rank < world_size:
-            out.add(rank)
-    return sorted(out)
+    ranks = [
+        world_size // 2 if isinstance(item, str) and item.strip() == "middle" else int(item)
+        for item in spec
+    ]
+    ranks = [rank + world_size if rank < 0 else rank for rank in ranks]
+    return sorted({rank for rank in ranks if 0 <= rank < world_size})
 
 
 def kfac_strategies() -> list[str]:
@@ -508,12 +429,10 @@ def workload_configs(model: str, strategies: Sequence[str]) -> tuple[Any, dict[s
 def strategy_config(cfg: Any, *, factor_method: str | None = None) -> StrategyConfig:
     """The strategy config of a composed benchmark config (schedules instantiated).
 
-    Args:
-        cfg: the composed config.
-        factor_method: the batch-factor kernel instead of the config's (None:
-            the config's). Bytes and memory do not depend on it; on fake
-            tensors "unfold" (one product per factor) simulates several times
-            faster than "auto" (one product per block of the triangle).
+    ``factor_method``: the batch-factor kernel instead of the config's (None:
+    the config's). Bytes and memory do not depend on it; on fake tensors
+    "unfold" (one product per factor) simulates several times faster than
+    "auto" (one product per block of the triangle).
     """
     from experiments.bench.measure import with_schedules
     from experiments.preconditioning import preconditioner_kwargs, strategy_name
@@ -559,14 +478,9 @@ def workload_model(cfg: Any, *, paper: bool = True) -> FakeModel:
 
 @dataclass(frozen=True)
 class Limit:
-    """What a world size simulates, when not everything (``scale_sim.limits``).
-
-    Attributes:
-        world_size: the world size it applies to.
-        strategies: only these strategy configs (None: all of the job's).
-        exclude: not these.
-        ranks: these ranks instead of the job's (None: the job's).
-    """
+    """What a world size simulates, when not everything (``scale_sim.limits``): only the
+    ``strategies`` configs (None: all of the job's), not the ``exclude`` ones, and these
+    ``ranks`` instead of the job's (None: the job's)."""
 
     world_size: int
     strategies: tuple[str, ...] | None = None
@@ -575,13 +489,11 @@ class Limit:
 
     @classmethod
     def parse(cls, node: Mapping[str, Any]) -> Limit:
-        unknown = set(node) - {"world_size", "strategies", "exclude", "ranks"}
-        if unknown or "world_size" not in node:
+        if set(node) - {f.name for f in fields(cls)} or "world_size" not in node:
             raise ValueError(
                 f"a limit is {{world_size, strategies, exclude, ranks}}, got {dict(node)!r}"
             )
-        strategies = node.get("strategies")
-        ranks = node.get("ranks")
+        strategies, ranks = node.get("strategies"), node.get("ranks")
         return cls(
             int(node["world_size"]),
             None if strategies is None else tuple(str(s) for s in strategies),
@@ -599,19 +511,17 @@ def plan_jobs(
     """(strategy, P, ranks) to simulate, and what the limits leave out, per world size."""
     by_p = {limit.world_size: limit for limit in limits}
     jobs, left_out = [], []
-    for p in world_sizes:
-        limit = by_p.get(int(p))
-        chosen = list(strategies)
-        if limit is not None:
-            if limit.strategies is not None:
-                chosen = [s for s in chosen if s in limit.strategies]
-            chosen = [s for s in chosen if s not in limit.exclude]
-            dropped = [s for s in strategies if s not in chosen]
-            if dropped:
-                left_out.append(f"P={p}: {', '.join(dropped)}")
-        spec = limit.ranks if limit is not None and limit.ranks is not None else ranks
-        for name in chosen:
-            jobs.append((name, int(p), resolve_ranks(spec, int(p))))
+    for p in map(int, world_sizes):
+        limit = by_p.get(p, Limit(p))
+        chosen = [
+            s
+            for s in strategies
+            if (limit.strategies is None or s in limit.strategies) and s not in limit.exclude
+        ]
+        if dropped := [s for s in strategies if s not in chosen]:
+            left_out.append(f"P={p}: {', '.join(dropped)}")
+        spec = ranks if limit.ranks is None else limit.ranks
+        jobs += [(name, p, resolve_ranks(spec, p)) for name in chosen]
     return jobs, left_out
 
 
@@ -652,8 +562,7 @@ def run_scale_sim(
         base, members = workload_configs(model_name, names)
         try:
             configs = {
-                name: strategy_config(cfg, factor_method=factor_method)
-                for name, cfg in members.items()
+                n: strategy_config(c, factor_method=factor_method) for n, c in members.items()
             }
         except ValueError as err:
             from experiments.config import ExperimentError
@@ -667,24 +576,13 @@ def run_scale_sim(
         for name, p, chosen in jobs:
             t = time.perf_counter()
             results = simulate(
-                model,
-                configs[name],
-                p,
-                chosen,
-                hardware=hardware,
-                predictions=cache,
+                model, configs[name], p, chosen, hardware=hardware, predictions=cache
             )
             rows += [{"label": model.label, **r.row()} for r in results]
-            ok = sum(bool(r.match) for r in results)
+            ok, took = sum(bool(r.match) for r in results), time.perf_counter() - t
             log.info(
-                "scale_sim: %s %s P=%d ranks %s: %d/%d match (%.1f s)",
-                model_name,
-                name,
-                p,
-                chosen,
-                ok,
-                len(results),
-                time.perf_counter() - t,
+                f"scale_sim: {model_name} {name} P={p} ranks {chosen}: "
+                f"{ok}/{len(results)} match ({took:.1f} s)"
             )
     seconds = time.perf_counter() - started
     log.info("scale_sim: %d rows in %.0f s", len(rows), seconds)
@@ -723,7 +621,7 @@ def startup_frame(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _rows_table(df: pd.DataFrame) -> pd.DataFrame:
-    show = pd.DataFrame(
+    return pd.DataFrame(
         {
             "strategy": df["strategy"],
             "P": df["world_size"],
@@ -741,7 +639,6 @@ def _rows_table(df: pd.DataFrame) -> pd.DataFrame:
             "note": df["note"].fillna(""),
         }
     )
-    return show
 
 
 def write_scale_sim(
