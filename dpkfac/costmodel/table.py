@@ -85,27 +85,27 @@ def predicted_table(
     return rows
 
 
-def _num(x: float, scale: float = 1.0) -> str:
-    return f"{round(x * scale, 1) + 0.0:.1f}"  # + 0.0: no "-0.0" from round-off
+#: The printout's number columns: header, the row's key and the scale it is printed at.
+_COLUMNS = (
+    ("computation (ms)", "computation_s", 1e3),
+    ("communication (ms)", "communication_s", 1e3),
+    ("memory (MiB)", "memory_mb", 1.0),
+    ("K-FAC wire (MiB)", "kfac_wire_mb", 1.0),
+    ("comm. incl. gradients (ms)", "total_communication_s", 1e3),
+    ("iteration (ms)", "iteration_s", 1e3),
+    ("SGD iteration (ms)", "sgd_iteration_s", 1e3),
+)
 
 
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Markdown: one line per model and configuration."""
-    head = (
-        "| model | strategy | computation (ms) | communication (ms) | memory (MiB) "
-        "| K-FAC wire (MiB) | comm. incl. gradients (ms) | iteration (ms) | SGD iteration (ms) |"
-    )
-    lines = [head, "|" + "---|" * 9]
+    lines = [
+        "| model | strategy | " + " | ".join(head for head, _, _ in _COLUMNS) + " |",
+        "|" + "---|" * (2 + len(_COLUMNS)),
+    ]
     for r in rows:
-        cells = [
-            _num(r["computation_s"], 1e3),
-            _num(r["communication_s"], 1e3),
-            _num(r["memory_mb"]),
-            _num(r["kfac_wire_mb"]),
-            _num(r["total_communication_s"], 1e3),
-            _num(r["iteration_s"], 1e3),
-            _num(r["sgd_iteration_s"], 1e3),
-        ]
+        # + 0.0: no "-0.0" from round-off
+        cells = [f"{round(r[key] * scale, 1) + 0.0:.1f}" for _, key, scale in _COLUMNS]
         lines.append(f"| {r['model']} | {_label(r)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -39,13 +39,7 @@ from dpkfac.stats import COMM_CATEGORIES, PHASES
 #: Phases timed by the preconditioner, in the order of an iteration.
 KFAC_PHASES = tuple(p for p in PHASES if p != "grad_comm")
 #: Stacked-bar order of a whole iteration (they sum to ``iteration_s`` up to noise).
-ITERATION_PARTS = (
-    "fwd_bwd",
-    "grad_comm",
-    *KFAC_PHASES,
-    "step_other",
-    "optimizer",
-)
+ITERATION_PARTS = ("fwd_bwd", "grad_comm", *KFAC_PHASES, "step_other", "optimizer")
 #: Second-order communication: the cost model's communication phases less the
 #: gradient reduction, which first-order training pays too (a row's ``comm_s``).
 SECOND_ORDER_COMM = tuple(p for p in COMM_PHASES if p != "grad_comm")
@@ -75,10 +69,8 @@ def _flatten(record: dict[str, Any]) -> dict[str, float]:
         "fwd_bwd": max(record["fwd_bwd_wall"] - sum(in_hooks.values()), 0.0),
         "optimizer": record["optimizer"],
         "step_other": max(record["step_wall"] - in_step, 0.0),
-        "grad_comm": phases.get("grad_comm", 0.0),
+        **{phase: phases.get(phase, 0.0) for phase in ("grad_comm", *KFAC_PHASES)},
     }
-    for phase in KFAC_PHASES:
-        flat[phase] = phases.get(phase, 0.0)
     for cat in COMM_CATEGORIES:
         stats = record["comm"].get(cat, {})
         flat[f"bytes_{cat}"] = stats.get("bytes", 0)
@@ -96,24 +88,6 @@ def _flatten(record: dict[str, Any]) -> dict[str, float]:
         if "peak_cuda" in process:
             flat["mem_process_peak_cuda"] = process["peak_cuda"]
     return flat
-
-
-def least_wait(results: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Per communication phase, the median over update steps of the smallest wait over ranks.
-
-    Waiting on a collective includes waiting for ranks still computing; the
-    last rank to arrive waits only for the transfer. Which rank is last
-    changes from step to step, so the minimum is taken per step, before the
-    median: a median per rank first would keep other ranks' lateness in every
-    rank's figure.
-    """
-    steps = [j for j, rec in enumerate(results[0]["records"]) if rec["kind"] == "decomp"]
-    return {
-        phase: statistics.median(
-            min(r["records"][j]["phases"].get(phase, 0.0) for r in results) for j in steps
-        )
-        for phase in COMM_PHASES
-    }
 
 
 def aggregate(
@@ -147,18 +121,16 @@ def aggregate(
                 memory_peak["mem_rank"] = results[rank]["rank"]
 
     weights = kind_weights(factor_update_steps, inv_update_steps)
-    if set(weights) - set(per_step) and set(per_step) != {"decomp"}:
-        missing = sorted(set(weights) - set(per_step))
-        raise ValueError(f"step kinds {missing} were not measured; use more steps")
     if set(per_step) == {"decomp"}:  # SGD, or the paper setting: every step is alike
         weights = {"decomp": 1.0}
+    elif missing := sorted(set(weights) - set(per_step)):
+        raise ValueError(f"step kinds {missing} were not measured; use more steps")
     medians = {
         kind: {key: statistics.median(s[key] for s in samples) for key in samples[0]}
         for kind, samples in per_step.items()
     }
-    keys = medians["decomp"].keys()
     row: dict[str, Any] = {}
-    for key in keys:
+    for key in medians["decomp"]:
         if key.startswith("mem_"):
             continue
         value = sum(w * medians[kind][key] for kind, w in weights.items())
@@ -180,17 +152,24 @@ def aggregate(
     row["bytes_second_order"] = sum(row[f"bytes_{c}"] for c in SECOND_ORDER_CATEGORIES)
     row["wire_second_order"] = sum(row[f"wire_{c}"] for c in SECOND_ORDER_CATEGORIES)
     row["measured_steps"] = steps
+    # Phase timings of the update (decomposition) steps, for the cost model's fits.
+    updates = [j for j, rec in enumerate(results[0]["records"]) if rec["kind"] == "decomp"]
     row["rank_timings"] = [
         {
-            phase: statistics.median(
-                r["records"][j]["phases"].get(phase, 0.0)
-                for j in range(steps)
-                if r["records"][j]["kind"] == "decomp"
-            )
-            for phase in (*KFAC_PHASES, "grad_comm")
+            name: statistics.median(r["records"][j]["phases"].get(name, 0.0) for j in updates)
+            for name in (*KFAC_PHASES, "grad_comm")
         }
         for r in results
     ]
-    row["least_wait"] = least_wait(results)
+    # Waiting on a collective includes waiting for ranks still computing; the last rank to
+    # arrive waits only for the transfer. Which rank is last changes from step to step, so
+    # the least wait over ranks is taken per step, before the median: a median per rank
+    # first would keep other ranks' lateness in every rank's figure.
+    row["least_wait"] = {
+        name: statistics.median(
+            min(r["records"][j]["phases"].get(name, 0.0) for r in results) for j in updates
+        )
+        for name in COMM_PHASES
+    }
     row["loss_last"] = results[0]["records"][-1]["loss"]
     return row

@@ -42,8 +42,8 @@ from typing import Any
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.bench.fidelity import RecordingLogger
 from experiments.config import ExperimentError
-from experiments.loggers import NullLogger
 from experiments.preconditioning import strategy_name, uses_preconditioner
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ SGD, REFERENCE, BASELINE = "none", "dp_kfac", "d_kfac"
 
 
 # ------------------------------------------------------------------ the job
-class ScaleLogger(NullLogger):
+class ScaleLogger(RecordingLogger):
     """Rank 0's logger in a job: appends step times and fidelity values to a JSON-lines file.
 
     The trainer logs ``train/step_time_s`` (mean over a logging interval) and
@@ -68,24 +68,13 @@ class ScaleLogger(NullLogger):
     replaces W&B with ``logger._target_=experiments.bench.convergence_scale.ScaleLogger``.
     """
 
-    def __init__(self, dir: str | Path | None = None, **_: Any) -> None:
-        self.path = Path(dir or ".") / RECORD
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    record = RECORD
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        """Append this call's step time and fidelity values, if it has any."""
-        lines = []
-        if "train/step_time_s" in metrics:
-            lines.append({"step": step, "step_time_s": float(metrics["train/step_time_s"])})
-        layers: dict[str, dict[str, Any]] = {}
-        for key, value in metrics.items():
-            if key.startswith("fidelity/"):
-                layer, _, name = key.removeprefix("fidelity/").rpartition("/")
-                layers.setdefault(layer, {"step": step, "layer": layer})[name] = float(value)
-        lines += layers.values()
-        if lines:
-            with self.path.open("a") as f:
-                f.writelines(json.dumps(line) + "\n" for line in lines)
+    def lines(self, metrics: Mapping[str, float], step: int) -> list[dict[str, Any]]:
+        """This call's step time, if any, then its fidelity lines."""
+        seconds = metrics.get("train/step_time_s")
+        times = [] if seconds is None else [{"step": step, "step_time_s": float(seconds)}]
+        return times + super().lines(metrics, step)
 
 
 def base_lr_and_batch(node: DictConfig | Mapping[str, Any]) -> tuple[float, int]:

@@ -71,19 +71,25 @@ class RecordingLogger(NullLogger):
     replaces W&B with ``logger._target_=experiments.bench.fidelity.RecordingLogger``.
     """
 
+    record = RECORD
+
     def __init__(self, dir: str | Path | None = None, **_: Any) -> None:
-        self.path = Path(dir or ".") / RECORD
+        self.path = Path(dir or ".") / self.record
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
+    def lines(self, metrics: Mapping[str, float], step: int) -> list[dict[str, Any]]:
+        """One line per layer with fidelity values in ``metrics``."""
         rows: dict[str, dict[str, Any]] = {}
         for key, value in metrics.items():
             if key.startswith("fidelity/"):
                 layer, _, name = key.removeprefix("fidelity/").rpartition("/")
                 rows.setdefault(layer, {"step": step, "layer": layer})[name] = float(value)
-        if rows:
+        return list(rows.values())
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        if lines := self.lines(metrics, step):
             with self.path.open("a") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows.values())
+                f.writelines(json.dumps(line) + "\n" for line in lines)
 
 
 def train_run(

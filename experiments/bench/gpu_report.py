@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from dpkfac.plan.configs import kfac_configs
 
@@ -65,8 +64,12 @@ class Row:
 
 
 # ------------------------------------------------------------------ helpers
-def preconditioner_kwargs_of(name: str) -> dict[str, Any] | None:
-    """The preconditioner arguments of ``conf/strategy/<name>.yaml`` (None: first order)."""
+def preconditioner_kwargs_of(name: str, hardware: str) -> dict[str, Any] | None:
+    """The preconditioner arguments of ``conf/strategy/<name>.yaml`` (None: first order).
+
+    A strategy that would measure its hardware model at start-up gets the preset
+    ``hardware`` instead: at P=1 nothing is received, so there is nothing to probe.
+    """
     from experiments.bench.measure import with_schedules
     from experiments.config import compose_config
     from experiments.preconditioning import preconditioner_kwargs, to_dtype
@@ -75,6 +78,8 @@ def preconditioner_kwargs_of(name: str) -> dict[str, Any] | None:
     kwargs = preconditioner_kwargs(cfg.strategy)
     if kwargs is None:
         return None
+    if kwargs.get("hardware", "x") is None:
+        kwargs["hardware"] = hardware
     return {key: to_dtype(key, value) for key, value in with_schedules(kwargs).items()}
 
 
@@ -121,13 +126,6 @@ def no_host_sync(device: torch.device) -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def _batch(step: int, device: torch.device, dtype: torch.dtype, n: int = 8, side: int = 8):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(n, 3, side, side, generator=g, dtype=dtype)
-    y = torch.randint(0, 5, (n,), generator=g)
-    return x.to(device), y.to(device)
-
-
 # ------------------------------------------------------------- P=1 checks
 def train_harness(name: str, device: torch.device, steps: int = 4) -> tuple[dict, int, list[int]]:
     """Train the harness model with strategy config ``name``; hooks of steps >= 1 must not sync.
@@ -141,15 +139,15 @@ def train_harness(name: str, device: torch.device, steps: int = 4) -> tuple[dict
 
     torch.manual_seed(0)
     model = ResNetLike().double().to(device)
-    kwargs = preconditioner_kwargs_of(name) or {}
+    kwargs = preconditioner_kwargs_of(name, "cpu_gloo_local") or {}
     kwargs.update(kl_clip=0.01, inv_update_steps=2, lr=0.1)
-    if kwargs.get("hardware", "x") is None:
-        kwargs["hardware"] = "cpu_gloo_local"  # P=1: nothing is received, no probe needed
     pre = KFACPreconditioner(model, **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     reads = []
     for step in range(steps):
-        x, y = _batch(step, device, torch.float64)
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 3, 8, 8, generator=g, dtype=torch.float64).to(device)
+        y = torch.randint(0, 5, (8,), generator=g).to(device)
         opt.zero_grad()
         with no_host_sync(device) if step > 0 else contextlib.nullcontext():
             loss = F.cross_entropy(model(x), y)
@@ -185,19 +183,17 @@ def check_strategies(device: torch.device, names: tuple[str, ...] = CHECKED) -> 
 # ------------------------------------------------------------ side by side
 def _resnet32_stepper(
     name: str, device: torch.device, batch: int
-) -> tuple[Callable[[], None], Any, nn.Module]:
-    """One training step of ResNet-32 under strategy config ``name`` (a closure)."""
+) -> tuple[Callable[[], None], Any]:
+    """A ResNet-32 training step under strategy config ``name`` (a closure), its preconditioner."""
     from dpkfac import KFACPreconditioner
     from experiments.models.cifar_resnet import CIFARResNet
 
     torch.manual_seed(0)
     model = CIFARResNet(10, depth=32).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    kwargs = preconditioner_kwargs_of(name)
+    kwargs = preconditioner_kwargs_of(name, "v100_ib100")
     pre = None
     if kwargs is not None:
-        if kwargs.get("hardware", "x") is None:
-            kwargs["hardware"] = "v100_ib100"  # a preset: P=1 receives nothing
         pre = KFACPreconditioner(
             model,
             **{**kwargs, "factor_update_steps": FACTOR_EVERY, "inv_update_steps": INV_EVERY},
@@ -213,7 +209,7 @@ def _resnet32_stepper(
             pre.step()
         opt.step()
 
-    return step, pre, model
+    return step, pre
 
 
 def side_by_side(
@@ -224,13 +220,12 @@ def side_by_side(
     batch: int = 128,
 ) -> list[Row]:
     """Median iteration per strategy, interleaved; peak memory of each run alone."""
-    rows: list[Row] = []
     peaks: dict[str, float | None] = {}
     for name in names:  # alone, for the peak
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        step, _, _ = _resnet32_stepper(name, device, batch)
+        step, _ = _resnet32_stepper(name, device, batch)
         for _ in range(3):
             step()
         peaks[name] = (
@@ -240,32 +235,18 @@ def side_by_side(
     steppers = {name: _resnet32_stepper(name, device, batch) for name in names}
     timers = {name: Timer(device) for name in names}
     for i in range(warmup + steps):
-        order = names[i % len(names) :] + names[: i % len(names)]
-        for name in order:
-            step = steppers[name][0]
-            if i < warmup:
-                step()
-                continue
-            with timers[name]():
-                step()
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            with timers[name]() if i >= warmup else contextlib.nullcontext():
+                steppers[name][0]()
     medians = {name: statistics.median(timers[name].resolve()) for name in names}
     # The first-order baseline: the config without a preconditioner.
-    first_order = [name for name in names if steppers[name][1] is None]
-    base = medians[first_order[0]] if first_order else None
-    for name in names:
-        ms = medians[name]
-        ratio = f"{ms / base:.2f}× {first_order[0]}" if base else ""
-        rows.append(
-            Row(
-                "resnet32",
-                name,
-                "ok",
-                f"batch {batch}, factors every {FACTOR_EVERY}, decompositions every "
-                f"{INV_EVERY}, {steps} interleaved steps; {ratio}",
-                iteration_ms=ms,
-                peak_mib=peaks[name],
-            )
-        )
+    base = next((name for name in names if steppers[name][1] is None), None)
+    setup = f"batch {batch}, factors every {FACTOR_EVERY}, decompositions every {INV_EVERY}"
+    rows = []
+    for name, ms in medians.items():
+        ratio = f"{ms / medians[base]:.2f}× {base}" if base and medians[base] else ""
+        detail = f"{setup}, {steps} interleaved steps; {ratio}"
+        rows.append(Row("resnet32", name, "ok", detail, iteration_ms=ms, peak_mib=peaks[name]))
     return rows
 
 
@@ -276,8 +257,7 @@ def read_junit(path: Path | None) -> list[Row]:
         return [Row("tests", "pytest -m gpu", "NOT RUN", f"no JUnit XML at {path}")]
     rows = []
     for case in ET.parse(path).getroot().iter("testcase"):
-        status = "ok"
-        detail = ""
+        status, detail = "ok", ""
         for tag, label in (("failure", "FAILED"), ("error", "ERROR"), ("skipped", "skipped")):
             found = case.find(tag)
             if found is not None:

@@ -19,6 +19,8 @@ from typing import Any
 
 #: Environment variables that size the thread pools of every rank.
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+#: Seconds the ranks may take to meet.
+RDZV_TIMEOUT_S = 120
 
 
 def free_port() -> int:
@@ -48,13 +50,7 @@ def thread_env(threads: int) -> Iterator[None]:
 
 
 def launch(
-    fn: Callable[[dict[str, Any]], Any],
-    spec: dict[str, Any],
-    world_size: int,
-    *,
-    threads: int = 1,
-    rdzv_timeout_s: int = 120,
-    in_process_single: bool = True,
+    fn: Callable[[dict[str, Any]], Any], spec: dict[str, Any], world_size: int, *, threads: int = 1
 ) -> list[Any]:
     """Run ``fn(spec)`` on ``world_size`` local ranks and return their results in rank order.
 
@@ -63,8 +59,6 @@ def launch(
         spec: plain, picklable job description handed to every rank.
         world_size: number of ranks.
         threads: threads per rank.
-        rdzv_timeout_s: seconds the ranks may take to meet.
-        in_process_single: run world size 1 here instead of in a spawned rank.
 
     Raises:
         torch.distributed.elastic.multiprocessing.errors.ChildFailedError: a
@@ -72,7 +66,7 @@ def launch(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if world_size == 1 and in_process_single:
+    if world_size == 1:
         import torch
 
         previous = torch.get_num_threads()
@@ -83,15 +77,14 @@ def launch(
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    port = free_port()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=world_size,
         run_id=f"dpkfac-bench-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{port}",
-        rdzv_configs={"timeout": rdzv_timeout_s},
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_configs={"timeout": RDZV_TIMEOUT_S},
         max_restarts=0,
         monitor_interval=0.05,
         start_method="spawn",

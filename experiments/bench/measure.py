@@ -42,7 +42,6 @@ import torch.distributed as dist
 from dpkfac.memory import cuda_peak_bytes, process_memory, reset_cuda_peak
 from experiments.bench.link_probe import probe_links
 
-STEP_KINDS = ("decomp", "factor", "plain")
 #: The optimizer every strategy's steps use, as :data:`dpkfac.costmodel.OPTIMIZER_STATE`
 #: names it: what the predicted whole-process memory assumes (:class:`_Stepper`).
 OPTIMIZER = "sgd_momentum"
@@ -63,15 +62,6 @@ def step_kinds(factor_update_steps: int, inv_update_steps: int) -> list[str]:
     if f > 1:
         kinds.append("plain")
     return kinds
-
-
-def _option_names(strategy: str | None) -> set[str]:
-    """The names of a strategy's own options (none for the first-order baseline)."""
-    from dataclasses import fields
-
-    from dpkfac.strategies import strategy_class
-
-    return {f.name for f in fields(strategy_class(strategy).scheme.Options)} if strategy else set()
 
 
 def _schedule(kinds: list[str], due: tuple[str, ...]) -> Callable[[int], int]:
@@ -148,9 +138,12 @@ class _Stepper:
     def __init__(
         self, spec: dict[str, Any], member: dict[str, Any], rank: int, device: torch.device
     ) -> None:
+        from dataclasses import fields
+
         from dpkfac import KFACPreconditioner
         from dpkfac.comm import Communicator
         from dpkfac.stats import CommStats, PhaseTimer
+        from dpkfac.strategies import strategy_class
         from experiments.bench.workloads import build
         from experiments.distributed import wrap_ddp
 
@@ -169,7 +162,9 @@ class _Stepper:
             # The strategy config's arguments (``strategy`` is its algorithm); schedules
             # of the step are instantiated here. Update intervals follow the step kinds.
             kwargs = with_schedules(member["kfac"])
-            if "auto_intervals" in _option_names(kwargs.get("strategy")):
+            strategy = kwargs.get("strategy")
+            options = fields(strategy_class(strategy).scheme.Options) if strategy else ()
+            if "auto_intervals" in {f.name for f in options}:
                 # A strategy that prices the schedule (grouped's "auto") is told the
                 # setting's intervals: the cycle of step kinds below is not the run's.
                 intervals = (int(spec["factor_update_steps"]), int(spec["inv_update_steps"]))
@@ -196,6 +191,23 @@ class _Stepper:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """The measured ``records`` with what the row records of the model and strategy."""
+        strategy = getattr(self.pre, "strategy", None)
+        # spd_kfac's fusion buckets as fixed after profiling, and the hardware model it
+        # measured at start-up to place decompositions: the cost model replays both.
+        plan = getattr(strategy, "fusion_plan", None)
+        hardware: Any = getattr(getattr(strategy, "options", None), "hardware", None)
+        return {
+            "records": records,
+            "kfac_layers": len(self.pre.layers) if self.pre is not None else 0,
+            "params": sum(p.numel() for p in self.model.parameters()),
+            "fusion_plan": [[list(key) for key in bucket] for bucket in plan] if plan else None,
+            "hardware": hardware.to_json() if hasattr(hardware, "to_json") else None,
+            # What the strategy chose for this run (grouped's k and f), "" when nothing.
+            "configuration": "" if strategy is None else strategy.scheme.describe(strategy.options),
+        }
 
     def step(self, index: int) -> dict[str, Any]:
         """Run and time one training step; everything is read after a fresh reset."""
@@ -262,21 +274,15 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
     Returns:
         This rank's result: ``rank``, ``world_size``, ``device``, ``backend``
         and, per strategy name, the measured step ``records``, the number of
-        K-FAC layers, parameters, placement and spd_kfac's fusion plan. With
+        K-FAC layers, parameters and what the strategy chose (:meth:`_Stepper.summary`). With
         ``spec["gather"]`` (ranks started by torchrun rather than by the
         benchmark itself) every rank's result, in rank order, on every rank.
     """
     torch.set_num_threads(int(spec.get("threads", 1)))
     strategies = spec["strategies"]
     warmup = int(spec["warmup"])
-    with (
-        flushed_denormals(),
-        process_group(spec.get("device", "auto"), float(spec.get("timeout_s", 300))) as (
-            rank,
-            size,
-            device,
-        ),
-    ):
+    group = process_group(spec.get("device", "auto"), float(spec.get("timeout_s", 300)))
+    with flushed_denormals(), group as (rank, size, device):
         # The links as this job's steps meet them, before any model is built.
         probes = probe_links(device) if spec.get("probe_links", True) else []
         steppers = [_Stepper(spec, member, rank, device) for member in strategies]
@@ -293,18 +299,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
             "device": str(device),
             "backend": dist.get_backend() if dist.is_initialized() else "none",
             "link_probes": probes,
-            "strategies": {
-                s.name: {
-                    "records": records[s.name],
-                    "kfac_layers": len(s.pre.layers) if s.pre is not None else 0,
-                    "params": sum(p.numel() for p in s.model.parameters()),
-                    "placement": _placement(s.pre),
-                    "fusion_plan": _fusion_plan(s.pre),
-                    "hardware": _measured_hardware(s.pre),
-                    "configuration": _configuration(s.pre),
-                }
-                for s in steppers
-            },
+            "strategies": {s.name: s.summary(records[s.name]) for s in steppers},
         }
         if spec.get("gather") and dist.is_initialized():
             everyone: list[Any] = [None] * size
@@ -327,33 +322,3 @@ def process_record(
     if peak is not None:
         out["peak_cuda"] = peak
     return out
-
-
-def _placement(pre: Any) -> dict[str, list[Any]]:
-    """Owner of every K-FAC layer (and of each factor's decomposition), for the report."""
-    if pre is None:
-        return {}
-    return {name: [layer.owner, layer.a_owner, layer.g_owner] for name, layer in pre.layers.items()}
-
-
-def _fusion_plan(pre: Any) -> list[list[list[str]]] | None:
-    """spd_kfac's fusion buckets as fixed after profiling (the cost model replays them)."""
-    plan = getattr(getattr(pre, "strategy", None), "fusion_plan", None)
-    return [[list(key) for key in bucket] for bucket in plan] if plan else None
-
-
-def _configuration(pre: Any) -> str:
-    """What the strategy chose for this run (grouped's k and f), "" when nothing."""
-    if pre is None:
-        return ""
-    return pre.strategy.scheme.describe(pre.strategy.options)
-
-
-def _measured_hardware(pre: Any) -> str | None:
-    """The hardware model a strategy measured at start-up, as JSON (the cost model replays it).
-
-    spd_kfac places decompositions from a model of this machine it measures
-    when it starts; predicting the run's placement needs the same model.
-    """
-    hardware = getattr(getattr(getattr(pre, "strategy", None), "options", None), "hardware", None)
-    return hardware.to_json() if hasattr(hardware, "to_json") else None

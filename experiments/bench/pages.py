@@ -97,26 +97,26 @@ def to_markdown(df: pd.DataFrame, digits: int | dict[str, int] = 2) -> str:
         "|" + "|".join("---:" if numeric[c] else "---" for c in cols) + "|",
     ]
     for row in df.itertuples(index=False):
-        lines.append(
-            "| " + " | ".join(_fmt(v, width[c]) for v, c in zip(row, cols, strict=True)) + " |"
-        )
+        cells = (_fmt(v, width[c]) for v, c in zip(row, cols, strict=True))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def distinct_values(df: pd.DataFrame, column: str) -> str:
+    """``2/4``: the distinct values of a column, in order (``?`` for none)."""
+    if column not in df:
+        return "?"
+    seen = dict.fromkeys(
+        str(int(v)) if isinstance(v, float) else str(v) for v in df[column].dropna()
+    )
+    return "/".join(seen) or "?"
 
 
 def conditions(df: pd.DataFrame) -> str:
     """One line on where the rows ran: threads per rank, cores, torch (what the rows say)."""
-
-    def values(column: str) -> str:
-        if column not in df:
-            return "?"
-        seen = dict.fromkeys(
-            str(int(v)) if isinstance(v, float) else str(v) for v in df[column].dropna()
-        )
-        return "/".join(seen) or "?"
-
     return (
-        f"Ran with {values('threads')} thread(s) per rank on a machine of {values('cpus')} "
-        f"core(s), torch {values('torch')}."
+        f"Ran with {distinct_values(df, 'threads')} thread(s) per rank on a machine of "
+        f"{distinct_values(df, 'cpus')} core(s), torch {distinct_values(df, 'torch')}."
     )
 
 

@@ -11,13 +11,8 @@ measured and nothing is tuned to match: ``python -m experiments.bench.tables
 paper`` rewrites both files in seconds.
 
 The jobs are described exactly as the benchmark would run them
-(:func:`experiments.bench.run.described_rows` of the ``conf/`` tree: each
-strategy config's preconditioner arguments, each workload's ``paper`` sizes),
-and priced with the code every other prediction uses
-(:func:`experiments.bench.predict.row_shapes` with ``paper=True``,
-:func:`~experiments.bench.predict.measurement`,
-:func:`~experiments.bench.predict.amortised_prediction`,
-:func:`~experiments.bench.predict.process_memory_prediction`).
+(:func:`experiments.bench.run.described_rows` of the ``conf/`` tree) and priced
+with the code every other prediction uses (:mod:`experiments.bench.predict`).
 """
 
 from __future__ import annotations
@@ -180,8 +175,7 @@ def paper_frame(rows: list[dict[str, Any]] | None = None) -> pd.DataFrame:
             best[metric] = predicted[(model, name)]
             entry[f"{metric}_best"] = name
             entry[f"{metric}_x"] = best[metric][0][column] / dp[0][column]
-        for key, (lo, hi) in PAPER.items():
-            entry[f"paper_{key}"] = f"{lo:.2f}–{hi:.2f}"
+        entry.update({f"paper_{key}": _range(paper) for key, paper in PAPER.items()})
         entry["dp_compute_ms"] = 1e3 * dp[0]["compute_s"]
         entry["dp_comm_ms"] = 1e3 * dp[0]["comm_s"]
         entry["dp_comm_MB"] = dp[0]["bytes_second_order"] / 1e6
@@ -195,39 +189,18 @@ def paper_frame(rows: list[dict[str, Any]] | None = None) -> pd.DataFrame:
 
 def write_paper(out: Path, rows: list[dict[str, Any]] | None = None) -> dict[str, Path]:
     """Write ``out/paper.csv`` and ``out/paper.md``."""
-    from experiments.bench.pages import to_markdown
+    from experiments.bench.pages import to_markdown, write_page
 
     frame = paper_frame(rows)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out / "paper.csv", "md": out / "paper.md"}
     frame.to_csv(paths["csv"], index=False)
-    ratios = ["computation", "comm_time", "comm_bytes", "process_memory", "kfac_memory"]
     show = frame[["model", "setting"]].copy()
-    for metric in ratios:
-        show[metric] = [
-            f"{x:.2f}× ({b})"
-            for x, b in zip(frame[f"{metric}_x"], frame[f"{metric}_best"], strict=True)
-        ]
-    show["paper: comp / comm / mem"] = [
-        f"{c} / {m} / {y}"
-        for c, m, y in zip(
-            frame["paper_computation"],
-            frame["paper_communication"],
-            frame["paper_memory"],
-            strict=True,
-        )
-    ]
-    absolute = frame[
-        [
-            "model",
-            "dp_compute_ms",
-            "dp_comm_ms",
-            "dp_comm_MB",
-            "dp_process_GiB",
-            "dp_activations_GiB",
-            "dp_kfac_GiB",
-        ]
-    ]
+    for metric in METRICS:
+        pairs = zip(frame[f"{metric}_x"], frame[f"{metric}_best"], strict=True)
+        show[metric] = [f"{x:.2f}× ({b})" for x, b in pairs]
+    paper = frame[[f"paper_{key}" for key in PAPER]]
+    show["paper: comp / comm / mem"] = paper.agg(" / ".join, axis=1)
     md = [
         f"# The DP-KFAC paper's headline, predicted: P={WORLD_SIZE} on `{PRESET}`",
         "",
@@ -254,7 +227,7 @@ def write_paper(out: Path, rows: list[dict[str, Any]] | None = None) -> dict[str
         "",
         "## dp_kfac's predicted costs",
         "",
-        to_markdown(absolute, 2),
+        to_markdown(frame[["model", *(c for c in frame if c.startswith("dp_"))]], 2),
     ]
-    paths["md"].write_text("\n".join(md).rstrip() + "\n")
+    write_page(paths["md"], md)
     return paths

@@ -184,11 +184,8 @@ def ratio_bars(headline: pd.DataFrame) -> Figure:
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
         ax.set_title(f"{title} (x {REFERENCE})")
-    _strategy_legend(
-        fig,
-        strategy_handles(strategies, [f"{s} / {REFERENCE}" for s in strategies]),
-        title="cost relative to",
-    )
+    handles = strategy_handles(strategies, [f"{s} / {REFERENCE}" for s in strategies])
+    _strategy_legend(fig, handles, title="cost relative to")
     fig.suptitle("Cost of one second-order update relative to DP-KFAC (>1: DP-KFAC is cheaper)")
     return fig
 
@@ -206,18 +203,14 @@ def stacked_breakdown(wide: pd.DataFrame, parts: list[str]) -> Figure:
     colors = matplotlib.colormaps["tab10"].colors
     for ax, ((setting, model), frame) in zip(axes.flat, panels, strict=False):
         frame = frame.set_index("strategy").loc[ordered(frame["strategy"])]
+        xs = range(len(frame))
         bottom = [0.0] * len(frame)
         for k, part in enumerate(parts):
             values = frame[f"{part}_ms"].fillna(0.0).tolist()
-            ax.bar(
-                range(len(frame)),
-                values,
-                bottom=bottom,
-                label=PART_LABELS.get(part, part),
-                color=colors[k % len(colors)],
-            )
+            label = PART_LABELS.get(part, part)
+            ax.bar(xs, values, bottom=bottom, label=label, color=colors[k % len(colors)])
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-        ax.set_xticks(range(len(frame)), frame.index, rotation=30, ha="right")
+        ax.set_xticks(xs, frame.index, rotation=30, ha="right")
         ax.set_ylabel("ms per iteration")
         ax.set_title(f"{model} ({setting}, P={int(frame['world_size'].iloc[0])})")
     for ax in list(axes.flat)[len(panels) :]:
@@ -316,23 +309,19 @@ def scaling_lines(frame: pd.DataFrame) -> Figure:
             ax.tick_params(axis="y", which="minor", labelsize=8)
             ax.set_ylabel("ms per iteration")
             ax.grid(alpha=0.3, which="major")
-            if row is None:
-                ax.set_title(f"{model}: this machine, measured and predicted", fontsize=10)
-            else:
-                ax.set_title(f"{model}: predicted for {row}", fontsize=10)
+            where = (
+                "this machine, measured and predicted" if row is None else f"predicted for {row}"
+            )
+            ax.set_title(f"{model}: {where}", fontsize=10)
             if i == len(rows) - 1:
                 ax.set_xlabel("ranks P")
     _strategy_legend(fig, strategy_handles(strategies))
-    key = [k for k in SOURCE_STYLES if k in kinds]
-    fig.legend(
-        handles=[
-            Line2D([], [], color="dimgray", label=SOURCE_KEY[k], markersize=6, **SOURCE_STYLES[k])
-            for k in key
-        ],
-        loc="outside lower center",
-        ncol=len(key),
-        fontsize=8,
-    )
+    key = [
+        Line2D([], [], color="dimgray", label=SOURCE_KEY[k], markersize=6, **SOURCE_STYLES[k])
+        for k in SOURCE_STYLES
+        if k in kinds
+    ]
+    fig.legend(handles=key, loc="outside lower center", ncol=len(key), fontsize=8)
     return fig
 
 

@@ -15,19 +15,19 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments.bench import tables
+from experiments.bench import tables, takeaways
+from experiments.bench.pages import distinct_values, write_page
 from experiments.config import TABLES
 
 
 def _conditions(raw: pd.DataFrame, name: str = "") -> str:
     if raw.empty:
         return "–"
-    cores = "/".join(dict.fromkeys(str(int(c)) for c in raw.get("cpus", pd.Series()).dropna()))
-    threads = "/".join(dict.fromkeys(str(int(c)) for c in raw.get("threads", pd.Series()).dropna()))
     backend = "gloo" if int(raw.get("world_size", pd.Series([1])).max()) > 1 else "one process"
     if name == "convergence_scale":  # launcher=threads: every rank a thread of one process
         backend = "ranks as threads of one process"
-    return f"{cores or '?'} CPU cores, {threads or '?'} thread(s)/rank, {backend}"
+    cores, threads = distinct_values(raw, "cpus"), distinct_values(raw, "threads")
+    return f"{cores} CPU cores, {threads} thread(s)/rank, {backend}"
 
 
 def _runs(raw: pd.DataFrame) -> str:
@@ -55,27 +55,22 @@ def _noise(name: str, raw: pd.DataFrame, results: Path) -> str:
             f"the ratio to SGD spans {width.median():.0f}% of itself over the runs (median "
             f"over configs), {width.max():.0f}% at most"
         )
-        errors = results / "scaling_errors.csv"
-        if name == "scaling" and errors.exists():
-            from experiments.bench.predict import phase_errors
-
-            held = phase_errors(pd.read_csv(errors))["held_out_error_%"].abs().dropna()
+        errors = takeaways.read_result(results, "scaling_errors.csv") if name == "scaling" else None
+        if errors is not None:
+            held = takeaways.held_out_errors(errors)[0]
             text += f"; held-out phase error {held.mean():.0f}% mean, {held.median():.0f}% median"
         return text
     if name == "convergence":
-        path = results / "convergence_final.csv"
-        if path.exists():
-            final = pd.read_csv(path)
-            if int(final["seeds"].max()) > 1:
-                return (
-                    f"accuracy std over seeds {final['std'].median():.4f} (median), "
-                    f"{final['std'].max():.4f} at most"
-                )
+        final = takeaways.read_result(results, "convergence_final.csv")
+        if final is not None and int(final["seeds"].max()) > 1:
+            return (
+                f"accuracy std over seeds {final['std'].median():.4f} (median), "
+                f"{final['std'].max():.4f} at most"
+            )
         return "one seed per run: not measured"
     if name == "convergence_scale":
-        path = results / "convergence_scale_cells.csv"
-        if path.exists():
-            cells = pd.read_csv(path)
+        cells = takeaways.read_result(results, "convergence_scale_cells.csv")
+        if cells is not None:
             several = cells[cells["seeds"] > 1]
             if len(several):
                 return (
@@ -109,10 +104,10 @@ def index(results: Path) -> list[str]:
         raw = tables.load_rows([path]) if path.exists() else pd.DataFrame()
         if not raw.empty:
             raw = raw[raw["error"] == ""]
-        measured = (
-            "–" if entry.shown in ("predicted", "simulated") else _conditions(raw, entry.name)
-        )
-        runs = "–" if entry.shown in ("predicted", "simulated") else _runs(raw)
+        if entry.shown in ("predicted", "simulated"):
+            measured = runs = "–"
+        else:
+            measured, runs = _conditions(raw, entry.name), _runs(raw)
         lines.append(
             f"| [{entry.name}]({entry.name}.md) | {entry.shown} | {entry.what} | {measured} | "
             f"{runs} | {_noise(entry.name, raw, results)} | `{entry.recipe}` |"
@@ -122,9 +117,7 @@ def index(results: Path) -> list[str]:
 
 def write(results: Path) -> Path:
     """Write ``results/README.md``."""
-    path = results / "README.md"
-    path.write_text("\n".join(index(results)) + "\n")
-    return path
+    return write_page(results / "README.md", index(results))
 
 
 if __name__ == "__main__":

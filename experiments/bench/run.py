@@ -29,13 +29,9 @@ and ``task=convergence_scale`` trains one run with every rank a thread of the jo
 process (:mod:`experiments.bench.convergence_scale`).
 
 Three table presets are single jobs that write their table themselves rather than
-rows for a callback: ``table=fidelity`` (``task=fidelity``:
-:func:`experiments.bench.fidelity.run_fidelity`), ``table=factor_kernels``
-(``task=factor_kernels``: :func:`experiments.bench.factor_kernels.run_factor_kernels`)
-and ``table=scale_sim`` (``task=scale_sim``:
-:func:`experiments.bench.scale_sim.run_scale_sim`, ranks of jobs of up to
-thousands of ranks simulated in this process), each with its node of
-``conf/benchmark.yaml`` (:func:`run_table_task`)::
+rows for a callback, each with its node of ``conf/benchmark.yaml`` (``task=<name>``,
+:func:`run_table_task`: :func:`fidelity_task`, :func:`factor_kernels_task` and
+:func:`scale_sim_task`, ranks of jobs of up to thousands of ranks simulated in this process)::
 
     python -m experiments.bench table=fidelity
     python -m experiments.bench table=factor_kernels
@@ -89,6 +85,12 @@ BENCHMARK_DECIDES = ("factor_update_steps", "inv_update_steps", "lr")
 VIEW_KEYS = ("compute_method", "skip_layers", "weight_sharing", "bucket_cap_mb")
 
 
+def _first_line(err: BaseException, default: str) -> str:
+    """An exception's first line (``default`` when it has no message)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else default
+
+
 def _without(overrides: Sequence[str], keys: Sequence[str]) -> list[str]:
     """The overrides minus those choosing one of ``keys`` (``strategy=x``, not ``strategy.x=1``)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -125,10 +127,9 @@ def member_configs(cfg: DictConfig, overrides: Sequence[str] = ()) -> list[DictC
         try:
             member = compose_config("benchmark", [*base, f"strategy={name}", "strategies=null"])
         except HydraException as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ExperimentError(
                 f"invalid value strategies={list(names)!r}: cannot compose strategy={name} "
-                f"with this job's overrides ({first})"
+                f"with this job's overrides ({_first_line(err, type(err).__name__)})"
             ) from None
         validate_strategy(member.strategy)
         check_update_intervals(member.strategy, member.setting)
@@ -182,7 +183,7 @@ def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
     try:
         train_cfg = compose_config("config", overrides)
     except HydraException as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = _first_line(err, type(err).__name__)
         raise ExperimentError(f"cannot compose the convergence training config: {first}") from None
     validate(train_cfg)
     return train_cfg
@@ -207,27 +208,13 @@ def job_spec(
             f"task={cfg.task} writes its table itself and has no job spec (run_table_task)"
         )
     members = member_configs(cfg, overrides)
-    batch = _plain(cfg.workload.batch)
-    spec: dict[str, Any] = {
-        key: _plain(cfg[key])
-        for key in (
-            "task",
-            "world_size",
-            "warmup",
-            "steps",
-            "seed",
-            "isolate_comm",
-            "lr",
-            "threads",
-            "device",
-            "timeout_s",
-        )
-    }
+    keys = ("task", "world_size", "seed", "isolate_comm", "lr", "threads", "device", "timeout_s")
+    spec: dict[str, Any] = {key: _plain(cfg[key]) for key in keys}
     spec["model"] = {
         "name": str(cfg.workload.name),
         "label": str(cfg.workload.label),
         "config": _plain(cfg.model),
-        "batch": batch,
+        "batch": _plain(cfg.workload.batch),
         "paper": _plain(cfg.workload.get("paper")) or {},
     }
     spec["setting"] = _plain(cfg.setting)
@@ -275,18 +262,6 @@ def _identity(spec: dict[str, Any], member: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def kfac_options(spec: dict[str, Any], member: dict[str, Any]) -> dict[str, Any] | None:
-    """The preconditioner's keyword arguments as a row records them (None: first order).
-
-    Everything passed to ``KFACPreconditioner`` but the model and the update
-    intervals (callables of the setting's step kinds; the row has
-    ``factor_update_steps``/``inv_update_steps``).
-    """
-    if member["kfac"] is None:
-        return None
-    return {**member["kfac"], "lr": spec["lr"]}
-
-
 def timing_rows(spec: dict[str, Any], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One benchmark row per strategy config from every rank's timing results."""
     return [_timing_row(spec, member, results) for member in spec["strategies"]]
@@ -327,14 +302,20 @@ def _timing_row(
 
 
 def _what_ran(spec: dict[str, Any], member: dict[str, Any]) -> dict[str, Any]:
-    """The columns that say which model and preconditioner a row's job runs (as JSON)."""
+    """The columns that say which model and preconditioner a row's job runs (as JSON).
+
+    ``kfac_options`` is everything passed to ``KFACPreconditioner`` but the model and the
+    update intervals (callables of the setting's step kinds; the row has
+    ``factor_update_steps``/``inv_update_steps``), null for first order.
+    """
+    kfac = None if member["kfac"] is None else {**member["kfac"], "lr": spec["lr"]}
     return {
         "model_config": json.dumps(spec["model"]["config"]),
         "model_batch": json.dumps(spec["model"]["batch"]),
         "model_paper": json.dumps(spec["model"]["paper"]),
         "skip_layers": json.dumps(member["view"]["skip_layers"]),
         "weight_sharing": member["view"]["weight_sharing"],
-        "kfac_options": json.dumps(kfac_options(spec, member), default=str),
+        "kfac_options": json.dumps(kfac, default=str),
     }
 
 
@@ -354,8 +335,7 @@ def convergence_rows(spec: dict[str, Any], results: list[dict[str, Any]]) -> lis
     from experiments.bench.convergence import curve
 
     train_cfg = spec["train_config"]
-    member = spec["strategies"][0]
-    row = _identity(spec, member)
+    row = _identity(spec, spec["strategies"][0])
     main = results[0]
     history = curve(main["history"] or [])
     result = main["result"]
@@ -401,20 +381,13 @@ def run(
     fn, make_rows = (
         (run_rank, timing_rows) if spec["task"] == "timing" else (run_convergence, convergence_rows)
     )
-    names = "+".join(m["name"] for m in spec["strategies"])
+    names, size = "+".join(m["name"] for m in spec["strategies"]), spec["world_size"]
     if spec["task"] == "timing":
-        log.info(
-            "timing %s on %s, P=%s, %s setting",
-            names,
-            spec["model"]["name"],
-            spec["world_size"],
-            spec["setting"]["name"],
-        )
+        model, setting = spec["model"]["name"], spec["setting"]["name"]
+        log.info("timing %s on %s, P=%s, %s setting", names, model, size, setting)
     else:
         experiment = spec["train_config"]["name"]
-        log.info(
-            "convergence: experiment=%s strategy=%s, P=%s", experiment, names, spec["world_size"]
-        )
+        log.info("convergence: experiment=%s strategy=%s, P=%s", experiment, names, size)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks started by torchrun
         spec["world_size"] = int(os.environ["WORLD_SIZE"])
         spec["gather"] = True
@@ -464,8 +437,7 @@ def scale_sim_task(cfg: DictConfig) -> dict[str, Path]:
     """``task=scale_sim``: the ``scale_sim`` node's jobs, simulated in this process."""
     from experiments.bench.scale_sim import Limit, run_scale_sim
 
-    plain = OmegaConf.to_container(cfg.scale_sim, resolve=True)
-    assert isinstance(plain, dict)
+    plain = _plain(cfg.scale_sim)
     log.info(
         "scale_sim: %s at P=%s, ranks %s",
         ", ".join(plain["models"]),
@@ -489,8 +461,7 @@ def factor_kernels_task(cfg: DictConfig) -> dict[str, Path]:
     """``task=factor_kernels``: the ``factor_kernels`` node's batch, repetitions and threads."""
     from experiments.bench.factor_kernels import run_factor_kernels
 
-    node = cfg.factor_kernels
-    out = Path(str(cfg.results_dir))
+    node, out = cfg.factor_kernels, Path(str(cfg.results_dir))
     return run_factor_kernels(
         [int(t) for t in node.threads], int(node.batch), int(node.reps), out=out
     )
@@ -565,15 +536,14 @@ def main(cfg: DictConfig) -> None:
     except Exception as err:  # recorded in the row; the table shows it
         log.exception("benchmark job failed")
         names = cfg.get("strategies") or [strategy_name(cfg.strategy)]
-        message = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+        message = _first_line(err, "")[:300]
+        model = cfg.workload.name
+        if cfg.task in ("convergence", "convergence_scale"):  # a training preset
+            model = cfg[cfg.task].experiment
         rows = [
             {
                 "task": cfg.task,
-                "model": cfg.convergence.experiment
-                if cfg.task == "convergence"
-                else cfg.convergence_scale.experiment
-                if cfg.task == "convergence_scale"
-                else cfg.workload.name,
+                "model": model,
                 "label": cfg.workload.label,
                 "strategy": name,
                 "world_size": int(cfg.world_size),

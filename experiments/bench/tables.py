@@ -9,26 +9,14 @@ redrawn from saved rows without measuring again::
     python -m experiments.bench.tables paper                            # predicted, no rows
     python -m experiments.bench.tables scaling --rows multirun/benchmark/scaling/<stamp>
 
-Tables (see docs/reproduction.md, "One command per table", for what each column means):
-
-* ``second_order_update``: computation, communication (seconds and bytes)
-  and K-FAC memory of one second-order update, every baseline relative
-  to dp_kfac (the DP-KFAC paper's headline), and iteration time relative to
-  SGD alone (the first-order row, ``strategy=none``);
-* ``time_breakdown``: per-phase milliseconds of one iteration per strategy
-  and model (the SPD-KFAC paper's stacked bars);
-* ``scaling``: measured iteration and phase times against P, with the cost
-  model's predictions (:mod:`experiments.bench.predict`);
-* ``convergence``: digits test accuracy per epoch, and the presets' smoke status
-  (from the JUnit report ``make smoke-report`` writes);
-* ``convergence_scale``: steps to a target accuracy of MNIST-1D runs at up to
-  256 in-process ranks, the learning rate chosen on validation, the fidelity
-  probe, and time to target predicted (:mod:`experiments.bench.convergence_scale`);
-* ``ablation``: from the published D-KFAC to DP-KFAC one switch at a time,
-  measured at P=2 and predicted at P=64 for the paper-size models;
-* ``paper``: the DP-KFAC paper's 64-GPU ratios predicted for its models beside
-  the reported ranges, with one computed sentence per model on what separates
-  them (:mod:`experiments.bench.paper`; prediction only, from the configs, no rows).
+Each table is one line of :data:`experiments.config.TABLES` (what it holds) and a section
+of docs/reproduction.md, "One command per table" (what each column means):
+``second_order_update`` (the DP-KFAC paper's headline), ``time_breakdown`` (the SPD-KFAC
+paper's stacked bars), ``scaling`` (with the cost model's predictions,
+:mod:`experiments.bench.predict`), ``convergence`` (with the presets' smoke status from
+``make smoke-report``), ``convergence_scale`` (:mod:`experiments.bench.convergence_scale`),
+``ablation`` (measured at P=2, predicted at P=64) and ``paper`` (predicted only, from the
+configs: :mod:`experiments.bench.paper`).
 
 Ratios are only formed between rows of the same sweep (one machine, one
 load), which is what makes them meaningful on a shared machine.
@@ -40,12 +28,13 @@ import argparse
 import json
 import logging
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 from hydra.experimental.callback import Callback
+from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
 from experiments.bench import plots, smoke, takeaways, workloads
@@ -149,16 +138,10 @@ def vs_sgd_spread(df: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     rows = df[(df["error"] == "") & (df.get("task", "timing") == "timing")].copy()
     rows["seed"] = rows["seed"].fillna(-1) if "seed" in rows else -1
-    plain = rows[[first_order(r) for r in rows.to_dict("records")]]
-    if plain.empty:
-        return pd.DataFrame()
-    sgd = plain.groupby([*JOB, "seed"], dropna=False)["iteration_s"].first()
-    keys = list(zip(*(rows[c] for c in (*JOB, "seed")), strict=True))
-    rows["ratio"] = [
-        t / sgd[k] if k in sgd.index else float("nan")
-        for t, k in zip(rows["iteration_s"], keys, strict=True)
-    ]
     rows["first_order"] = [first_order(r) for r in rows.to_dict("records")]
+    if not rows["first_order"].any():
+        return pd.DataFrame()
+    rows["ratio"] = _over_sgd(rows, [*JOB, "seed"], "iteration_s")
     out = rows.dropna(subset=["ratio"]).groupby([*JOB, "strategy"], dropna=False, sort=False)
     return out.agg(
         vs_sgd_min=("ratio", "min"),
@@ -192,7 +175,30 @@ def ratio_text(value: float, low: float, high: float, runs: int) -> str:
     return f"{value:.2f} ({low:.2f}–{high:.2f})"
 
 
-# ----------------------------------------------------------------- markdown
+def _write(
+    out: Path,
+    name: str,
+    frame: pd.DataFrame,
+    md: list[str],
+    rows: pd.DataFrame,
+    takeaway: list[str],
+    figure: Callable[[], Figure] | None,
+    extra: Mapping[str, pd.DataFrame] | None = None,
+) -> dict[str, Path]:
+    """A table's files: ``frame`` as ``<name>.csv`` (each ``extra`` frame as
+    ``<name>_<key>.csv``), ``md`` with its takeaway and the rows' footer as
+    ``<name>.md``, and the ``figure`` (if any) as ``<name>.png``."""
+    paths = {"csv": out / f"{name}.csv"}
+    frame.to_csv(paths["csv"], index=False)
+    for key, extra_frame in (extra or {}).items():
+        paths[key] = out / f"{name}_{key}.csv"
+        extra_frame.to_csv(paths[key], index=False)
+    paths["md"] = write_page(out / f"{name}.md", with_takeaway([*md, *footer(rows)], takeaway))
+    if figure is not None:
+        paths["png"] = plots.save(figure(), out / f"{name}.png")
+    return paths
+
+
 # ------------------------------------------------------- second_order_update
 def second_order_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per (model, P, setting, strategy) costs with ratios to dp_kfac, and the headline.
@@ -209,44 +215,38 @@ def second_order_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         and ``<cost>_best/dp`` against the cheapest baseline measured.
     """
     df = ok_rows(df)
+    df = df.assign(pred_process_memory=predicted_process_memory(df.to_dict("records")))
     long_rows, head_rows = [], []
-    predicted = dict(zip(df.index, predicted_process_memory(df.to_dict("records")), strict=True))
     for (model, p, setting), group in df.groupby(["model", "world_size", "setting"], sort=False):
-        records = group.to_dict("records")
-        for index, r in zip(group.index, records, strict=True):
-            r["pred_process_memory"] = predicted[index]
-        by = {r["strategy"]: r for r in records}
-        sgd = next((r for r in records if first_order(r)), None)
-        dp = by.get(REFERENCE)
+        by = {r["strategy"]: r for r in group.to_dict("records")}
+        costs = {strategy: _costs(r) for strategy, r in by.items()}
+        sgd = next((r for r in by.values() if first_order(r)), None)
+        dp = costs.get(REFERENCE)
         for strategy in plots.ordered(list(by)):
             r = by[strategy]
-            costs = _costs(r)
             entry = {"model": model, "label": r["label"], "P": p, "setting": setting}
-            entry["strategy"] = strategy
-            entry.update(costs)
+            entry.update(strategy=strategy, **costs[strategy])
             entry["iteration_vs_sgd"] = (
                 r["iteration_s"] / sgd["iteration_s"] if sgd is not None else float("nan")
             )
-            for key in RATIOS:
-                base = _costs(dp)[key] if dp is not None else float("nan")
-                entry[f"{key}/dp"] = costs[key] / base if base else float("nan")
+            entry.update({f"{key}/dp": _over(costs[strategy], dp, key) for key in RATIOS})
             long_rows.append(entry)
         if dp is None:
             continue
         head = {"model": model, "P": p, "setting": setting}
-        base = _costs(dp)
         for key in RATIOS:
-            ratios = {}
-            for strategy in COMPARED:
-                if strategy in by:
-                    ratio = _costs(by[strategy])[key] / base[key] if base[key] else float("nan")
-                    if key in PER_STRATEGY:
-                        head[f"{key}_{strategy}/dp"] = ratio
-                    ratios[strategy] = ratio
+            ratios = {s: _over(costs[s], dp, key) for s in COMPARED if s in costs}
+            if key in PER_STRATEGY:
+                head.update({f"{key}_{s}/dp": ratio for s, ratio in ratios.items()})
             finite = [v for v in ratios.values() if v == v]  # NaN: a row that did not measure it
             head[f"{key}_best/dp"] = min(finite) if finite else float("nan")
         head_rows.append(head)
     return pd.DataFrame(long_rows), pd.DataFrame(head_rows)
+
+
+def _over(costs: dict[str, float], base: dict[str, float] | None, key: str) -> float:
+    """One cost over dp_kfac's (``base``); NaN without a base or where it is 0."""
+    return costs[key] / base[key] if base is not None and base[key] else float("nan")
 
 
 def compute_ratio_spread(df: pd.DataFrame) -> pd.DataFrame:
@@ -264,10 +264,8 @@ def compute_ratio_spread(df: pd.DataFrame) -> pd.DataFrame:
     keys = ["model", "world_size", "setting"]
     for (model, p, setting, _), run in rows.groupby([*keys, "seed"], sort=False, dropna=False):
         by = {r["strategy"]: _costs(r)["compute"] for r in run.to_dict("records")}
-        base = by.get(REFERENCE)
-        for strategy, cost in by.items():
-            if base:
-                out.append((model, p, setting, strategy, cost / base))
+        if base := by.get(REFERENCE):
+            out += [(model, p, setting, strategy, cost / base) for strategy, cost in by.items()]
     frame = pd.DataFrame(out, columns=["model", "P", "setting", "strategy", "ratio"])
     grouped = frame.groupby(["model", "P", "setting", "strategy"], sort=False)["ratio"]
     return grouped.agg(
@@ -326,32 +324,15 @@ def write_second_order_update(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     long, head = second_order_frames(df)
     spread = compute_ratio_spread(df)
     if not spread.empty:
-        keys = ["model", "P", "setting", "strategy"]
-        long = long.merge(spread, on=keys, how="left")
+        job = ["model", "P", "setting"]
+        long = long.merge(spread, on=[*job, "strategy"], how="left")
         best = long[long["strategy"].isin(COMPARED)].sort_values("compute/dp")
-        best = best.drop_duplicates(["model", "P", "setting"])
-        head = head.merge(
-            best[["model", "P", "setting", "compute/dp_min", "compute/dp_max", "runs"]].rename(
-                columns={
-                    "compute/dp_min": "compute_best/dp_min",
-                    "compute/dp_max": "compute_best/dp_max",
-                }
-            ),
-            on=["model", "P", "setting"],
-            how="left",
-        )
-    long = long.rename(
-        columns={
-            "compute": "compute_ms",
-            "comm": "comm_ms",
-            "memory": "memory_MiB",
-            "process_memory": "process_memory_MiB",
-            "pred_process_memory": "pred_process_memory_MiB",
-        }
-    )
-    paths = {"csv": out / "second_order_update.csv"}
-    long.to_csv(paths["csv"], index=False)
-    show = head.copy()
+        best = best.drop_duplicates(job)[[*job, "compute/dp_min", "compute/dp_max", "runs"]]
+        best = best.rename(columns=lambda c: c.replace("compute/", "compute_best/"))
+        head = head.merge(best, on=job, how="left")
+    memory = ("memory", "process_memory", "pred_process_memory")
+    renamed = {"compute": "compute_ms", "comm": "comm_ms", **{c: f"{c}_MiB" for c in memory}}
+    long = long.rename(columns=renamed)
     md = [
         "# Cost of one second-order update (factors and decompositions every step)",
         "",
@@ -368,57 +349,53 @@ def write_second_order_update(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         "estimate (the inputs and outputs of the K-FAC layers, a lower bound:",
         "`dpkfac.costmodel.memory`).",
         "",
-        to_markdown(show),
+        to_markdown(head),
         "",
         "## Absolute values (medians over measured steps, busiest rank)",
         "",
         to_markdown(long.drop(columns=["label"]), {"P": 0}),
     ]
-    md += footer(df)
-    paths["md"] = write_page(
-        out / "second_order_update.md", with_takeaway(md, takeaways.second_order_update(head))
+    figure = None if head.empty else lambda: plots.ratio_bars(head)
+    return _write(
+        out, "second_order_update", long, md, df, takeaways.second_order_update(head), figure
     )
-    if not head.empty:
-        paths["png"] = plots.save(plots.ratio_bars(head), out / "second_order_update.png")
-    return paths
 
 
 # ------------------------------------------------------------ time_breakdown
 def breakdown_frame(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (model, setting, P, strategy): milliseconds of every iteration part."""
-    df_all, df = df, ok_rows(df)
     rows = []
-    for r in df.to_dict("records"):
+    for r in ok_rows(df).to_dict("records"):
         entry = {k: r[k] for k in ("model", "label", "setting", "world_size", "strategy")}
-        for part in ITERATION_PARTS:
-            entry[f"{part}_ms"] = 1e3 * float(r.get(f"{part}_s", 0.0) or 0.0)
-        entry["sum_ms"] = sum(entry[f"{p}_ms"] for p in ITERATION_PARTS)
-        entry["iteration_ms"] = 1e3 * r["iteration_s"]
-        entry["first_order"] = first_order(r)
-        rows.append(entry)
+        parts = {f"{p}_ms": 1e3 * float(r.get(f"{p}_s", 0.0) or 0.0) for p in ITERATION_PARTS}
+        entry.update(parts, sum_ms=sum(parts.values()), iteration_ms=1e3 * r["iteration_s"])
+        rows.append({**entry, "first_order": first_order(r)})
     wide = pd.DataFrame(rows)
     if wide.empty:
         return wide
-    sgd = wide[wide["first_order"]].set_index(["model", "setting", "world_size"])
-    wide["vs_sgd"] = [
-        r.iteration_ms / sgd.loc[(r.model, r.setting, r.world_size), "iteration_ms"]
-        if (r.model, r.setting, r.world_size) in sgd.index
-        else float("nan")
-        for r in wide.itertuples()
-    ]
-    wide = with_spread(wide, vs_sgd_spread(df_all), "world_size")
-    order = {s: i for i, s in enumerate(plots.ordered(wide["strategy"]))}
-    return wide.sort_values(
-        ["setting", "model", "world_size", "strategy"],
-        key=lambda c: c.map(order).fillna(c) if c.name == "strategy" else c,
+    wide["vs_sgd"] = _over_sgd(wide, ["model", "setting", "world_size"], "iteration_ms")
+    wide = with_spread(wide, vs_sgd_spread(df), "world_size")
+    return _in_order(wide, ["setting", "model", "world_size", "strategy"])
+
+
+def _over_sgd(frame: pd.DataFrame, group: list[str], column: str) -> pd.Series:
+    """``column`` over that of the group's (first) first-order row; NaN where it has none."""
+    sgd = frame[frame["first_order"]].drop_duplicates(group).set_index(group)[column]
+    keys = zip(*(frame[c] for c in group), strict=True)
+    return frame[column] / pd.Series([sgd.get(k, float("nan")) for k in keys], index=frame.index)
+
+
+def _in_order(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """``frame`` sorted by ``by``, its strategies in the papers' order (:func:`plots.ordered`)."""
+    order = {s: i for i, s in enumerate(plots.ordered(frame["strategy"]))}
+    return frame.sort_values(
+        by, key=lambda c: c.map(order).fillna(c) if c.name == "strategy" else c
     ).reset_index(drop=True)
 
 
 def write_time_breakdown(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     """``results/time_breakdown.*``: per-phase milliseconds and the stacked bars."""
     wide = breakdown_frame(df)
-    paths = {"csv": out / "time_breakdown.csv"}
-    wide.to_csv(paths["csv"], index=False)
     md = [
         "# Time breakdown of one iteration (ms, medians over steps, busiest rank per phase)",
         "",
@@ -431,11 +408,8 @@ def write_time_breakdown(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         "brackets the lowest and highest ratio over the runs, each taken within its run.",
     ]
     # Barriers before collectives exist only in isolated runs (``isolate_comm``).
-    parts = [
-        p
-        for p in ITERATION_PARTS
-        if p != "comm_sync" or (f"{p}_ms" in wide and bool(wide[f"{p}_ms"].any()))
-    ]
+    isolated = "comm_sync_ms" in wide and bool(wide["comm_sync_ms"].any())
+    parts = [p for p in ITERATION_PARTS if p != "comm_sync" or isolated]
     for (setting, _), frame in wide.groupby(["setting", "model"], sort=False):
         cols = ["strategy", *[f"{p}_ms" for p in parts], "sum_ms", "iteration_ms"]
         show = frame[cols].rename(columns={f"{p}_ms": p for p in (*parts, "sum", "iteration")})
@@ -443,14 +417,8 @@ def write_time_breakdown(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         p = int(frame["world_size"].iloc[0])
         md += ["", f"## {frame['label'].iloc[0]}, {setting} setting, P={p}", ""]
         md.append(to_markdown(show, 1))
-    md += footer(df)
-    paths["md"] = write_page(
-        out / "time_breakdown.md", with_takeaway(md, takeaways.time_breakdown(wide))
-    )
-    if not wide.empty:
-        fig = plots.stacked_breakdown(wide, parts)
-        paths["png"] = plots.save(fig, out / "time_breakdown.png")
-    return paths
+    figure = None if wide.empty else lambda: plots.stacked_breakdown(wide, parts)
+    return _write(out, "time_breakdown", wide, md, df, takeaways.time_breakdown(wide), figure)
 
 
 # ------------------------------------------------------------------- scaling
@@ -459,8 +427,6 @@ def write_scaling(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     from experiments.bench import predict
 
     frame, errors, notes = predict.scaling_frames(ok_rows(df))
-    paths = {"csv": out / "scaling.csv"}
-    frame.to_csv(paths["csv"], index=False)
     md = ["# Scaling with the number of ranks", "", *notes, ""]
     if not frame.empty:
         pivot = frame.pivot_table(
@@ -469,18 +435,14 @@ def write_scaling(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         pivot.columns = [c if isinstance(c, str) else f"P={c}" for c in pivot.columns]
         md += ["## Iteration time (ms)", "", to_markdown(pivot, 1)]
     if not errors.empty:
-        paths["errors"] = out / "scaling_errors.csv"
-        errors.to_csv(paths["errors"], index=False)
         md += ["", "## Cost model: measured vs predicted per phase (calibrated model)", ""]
         md += ["Median absolute error over models and strategies:", ""]
         md.append(to_markdown(predict.error_summary(errors), {"world_size": 0, "P": 0}))
         md += ["", "<details><summary>Every measured row</summary>", ""]
         md += [to_markdown(errors, {"world_size": 0}), "", "</details>"]
-    md += footer(df)
-    paths["md"] = write_page(out / "scaling.md", with_takeaway(md, takeaways.scaling(errors)))
-    if not frame.empty:
-        paths["png"] = plots.save(plots.scaling_lines(frame), out / "scaling.png")
-    return paths
+    figure = None if frame.empty else lambda: plots.scaling_lines(frame)
+    extra = {} if errors.empty else {"errors": errors}
+    return _write(out, "scaling", frame, md, df, takeaways.scaling(errors), figure, extra)
 
 
 # ------------------------------------------------------------------ ablation
@@ -497,16 +459,9 @@ _ABLATION_MEASURED = {
     "total_wire_MB": "wire MB",
     "memory_MiB": "memory",
 }
-#: Predicted columns of the ablation's markdown (headers get the predicted P).
-_ABLATION_PREDICTED = {
-    "pred_iteration_ms": "iteration",
-    "pred_vs_sgd": "vs SGD",
-    "pred_compute_ms": "compute",
-    "pred_comm_ms": "comm",
-    "pred_MB": "MB",
-    "pred_total_wire_MB": "wire MB",
-    "pred_memory_MiB": "memory",
-}
+#: Predicted columns of the ablation's markdown: the measured ones but the gradient
+#: communication (headers get the predicted P).
+_ABLATION_PREDICTED = {f"pred_{k}": h for k, h in _ABLATION_MEASURED.items() if k != "grad_comm_ms"}
 
 
 def _options_text(options: dict[str, Any]) -> str:
@@ -525,14 +480,10 @@ def ablation_frame(df: pd.DataFrame, predict_at: int | None = ABLATION_P) -> pd.
     the row's ``kfac_options``, so the table never depends on a config's name
     or on a strategy's defaults.
 
-    Measured columns (medians over steps, busiest rank) are those of
-    ``second_order_update``: iteration, K-FAC computation, second-order
-    communication (seconds and MB per rank), K-FAC memory, plus the gradient
-    communication and the wire bytes of every category (where owner
-    reduction shows), and iteration relative to SGD alone. ``pred_*``
-    columns hold the cost model's prediction of the same strategy config at
-    ``predict_at`` ranks on the ``v100_ib100`` preset with the paper-size
-    model, amortised over the row's update intervals
+    Measured columns are ``second_order_update``'s plus the gradient
+    communication and the wire bytes of every category (where owner reduction
+    shows), and iteration relative to SGD alone. ``pred_*`` columns hold the
+    cost model's prediction at ``predict_at`` ranks
     (:func:`experiments.bench.predict.paper_predictions`); ``None`` skips them.
     """
     from experiments.bench import predict
@@ -583,23 +534,15 @@ def ablation_frame(df: pd.DataFrame, predict_at: int | None = ABLATION_P) -> pd.
             )
         rows.append(entry)
     frame = pd.DataFrame(rows)
-    groups = list(zip(frame["model"], frame["setting"], frame["P"], strict=True))
-    sgd: dict[tuple, int] = {}  # group -> position of its first-order row
-    for i, (g, plain) in enumerate(zip(groups, frame["first_order"], strict=True)):
-        if plain:
-            sgd.setdefault(g, i)
+    group = ["model", "setting", "P"]
     for column in ("iteration_ms", "pred_iteration_ms"):
         if column in frame:
-            base = [frame[column].iloc[sgd[g]] if g in sgd else float("nan") for g in groups]
-            ratio = frame[column] / pd.Series(base, index=frame.index)
-            frame.insert(
-                frame.columns.get_loc(column) + 1,
-                column.removesuffix("iteration_ms") + "vs_sgd",
-                ratio,
-            )
-    rank = {g: i for i, g in enumerate(dict.fromkeys(groups))}
-    order = sorted(range(len(frame)), key=lambda i: rank[groups[i]])  # stable within a group
-    return with_spread(frame.iloc[order].reset_index(drop=True), vs_sgd_spread(everything), "P")
+            ratio = _over_sgd(frame, group, column)
+            at = frame.columns.get_loc(column) + 1
+            frame.insert(at, column.removesuffix("iteration_ms") + "vs_sgd", ratio)
+    # Groups in order of first appearance, rows in the sweep's order within each.
+    frame = frame.iloc[frame.groupby(group, sort=False).ngroup().argsort(kind="stable")]
+    return with_spread(frame.reset_index(drop=True), vs_sgd_spread(everything), "P")
 
 
 def _spread_texts(frame: pd.DataFrame) -> list[str]:
@@ -612,8 +555,6 @@ def _spread_texts(frame: pd.DataFrame) -> list[str]:
 def write_ablation(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     """``results/ablation.*``: each step from d_kfac to dp_kfac, measured and predicted."""
     frame = ablation_frame(df)
-    paths = {"csv": out / "ablation.csv"}
-    frame.to_csv(paths["csv"], index=False)
     predicted_p = int(frame["pred_P"].iloc[0]) if "pred_P" in frame and len(frame) else None
     md = [
         "# Ablation: from the published D-KFAC to DP-KFAC, one switch at a time",
@@ -640,10 +581,8 @@ def write_ablation(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     if not frame.empty:
         for (_, setting, p), g in frame.groupby(["model", "setting", "P"], sort=False):
             # What a config chose for itself (grouped's "auto"), where any did.
-            chose = (
-                g["chosen"].astype(bool).any()
-                or g.get("pred_chosen", g["chosen"]).astype(bool).any()
-            )
+            predicted_choice = g.get("pred_chosen", g["chosen"])
+            chose = g["chosen"].astype(bool).any() or predicted_choice.astype(bool).any()
             head = ["strategy", "chosen"] if chose else ["strategy"]
             show = g[[*head, *[c for c in _ABLATION_MEASURED if c in g]]].rename(
                 columns=_ABLATION_MEASURED
@@ -656,17 +595,12 @@ def write_ablation(df: pd.DataFrame, out: Path) -> dict[str, Path]:
                     show[f"P={predicted_p} chosen"] = g["pred_chosen"].to_numpy()
             md += ["", f"## {g['label'].iloc[0]}, {setting} setting, measured at P={p}", ""]
             md.append(to_markdown(show, {"vs SGD": 2, f"P={predicted_p} vs SGD": 2}))
-        configs = frame.drop_duplicates("strategy")
         md += ["", "## Strategy configs", ""]
-        for r in configs.itertuples():
-            parts = [x for x in (r.algorithm, r.options) if x]
-            what = ", ".join(parts) or "no preconditioner (SGD)"
+        for r in frame.drop_duplicates("strategy").itertuples():
+            what = ", ".join(x for x in (r.algorithm, r.options) if x) or "no preconditioner (SGD)"
             md.append(f"- `{r.strategy}`: {what}")
-    md += footer(df)
-    paths["md"] = write_page(out / "ablation.md", with_takeaway(md, takeaways.ablation(frame)))
-    if not frame.empty:
-        paths["png"] = plots.save(plots.ablation_bars(frame), out / "ablation.png")
-    return paths
+    figure = None if frame.empty else lambda: plots.ablation_bars(frame)
+    return _write(out, "ablation", frame, md, df, takeaways.ablation(frame), figure)
 
 
 # --------------------------------------------------------------- convergence
@@ -678,25 +612,18 @@ def convergence_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     standard deviation (:func:`convergence_summary`), never from one seed.
     """
     df = ok_rows(df, "convergence")
-    if "seed" not in df:
-        df = df.assign(seed=0)
-    df = df.assign(seed=df["seed"].fillna(0).astype(int))
-    curves = []
-    for r in df.to_dict("records"):
-        for point in json.loads(r["curve"]):
-            curves.append(
-                {
-                    "strategy": r["strategy"],
-                    "world_size": r["world_size"],
-                    "seed": r["seed"],
-                    **point,
-                }
-            )
-    curves_df = pd.DataFrame(curves)
+    df = df.assign(seed=df["seed"].fillna(0).astype(int) if "seed" in df else 0)
+    run = ["strategy", "world_size", "seed"]
+    curves_df = pd.DataFrame(
+        [
+            {**{k: r[k] for k in run}, **point}
+            for r in df.to_dict("records")
+            for point in json.loads(r["curve"])
+        ]
+    )
     if not curves_df.empty:
-        keys = ["strategy", "world_size", "epoch"]
         curves_df = (
-            curves_df.groupby(keys, sort=False)
+            curves_df.groupby(["strategy", "world_size", "epoch"], sort=False)
             .agg(
                 test_acc=("test_acc", "mean"),
                 test_acc_std=("test_acc", "std"),
@@ -708,25 +635,15 @@ def convergence_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         )
     if df.empty:
         return curves_df, pd.DataFrame()
-    final = df[
-        [
-            "strategy",
-            "world_size",
-            "seed",
-            "epochs",
-            "steps_per_epoch",
-            "final_acc",
-            "best_acc",
-            "seconds",
-            "replicas_identical",
-        ]
-    ].copy()
-    order = {s: i for i, s in enumerate(plots.ordered(final["strategy"]))}
-    final = final.sort_values(
-        ["strategy", "world_size", "seed"],
-        key=lambda c: c.map(order).fillna(c) if c.name == "strategy" else c,
-    )
-    return curves_df, final.reset_index(drop=True)
+    outcome = [
+        "epochs",
+        "steps_per_epoch",
+        "final_acc",
+        "best_acc",
+        "seconds",
+        "replicas_identical",
+    ]
+    return curves_df, _in_order(df[[*run, *outcome]], run)
 
 
 def convergence_summary(final: pd.DataFrame) -> pd.DataFrame:
@@ -735,24 +652,17 @@ def convergence_summary(final: pd.DataFrame) -> pd.DataFrame:
     return grouped.agg(mean="mean", std="std", seeds="count").reset_index()
 
 
-def accuracy_text(mean: float, std: float) -> str:
-    """``0.9861 ± 0.0016`` (or the mean alone where one seed ran)."""
-    return f"{mean:.4f}" if std != std else f"{mean:.4f} ± {std:.4f}"
-
-
 def write_convergence(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     """``results/convergence.*``: accuracy per epoch, final accuracy and smoke status."""
     curves, final = convergence_frames(df)
-    paths = {"csv": out / "convergence.csv"}
-    curves.to_csv(paths["csv"], index=False)
     md = ["# Convergence on scikit-learn digits (DigitsCNN, test accuracy)", ""]
     summary = convergence_summary(final) if not final.empty else pd.DataFrame()
     if not final.empty:
         summary.to_csv(out / "convergence_final.csv", index=False)
-        cells = summary.assign(
-            text=[accuracy_text(m, s) for m, s in zip(summary["mean"], summary["std"], strict=True)]
+        texts = [takeaways.accuracy(r.mean, r.std, 4) for r in summary.itertuples()]
+        pivot = summary.assign(text=texts).pivot(
+            index="strategy", columns="world_size", values="text"
         )
-        pivot = cells.pivot(index="strategy", columns="world_size", values="text")
         pivot = pivot.loc[plots.ordered(final["strategy"])]
         pivot.columns = [f"P={c}" for c in pivot.columns]
         seeds = int(summary["seeds"].max())
@@ -780,12 +690,9 @@ def write_convergence(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         md.append(to_markdown(matrix if not matrix.empty else cases, 1))
         counts = cases["status"].value_counts().to_dict()
         md += ["", "Cases: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))]
-    md += footer(df)
     takeaway = takeaways.convergence(summary, final) if not final.empty else []
-    paths["md"] = write_page(out / "convergence.md", with_takeaway(md, takeaway))
-    if not curves.empty:
-        paths["png"] = plots.save(plots.accuracy_curves(curves), out / "convergence.png")
-    return paths
+    figure = None if curves.empty else lambda: plots.accuracy_curves(curves)
+    return _write(out, "convergence", curves, md, df, takeaway, figure)
 
 
 # -------------------------------------------------------------------- common
