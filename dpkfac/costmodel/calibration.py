@@ -136,6 +136,8 @@ _CONVS = (
 )
 #: (d_in, d_out, rows) of timed Linear layers.
 _LINEARS = ((64, 10, 32), (512, 512, 256), (1024, 1024, 1024), (256, 2048, 2048))
+#: (rows, d_in, d_out) of timed Linear forward and backward passes.
+_FORWARD_BACKWARD = ((256, 64, 64), (1024, 256, 128), (4096, 512, 256), (2048, 1024, 512))
 
 
 def _factor_samples(gen: torch.Generator, repeats: int) -> list[Sample]:
@@ -161,8 +163,7 @@ def _factor_samples(gen: torch.Generator, repeats: int) -> list[Sample]:
         helper = helper_for(module)
         assert helper is not None, "Linear and Conv2d have helpers"
         layer = KFACLayer("layer", module, helper)
-        for which, t in (("A", x), ("G", go)):
-            capture = layer.accumulate_a if which == "A" else layer.accumulate_g
+        for which, capture, t in (("A", layer.accumulate_a, x), ("G", layer.accumulate_g, go)):
 
             def fn(
                 capture: Callable = capture, t: torch.Tensor = t, layer: KFACLayer = layer
@@ -170,8 +171,7 @@ def _factor_samples(gen: torch.Generator, repeats: int) -> list[Sample]:
                 layer.clear_pending()
                 capture(t, "expand", torch.float32)
 
-            seconds = median_time(fn, repeats)
-            out.append(Sample(factor_work(shape, which, "expand", 4), seconds))
+            out.append(Sample(factor_work(shape, which, "expand", 4), median_time(fn, repeats)))
     return out
 
 
@@ -187,30 +187,24 @@ def measure_compute(threads: int = 1, repeats: int = 5) -> list[Sample]:
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     out: list[Sample] = []
+
+    def timed(kind: str, work: float, fn: Callable[[], object], runs: int = repeats) -> None:
+        out.append(Sample.compute(kind, work, median_time(fn, runs)))
+
     try:
         out += _factor_samples(gen, repeats)
         for d in (32, 64, 128, 256, 512, 1024):
             x = torch.randn(d, 2 * d, generator=gen)
             factor = x @ x.t() / (2 * d)
-
-            def eigen(f: torch.Tensor = factor) -> EigenDecomposition:
-                return EigenDecomposition.compute(f, damping=1e-3, dtype=torch.float32)
-
-            def inverse(f: torch.Tensor = factor) -> InverseDecomposition:
-                return InverseDecomposition.compute(f, damping=1e-3, dtype=torch.float32)
-
-            t = median_time(eigen, max(3, repeats // (1 + d // 256)))
-            out.append(Sample.compute("eigh", 9.0 * d**3, t))
-            t = median_time(inverse, repeats)
-            out.append(Sample.compute("inverse", 2.0 * d**3, t))
+            eigh = partial(EigenDecomposition.compute, factor, damping=1e-3, dtype=torch.float32)
+            inverse = partial(
+                InverseDecomposition.compute, factor, damping=1e-3, dtype=torch.float32
+            )
+            timed("eigh", 9.0 * d**3, eigh, max(3, repeats // (1 + d // 256)))
+            timed("inverse", 2.0 * d**3, inverse)
         for d in (65, 145, 289, 577, 1025):
             packed = pack_triangle(torch.randn(d, d, generator=gen), tables)
-
-            def unpack(p: torch.Tensor = packed, d: int = d) -> torch.Tensor:
-                return unpack_triangle(p, d, tables)
-
-            t = median_time(unpack, repeats)
-            out.append(Sample.compute("unpack", 4.0 * d * d, t))
+            timed("unpack", 4.0 * d * d, partial(unpack_triangle, packed, d, tables))
         for g, a in ((16, 64), (64, 128), (128, 256), (256, 512), (512, 1024)):
             qa = EigenDecomposition(
                 torch.linalg.qr(torch.randn(a, a, generator=gen))[0], torch.rand(a)
@@ -219,22 +213,9 @@ def measure_compute(threads: int = 1, repeats: int = 5) -> list[Sample]:
                 torch.linalg.qr(torch.randn(g, g, generator=gen))[0], torch.rand(g)
             )
             grad = torch.randn(g, a, generator=gen)
-
-            def apply(
-                grad: torch.Tensor = grad,
-                qa: EigenDecomposition = qa,
-                qg: EigenDecomposition = qg,
-            ) -> torch.Tensor:
-                return precondition(grad, qa, qg, damping=1e-3)
-
-            t = median_time(apply, repeats)
-            out.append(Sample.compute("precondition", 4.0 * g * a * (g + a), t))
-        for rows, d_in, d_out in (
-            (256, 64, 64),
-            (1024, 256, 128),
-            (4096, 512, 256),
-            (2048, 1024, 512),
-        ):
+            apply = partial(precondition, grad, qa, qg, damping=1e-3)
+            timed("precondition", 4.0 * g * a * (g + a), apply)
+        for rows, d_in, d_out in _FORWARD_BACKWARD:
             layer = torch.nn.Linear(d_in, d_out)
             x = torch.randn(rows, d_in, generator=gen)
 
@@ -242,8 +223,7 @@ def measure_compute(threads: int = 1, repeats: int = 5) -> list[Sample]:
                 layer.zero_grad()
                 layer(x.requires_grad_()).sum().backward()
 
-            t = median_time(fwd_bwd, repeats)
-            out.append(Sample.compute("forward_backward", 6.0 * rows * (d_in + 1) * d_out, t))
+            timed("forward_backward", 6.0 * rows * (d_in + 1) * d_out, fwd_bwd)
     finally:
         torch.set_num_threads(before)
     return out

@@ -1,17 +1,12 @@
 """Fitting a :class:`~dpkfac.costmodel.Hardware` model to samples and to measured runs.
 
 :func:`calibrate` fits links and engines to :class:`~dpkfac.costmodel.Sample`
-records (work against seconds) by non-negative least squares (:func:`nnls`);
-everything below builds such samples.
-
+records (work against seconds) by non-negative least squares (:func:`nnls`).
 Micro-benchmarks (:mod:`dpkfac.costmodel.calibration`) time kernels and
 collectives alone; a real run also pays Python overhead, allocator traffic
-and contention that only its own phase timings show. This module fits the
-model to such runs, each described by a :class:`Measurement`: what ran
-(shapes, strategy, the preconditioner's options), where (world size, shared
-CPU cores) and what every rank's ``timings()`` reported. It knows nothing
-of any benchmark's file format; ``experiments.bench.predict`` turns its rows
-into measurements.
+and contention that only its own phase timings show, so the model is also
+fitted to measured runs (:class:`Measurement`, which
+``experiments.bench.predict`` builds from a benchmark's rows).
 
 Measured phase seconds are compared the way the cost model defines them:
 compute phases on the busiest rank, communication phases on the rank that
@@ -50,7 +45,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -73,9 +68,7 @@ __all__ = [
     "calibrate_measurements",
     "core_share",
     "fit",
-    "fit_models",
     "fit_overlap",
-    "hardware_at_share",
     "hardware_for",
     "measured_phases",
     "nnls",
@@ -126,8 +119,6 @@ def calibrate(
     size above 1: with a single one it cannot be told apart from ``alpha``.
 
     Args:
-        samples: measurements.
-        name: name of the result.
         base: source of the kinds the samples do not cover. Without it, a
             missing "reduce"/"broadcast" link copies the fitted all-reduce
             link, and missing engines raise ValueError.
@@ -136,9 +127,6 @@ def calibrate(
             fixed percentage of every phase).
         log2p: fit ``alpha_log2p`` (None: when the collective samples span
             several world sizes above 1).
-
-    Returns:
-        The fitted hardware model.
     """
     samples = [s for s in samples if s.seconds > 0]
     kinds = sorted({k for s in samples for k in s.work})
@@ -159,33 +147,25 @@ def calibrate(
         rows.append(row)
         y.append(s.seconds * weight)
     x = iter(nnls(rows, y))
-    links = dict(base.links) if base else {}
-    engines = dict(base.engines) if base else {}
+    links, engines = (dict(base.links), dict(base.engines)) if base else ({}, {})
     for k in kinds:
         per_call, per_unit = next(x), next(x)
         if k in COLLECTIVE_KINDS:
-            per_doubling = next(x) if log2p else 0.0
-            links[k] = Link(alpha=per_call, beta=per_unit, alpha_log2p=per_doubling)
+            links[k] = Link(per_call, per_unit, alpha_log2p=next(x) if log2p else 0.0)
         else:
-            engines[k] = Engine(
-                rate=math.inf if per_unit == 0 else 1.0 / per_unit, latency=per_call
-            )
+            engines[k] = Engine(math.inf if per_unit == 0 else 1.0 / per_unit, latency=per_call)
     if "allreduce" not in links:
         raise ValueError("calibrate needs all-reduce samples (or a base hardware model)")
-    if "matmul" not in engines:
-        for k in ("factor", "precondition", "forward_backward"):
-            if k in engines:
-                engines["matmul"] = engines[k]
-                break
+    stand_ins = [engines[k] for k in ("factor", "precondition", "forward_backward") if k in engines]
+    if "matmul" not in engines and stand_ins:
+        engines["matmul"] = stand_ins[0]
     missing = {"matmul", "eigh", "inverse"} - set(engines)
     if missing:
         raise ValueError(f"no samples for {sorted(missing)} and no base hardware model")
-    sources = (f"calibrated from {len(samples)} samples of {', '.join(kinds)}",)
-    overlap = base.overlap if base else 1.0
-    backend = base.backend if base else "nccl"
-    return Hardware(
-        name, links, engines, sources + (base.sources if base else ()), overlap, backend
-    )
+    source = f"calibrated from {len(samples)} samples of {', '.join(kinds)}"
+    if base is None:
+        return Hardware(name, links, engines, (source,))
+    return Hardware(name, links, engines, (source, *base.sources), base.overlap, base.backend)
 
 
 @dataclass(frozen=True)
@@ -246,14 +226,13 @@ class Measurement:
             raise ValueError(f"cores must be >= 1 or None, got {self.cores}")
         if self.timings and len(self.timings) != self.world_size:
             raise ValueError(f"{len(self.timings)} ranks' timings for world size {self.world_size}")
-        if self.strategy is None:
-            if self.options is not None:
-                raise ValueError("strategy options given without a strategy")
-            return
-        name = canonical_name(self.strategy)
-        object.__setattr__(self, "strategy", name)
-        if self.options is None:
-            object.__setattr__(self, "options", scheme_options(name))
+        if self.strategy is None and self.options is not None:
+            raise ValueError("strategy options given without a strategy")
+        if self.strategy is not None:
+            name = canonical_name(self.strategy)
+            object.__setattr__(self, "strategy", name)
+            if self.options is None:
+                object.__setattr__(self, "options", scheme_options(name))
 
 
 @dataclass(frozen=True)
@@ -295,9 +274,7 @@ class Fit:
 
 def core_share(m: Measurement) -> float:
     """Fraction of a core each rank had: ``min(1, cores / P)`` (1 with a device per rank)."""
-    if m.cores is None:
-        return 1.0
-    return min(1.0, m.cores / m.world_size)
+    return 1.0 if m.cores is None else min(1.0, m.cores / m.world_size)
 
 
 def predict_measurement(
@@ -310,8 +287,6 @@ def predict_measurement(
     """The cost model's prediction of a measured run (optionally at another world size).
 
     Args:
-        m: the run.
-        hardware: the hardware model to price it on.
         world_size: predict at this many ranks instead.
         replay_plan: reuse the run's fusion plan and the hardware model it
             measured at start-up (at its own world size only; elsewhere a run
@@ -319,7 +294,6 @@ def predict_measurement(
     """
     p = int(world_size or m.world_size)
     replay = replay_plan and p == m.world_size
-    plan = m.fusion_plan if replay else None
     options = m.options
     if replay and m.strategy is not None and options is not None and m.measured_hardware:
         options, _ = resolve(
@@ -338,7 +312,7 @@ def predict_measurement(
         kfac=m.kfac,
         options=options,
         param_itemsize=m.param_itemsize,
-        fusion_plan=plan,
+        fusion_plan=m.fusion_plan if replay else None,
         optimizer=m.optimizer,
     )
 
@@ -352,10 +326,8 @@ def phases_from_timings(
     when given, else the smallest per-rank total.
     """
     out = {p: max(r[p] for r in timings) for p in COMPUTE_PHASES}
-    if least_wait:
-        out.update({p: float(least_wait[p]) for p in COMM_PHASES})
-    else:
-        out.update({p: min(r[p] for r in timings) for p in COMM_PHASES})
+    for p in COMM_PHASES:
+        out[p] = float(least_wait[p]) if least_wait else min(r[p] for r in timings)
     return out
 
 
@@ -387,15 +359,11 @@ def calibrate_measurements(
     """The one-core-per-rank hardware fitted to the runs' phase timings.
 
     Engines and links come from the runs whose ranks had a core each; only
-    without such runs do the engines come from oversubscribed ones (compute
-    seconds scaled to a full core by the core share, which is rough: ranks
-    on shared cores do not compete for the whole of every phase, so a rank
-    with little work often has a core to itself). Kinds the runs do not
+    without such runs do the engines come from oversubscribed ones, scaled to
+    a full core (roughly: see the module docstring). Kinds the runs do not
     cover keep ``base``'s values.
     """
     ms = list(measurements)
-    # Oversubscribed runs only when no run had a core per rank: their ranks do not
-    # compete for the whole of every phase, so scaling by the core share is rough.
     own = {id(m) for m in ms if core_share(m) >= 1.0} or {id(m) for m in ms}
     samples: list[Sample] = []
     for m in ms:
@@ -434,25 +402,19 @@ def shared_core_links(measurements: Iterable[Measurement], hardware: Hardware) -
 def hardware_for(
     m: Measurement, hardware: Hardware, regimes: Mapping[int, Regime] | None = None
 ) -> Hardware:
-    """``hardware`` (one core per rank) as the run's ranks had it (:func:`hardware_at_share`)."""
-    return hardware_at_share(hardware, core_share(m), (regimes or {}).get(m.world_size))
-
-
-def hardware_at_share(hardware: Hardware, share: float, regime: Regime | None = None) -> Hardware:
-    """``hardware`` (one core per rank) for ranks with ``share`` of a core each.
+    """``hardware`` (one core per rank) as the run's ranks had it, with :func:`core_share`
+    of a core each.
 
     Engines are slowed by the share; links come from the world size's
     :class:`Regime` when there is one, else are slowed alike.
     """
+    share, regime = core_share(m), (regimes or {}).get(m.world_size)
     if share >= 1.0:
         return hardware
-    if regime is None:
-        out = scaled_hardware(hardware, compute=share, network=share)
-    else:
+    out = scaled_hardware(hardware, compute=share, network=share)
+    if regime is not None:
         overlap = hardware.overlap if regime.overlap is None else regime.overlap
-        out = replace(
-            scaled_hardware(hardware, compute=share), links=dict(regime.links), overlap=overlap
-        )
+        out = replace(out, links=dict(regime.links), overlap=overlap)
     # Pipelined factors are unpacked in step() as each all-reduce is waited
     # on: the ranks that finished the backward pass early unpack while the
     # last one still computes, so the rank that waits least (the last)
@@ -468,7 +430,6 @@ def with_forward_backward(hardware: Hardware, measurements: Sequence[Measurement
     Plain data parallelism at P > 1 is left out where other runs exist: it is
     DDP, whose forward/backward also waits on the all-reduces it left exposed.
     """
-    # SGD at P > 1 is DDP: its forward/backward holds the exposed all-reduces too.
     plain = [m for m in measurements if m.strategy is not None or m.world_size == 1]
     measurements = plain or list(measurements)
     if not measurements:
@@ -477,28 +438,27 @@ def with_forward_backward(hardware: Hardware, measurements: Sequence[Measurement
     predicted = hardware.time(forward_backward_work(measurements[0].shapes), 1)
     if measured <= 0 or predicted <= 0:
         return hardware
-    engine = hardware.engine("forward_backward")
-    scale = predicted / measured
-    engines = dict(hardware.engines)
-    engines["forward_backward"] = Engine(rate=engine.rate * scale, latency=engine.latency * scale)
-    return replace(hardware, engines=engines)
+    engine, scale = hardware.engine("forward_backward"), predicted / measured
+    fb = Engine(rate=engine.rate * scale, latency=engine.latency * scale)
+    return replace(hardware, engines={**hardware.engines, "forward_backward": fb})
 
 
 def _best_overlap(
-    models: Iterable[ModelFit],
-    keep: Callable[[Measurement], bool],
-    hardware_at: Callable[[Measurement, Hardware, float], Hardware],
+    models: Iterable[ModelFit], world_size: int | None, regimes: Mapping[int, Regime]
 ) -> float | None:
-    """Least-squares overlap (relative error) over the kept runs with overlapped phases."""
+    """Least-squares overlap (relative error) over the runs with overlapped phases at
+    ``world_size`` (None: the runs with a core per rank), priced with ``regimes``."""
     num = den = 0.0
     for fitted in models:
         for m in fitted.measurements:
-            if m.world_size == 1 or not keep(m):
+            kept = core_share(m) >= 1.0 if world_size is None else m.world_size == world_size
+            if m.world_size == 1 or not kept:
                 continue
-            serial_pred = predict_measurement(m, hardware_at(m, fitted.hardware, 0.0))
+            hardware = hardware_for(m, fitted.hardware, regimes)
+            serial_pred = predict_measurement(m, replace(hardware, overlap=0.0))
             if not serial_pred.overlapped_phases:
                 continue
-            hidden_pred = predict_measurement(m, hardware_at(m, fitted.hardware, 1.0))
+            hidden_pred = predict_measurement(m, replace(hardware, overlap=1.0))
             measured_all = measured_phases(m)
             for phase in serial_pred.overlapped_phases:
                 measured = measured_all[phase]
@@ -531,51 +491,11 @@ def fit_overlap(
         hardware's), and the regimes with theirs.
     """
     models = list(models)
-    own = _best_overlap(
-        models, lambda m: core_share(m) >= 1.0, lambda m, hw, o: replace(hw, overlap=o)
-    )
     out: dict[int, Regime] = {}
     for p, regime in (regimes or {}).items():
-
-        def at(
-            m: Measurement, hw: Hardware, o: float, p: int = p, regime: Regime = regime
-        ) -> Hardware:
-            base = hw if own is None else replace(hw, overlap=own)
-            return replace(hardware_for(m, base, {p: regime}), overlap=o)
-
-        def at_size(m: Measurement, p: int = p) -> bool:
-            return m.world_size == p
-
-        best = _best_overlap(models, at_size, at)
+        best = _best_overlap(models, p, {p: regime})
         out[p] = regime if best is None else replace(regime, overlap=best)
-    return own, out
-
-
-def fit_models(
-    hardware: Hardware,
-    measurements: Sequence[Measurement],
-    regimes: Mapping[int, Regime] | None = None,
-) -> tuple[dict[str, ModelFit], dict[int, Regime]]:
-    """Per model, ``hardware`` with its forward/backward rate and the fitted overlap.
-
-    Returns:
-        The models by name (in order of first appearance) and the regimes
-        with their fitted overlaps.
-    """
-    by_model: dict[str, list[Measurement]] = {}
-    for m in measurements:
-        by_model.setdefault(m.model, []).append(m)
-    models = {
-        name: ModelFit(with_forward_backward(hardware, mine), tuple(mine))
-        for name, mine in by_model.items()
-    }
-    overlap, fitted_regimes = fit_overlap(models.values(), regimes)
-    if overlap is not None:
-        models = {
-            name: replace(mf, hardware=replace(mf.hardware, overlap=overlap))
-            for name, mf in models.items()
-        }
-    return models, fitted_regimes
+    return _best_overlap(models, None, {}), out
 
 
 def fit(measurements: Iterable[Measurement], base: Hardware, name: str = "calibrated") -> Fit:
@@ -589,6 +509,17 @@ def fit(measurements: Iterable[Measurement], base: Hardware, name: str = "calibr
     """
     ms = list(measurements)
     hardware = calibrate_measurements(ms, base, name)
-    shared = shared_core_links(ms, hardware)
-    models, regimes = fit_models(hardware, ms, shared)
+    by_model: dict[str, list[Measurement]] = {}
+    for m in ms:
+        by_model.setdefault(m.model, []).append(m)
+    models = {  # in order of first appearance
+        model: ModelFit(with_forward_backward(hardware, mine), tuple(mine))
+        for model, mine in by_model.items()
+    }
+    overlap, regimes = fit_overlap(models.values(), shared_core_links(ms, hardware))
+    if overlap is not None:
+        models = {
+            model: replace(mf, hardware=replace(mf.hardware, overlap=overlap))
+            for model, mf in models.items()
+        }
     return Fit(hardware, regimes, models)

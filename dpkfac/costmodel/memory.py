@@ -51,28 +51,22 @@ def predict_process_memory(
     optimizer: str,
     param_itemsize: int = 4,
 ) -> ProcessMemory:
-    """The tally :func:`dpkfac.memory.process_memory` reports, from shapes.
+    """The tally :func:`dpkfac.memory.process_memory` reports, from shapes (see the module
+    docstring for each field).
 
     Args:
-        shapes: the model's shapes (from :func:`~dpkfac.costmodel.shapes_from_model`
-            for module buffers; the analytic zoo has none).
         kfac_memory: one rank's K-FAC memory (``Prediction.memory[rank]``);
             None without a preconditioner.
         optimizer: a key of :data:`OPTIMIZER_STATE` (explicit: the optimizer
-            is no part of the K-FAC prediction).
-        param_itemsize: bytes per parameter element.
-
-    Raises:
-        ValueError: an unknown optimizer kind.
+            is no part of the K-FAC prediction); an unknown one raises ValueError.
     """
     per_param, steps = check_optimizer(optimizer)
     params = shapes.num_params * param_itemsize
-    tensors = len(shapes.param_order())
     return ProcessMemory.with_kfac(
         kfac_memory,
         parameters=params,
         gradients=params,
-        optimizer=per_param * params + steps * _STEP_BYTES * tensors,
+        optimizer=per_param * params + steps * _STEP_BYTES * len(shapes.param_order()),
         module_buffers=shapes.buffer_bytes,
     )
 

@@ -42,27 +42,26 @@ class ModelShapes(Sequence[LayerShape]):
         captured: whether each layer's hooks fire (it has factors).
         other_params: element counts of the other trainable parameters.
         order: every trainable parameter in ``model.parameters()`` order, as
-            (its K-FAC layer's index, or -1 for another parameter; elements).
-            Empty: the layers' parameters in layer order, then the others
-            (:meth:`param_order`). The overlapped mode's backward buckets
-            follow this order. Not compared: two models with the same layers
-            and parameters are the same shapes (the analytic zoo has no order).
-        buffer_bytes: bytes of the model's buffers (BatchNorm running
-            statistics and counters), in bytes because their dtypes differ
-            (``num_batches_tracked`` is int64). Whole-process memory
-            (:mod:`dpkfac.costmodel.memory`) counts them; 0 where unknown (the
-            analytic zoo). Not compared, like ``order``.
+            (its K-FAC layer's index, or -1 for another parameter; elements),
+            which the overlapped mode's backward buckets follow. Empty: the
+            layers' parameters in layer order, then the others (:meth:`param_order`).
+        buffer_bytes: bytes of the model's buffers (BatchNorm running statistics
+            and counters, of different dtypes), which whole-process memory
+            (:mod:`dpkfac.costmodel.memory`) counts.
         saved: per K-FAC layer, (input, output) elements per sample as one
-            forward pass saw them; the input is 0 where the very same tensor
-            was already counted (Q, K and V share one input; a layer fed by
-            another's output directly). The activation estimate
-            (:func:`dpkfac.costmodel.memory.activation_bytes`) reads it; empty
-            where unknown (the analytic zoo). Not compared.
+            forward pass saw them, for the activation estimate
+            (:func:`dpkfac.costmodel.memory.activation_bytes`); the input is 0
+            where the very same tensor was already counted (Q, K and V share
+            one input; a layer fed by another's output directly).
         ready: every trainable parameter, as in ``order``, in the order one
-            backward pass made its gradient ready, which is the order DDP
-            rebuilds its buckets in after the first iteration (autograd may
-            finish a layer's bias before or after its weight). Empty: the
-            reverse of :meth:`param_order` (:meth:`backward_order`). Not compared.
+            backward pass made its gradient ready, the order DDP rebuilds its
+            buckets in after the first iteration (autograd may finish a layer's
+            bias before or after its weight). Empty: the reverse of
+            :meth:`param_order` (:meth:`backward_order`).
+
+    The last four are not compared (two models with the same layers and
+    parameters are the same shapes) and are empty or 0 where unknown (the
+    analytic zoo writes none of them down).
     """
 
     layers: tuple[LayerShape, ...]
@@ -148,15 +147,12 @@ def as_model_shapes(
     if isinstance(shapes, ModelShapes) and bias is None and not other_params:
         return shapes
     layers = tuple(shapes)
-    if bias is None:
-        bias = [s.kind == "linear" for s in layers]
+    biases = tuple(s.kind == "linear" for s in layers) if bias is None else tuple(bias)
     others = (other_params,) if isinstance(other_params, int) else tuple(other_params)
+    others = tuple(n for n in others if n > 0)
     if isinstance(shapes, ModelShapes):  # keep what a forward pass measured
-        return replace(
-            shapes, bias=tuple(bias), other_params=tuple(n for n in others if n > 0), order=()
-        )
-    captured = (True,) * len(layers)
-    return ModelShapes(layers, tuple(bias), captured, tuple(n for n in others if n > 0))
+        return replace(shapes, bias=biases, other_params=others, order=())
+    return ModelShapes(layers, biases, (True,) * len(layers), others)
 
 
 def shapes_from_model(
@@ -261,28 +257,24 @@ def shapes_from_model(
         if ready_order:
             for p, g in zip(trainable, old_grads, strict=True):
                 p.grad = g
-    layers, bias, captured = [], [], []
-    for name, helper in selected.items():
+
+    def layer(name: str, helper: Any) -> LayerShape:
         n, t = seen.get(name, (1, 1))
         if name in seen and batch_size is not None:
             n = batch_size
         kind = "conv2d" if isinstance(helper.module, torch.nn.Conv2d) else "linear"
-        layers.append(LayerShape(name, kind, helper.a_dim, helper.g_dim, t, n))
-        bias.append(helper.has_bias)
-        captured.append(name in seen)
-    others = tuple(p.numel() for p in trainable if id(p) not in layer_of)
+        return LayerShape(name, kind, helper.a_dim, helper.g_dim, t, n)
+
     order = tuple((layer_of.get(id(p), -1), p.numel()) for p in trainable)
-    buffer_bytes = sum(b.numel() * b.element_size() for b in inner.buffers())
-    per_layer = tuple(saved.get(name, (0, 0)) for name in selected)
     return ModelShapes(
-        tuple(layers),
-        tuple(bias),
-        tuple(captured),
-        others,
-        order,
-        buffer_bytes,
-        per_layer,
-        tuple(ready),
+        layers=tuple(layer(name, helper) for name, helper in selected.items()),
+        bias=tuple(helper.has_bias for helper in selected.values()),
+        captured=tuple(name in seen for name in selected),
+        other_params=tuple(n for i, n in order if i < 0),
+        order=order,
+        buffer_bytes=sum(b.numel() * b.element_size() for b in inner.buffers()),
+        saved=tuple(saved.get(name, (0, 0)) for name in selected),
+        ready=tuple(ready),
     )
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from dpkfac.comm import triangle_numel
 from dpkfac.costmodel.shapes import ModelShapes
-from dpkfac.plan.assignment import Placement
+from dpkfac.plan.assignment import LayerShape, Placement
 from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap, shard_rounds, size_cap_buckets
 from dpkfac.plan.hardware import reduce_scatter_future, uneven_all_gather, wire_bytes
 from dpkfac.plan.roles import Plan
@@ -77,10 +77,8 @@ class Collective:
 
 def bucket_bytes(sizes: Sequence[int], cap_bytes: int | None) -> list[int]:
     """Bytes of each fused buffer for tensors of ``sizes`` bytes (split at the cap)."""
-    if not sizes:
-        return []
     if cap_bytes is None:
-        return [sum(sizes)]
+        return [sum(sizes)] if sizes else []
     return [sum(sizes[i] for i in b) for b in size_cap_buckets(sizes, cap_bytes)]
 
 
@@ -90,17 +88,44 @@ def _collectives(
     return [Collective(category, kind, n, p) for n in bucket_bytes(sizes, cap)]
 
 
+def _broadcasts(category: str, sent: Sequence[Sequence[int]], cap: int | None) -> list[Collective]:
+    """Per sender of a group (``sent[i]``: the bytes it sends), its capped broadcast buckets."""
+    return [c for sizes in sent for c in _collectives(category, "broadcast", sizes, cap, len(sent))]
+
+
+def _update_exchange(
+    model: ModelShapes,
+    senders: Sequence[Sequence[int]],
+    *,
+    itemsize: int,
+    cap_bytes: int,
+    kl_clip: bool,
+    gathered: bool,
+) -> list[Collective]:
+    """The exchange of the updates of ``senders[i]``'s layers: all-gather rounds of the owners'
+    shards, or per sender a capped broadcast. Each update matrix travels with its two KL
+    scalars when the clip is on."""
+
+    def numels(s: LayerShape) -> tuple[int, ...]:
+        return (s.g_dim * s.a_dim, 2) if kl_clip else (s.g_dim * s.a_dim,)
+
+    sent = [[n * itemsize for i in layers for n in numels(model[i])] for layers in senders]
+    if gathered:
+        return sharded_collectives("precond_broadcast", "all_gather", sent, cap_bytes)
+    return _broadcasts("precond_broadcast", sent, cap_bytes)
+
+
 def sharded_collectives(
     category: str, kind: str, sizes: Sequence[Sequence[int]], cap_bytes: int | None
 ) -> list[Collective]:
     """A reduce-scatter or all-gather of owner-contiguous shards of ``sizes[r]`` bytes, round
     by round (:func:`dpkfac.plan.fusion.shard_rounds`); shards of different sizes, unpadded."""
-    p = len(sizes)
-    out = []
-    for round_ in shard_rounds(sizes, cap_bytes):
-        total = sum(sizes[r][i] for r, idx in enumerate(round_) for i in idx)
-        out.append(Collective(category, kind, total, p))
-    return out
+    return [
+        Collective(
+            category, kind, sum(sizes[r][i] for r, idx in enumerate(rnd) for i in idx), len(sizes)
+        )
+        for rnd in shard_rounds(sizes, cap_bytes)
+    ]
 
 
 def grad_collectives(
@@ -137,18 +162,20 @@ def ddp_bucket_params(
 ) -> list[list[tuple[int, int]]]:
     """DDP's gradient buckets: per bucket, (layer index or -1, elements) of its parameters.
 
-    The parameters are taken in the order the backward pass makes their
-    gradients ready (:meth:`~dpkfac.costmodel.shapes.ModelShapes.backward_order`:
-    recorded from the model, or the reverse model order of a sequential network),
-    the order DDP rebuilds its buckets in after the first iteration, and cut by
-    DDP's own rule
-    (:func:`dpkfac.plan.fusion.ddp_buckets`, first bucket
-    :func:`~dpkfac.plan.fusion.ddp_first_cap`).
+    The parameters are taken in the order the backward pass makes their gradients
+    ready (:meth:`~dpkfac.costmodel.shapes.ModelShapes.backward_order`), the order DDP
+    rebuilds its buckets in after the first iteration, and cut by DDP's own rule
+    (:func:`dpkfac.plan.fusion.ddp_buckets`, first cap :func:`~dpkfac.plan.fusion.ddp_first_cap`).
     """
-    params = list(model.backward_order())
+    return _ddp_cut(model.backward_order(), itemsize, cap_bytes)
+
+
+def _ddp_cut(
+    params: Sequence[tuple[int, int]], itemsize: int, cap_bytes: int
+) -> list[list[tuple[int, int]]]:
+    """``params`` (layer index or -1, elements) cut into buckets by DDP's rule."""
     sizes = [n * itemsize for _, n in params]
-    buckets = ddp_buckets(sizes, cap_bytes, ddp_first_cap(cap_bytes))
-    return [[params[i] for i in b] for b in buckets]
+    return [[params[i] for i in b] for b in ddp_buckets(sizes, cap_bytes, ddp_first_cap(cap_bytes))]
 
 
 def ddp_collectives(
@@ -176,26 +203,18 @@ def precond_collectives(
     Per sender of its update group, one capped broadcast bucket; under owner
     reduction (``Traits.owner_grad_reduction``), where the ``backend`` gathers
     uneven shards, one all-gather of the owners' updates per round instead.
-    Each layer's update matrix travels with its two KL scalars when the clip is on.
     """
     group = plan.update_group(rank)
     if group is None:
         return []
-    sent = [
-        [
-            n * itemsize
-            for i, s in enumerate(model)
-            if plan.sends_update(src, i)
-            for n in ((s.g_dim * s.a_dim, 2) if kl_clip else (s.g_dim * s.a_dim,))
-        ]
-        for src in group
-    ]
-    if plan.traits.owner_grad_reduction and uneven_all_gather(backend):
-        return sharded_collectives("precond_broadcast", "all_gather", sent, cap_bytes)
-    out: list[Collective] = []
-    for sizes in sent:
-        out += _collectives("precond_broadcast", "broadcast", sizes, cap_bytes, len(group))
-    return out
+    return _update_exchange(
+        model,
+        [[i for i in range(len(model)) if plan.sends_update(src, i)] for src in group],
+        itemsize=itemsize,
+        cap_bytes=cap_bytes,
+        kl_clip=kl_clip,
+        gathered=plan.traits.owner_grad_reduction and uneven_all_gather(backend),
+    )
 
 
 def factor_keys(model: ModelShapes) -> list[Key]:
@@ -207,10 +226,6 @@ def factor_dim(model: ModelShapes, key: Key) -> int:
     """Side of the factor ``key`` = (layer name, "A"/"G")."""
     s = next(s for s in model if s.name == key[0])
     return s.a_dim if key[1] == "A" else s.g_dim
-
-
-def _factor_numel(dim: int, triangle: bool) -> int:
-    return triangle_numel(dim) if triangle else dim * dim
 
 
 def factor_collectives(
@@ -244,8 +259,9 @@ def factor_collectives(
         return []
     tri = traits.triangle
     dims = [factor_dim(model, k) for k in keys]
+    numels = [triangle_numel(d) if tri else d * d for d in dims]
     if traits.factor_comm == "allreduce":
-        runs = size_cap_buckets([_factor_numel(d, tri) * itemsize for d in dims], cap_bytes)
+        runs = size_cap_buckets([n * itemsize for n in numels], cap_bytes)
     elif plan is None:
         runs = [[i] for i in range(len(keys))]
     else:
@@ -255,7 +271,7 @@ def factor_collectives(
         Collective(
             "factor_allreduce",
             "allreduce",
-            sum(_factor_numel(dims[i], tri) for i in run) * itemsize,
+            sum(numels[i] for i in run) * itemsize,
             world_size,
             unpack_bytes=sum(dims[i] ** 2 for i in run) * itemsize if tri else 0,
         )
@@ -283,17 +299,18 @@ def decomposition_collectives(
     group = plan.decomposition_group(rank)
     if group is None:
         return []
-    out: list[Collective] = []
-    for src in group:
-        sizes: list[int] = []
-        for i, s in enumerate(model):
-            if not model.captured[i]:
-                continue
-            for dim, which in ((s.a_dim, "A"), (s.g_dim, "G")):
-                if plan.sends_decomposition(src, i, which):
-                    sizes += [n * itemsize for n in decomposition_numel(dim, compute_method)]
-        out += _collectives("decomposition_broadcast", "broadcast", sizes, cap_bytes, len(group))
-    return out
+    sent = [
+        [
+            n * itemsize
+            for i, s in enumerate(model)
+            if model.captured[i]
+            for dim, which in ((s.a_dim, "A"), (s.g_dim, "G"))
+            if plan.sends_decomposition(src, i, which)
+            for n in decomposition_numel(dim, compute_method)
+        ]
+        for src in group
+    ]
+    return _broadcasts("decomposition_broadcast", sent, cap_bytes)
 
 
 def comm_counts(collectives: Sequence[Collective]) -> dict[str, dict[str, int]]:
@@ -334,37 +351,32 @@ def memory_per_rank(
     hands the bucket over); None: one layer at a time, in reverse module order.
     """
     out = []
+    captured = [i for i in range(len(model)) if model.captured[i]]
     for r in range(plan.world_size):
-        factors = decomps = 0
-        held = []  # (A bytes, G bytes) of the layers this rank captures, in module order
-        sizes: dict[int, tuple[int, int]] = {}
-        for i, s in enumerate(model):
-            if not model.captured[i]:
-                continue
-            if plan.captures(r, i):
-                held.append((s.a_dim**2 * factor_itemsize, s.g_dim**2 * factor_itemsize))
-                sizes[i] = held[-1]
-                factors += sum(held[-1])
-            if plan.preconditions(r, i):
-                decomps += (
-                    sum(sum(decomposition_numel(d, compute_method)) for d in (s.a_dim, s.g_dim))
-                    * decomposition_itemsize
-                )
-        buffers = factors
-        overlapped = plan.traits.overlapped_precondition and held and accumulation_steps == 1
-        if overlapped and fold_groups is not None:
+        # (A bytes, G bytes) of the layers this rank captures, in module order
+        sizes = {
+            i: (model[i].a_dim ** 2 * factor_itemsize, model[i].g_dim ** 2 * factor_itemsize)
+            for i in captured
+            if plan.captures(r, i)
+        }
+        factors = buffers = sum(a + g for a, g in sizes.values())
+        decomps = decomposition_itemsize * sum(
+            sum(decomposition_numel(d, compute_method))
+            for i in captured
+            if plan.preconditions(r, i)
+            for d in (model[i].a_dim, model[i].g_dim)
+        )
+        if plan.traits.overlapped_precondition and sizes and accumulation_steps == 1:
             # When a group folds, the A factors of it and of every later group still wait,
-            # and the G factors of the group.
-            groups = [[sizes[i] for i in g if i in sizes] for g in fold_groups]
+            # and the G factors of the group. Without fold_groups, one layer at a time in
+            # the backward pass: when layer j folds, the A of layers up to j and G of j wait.
+            folds = fold_groups if fold_groups is not None else [[i] for i in reversed(sizes)]
+            groups = [[sizes[i] for i in g if i in sizes] for g in folds]
             buffers = max(
                 sum(a for later in groups[k:] for a, _ in later) + sum(g for _, g in group)
                 for k, group in enumerate(groups)
                 if group
             )
-        elif overlapped:
-            # Folded layer by layer in the backward pass (reverse module order): when
-            # layer j folds, the A factors of layers up to j still wait, and G of j alone.
-            buffers = max(sum(a for a, _ in held[: j + 1]) + g for j, (_, g) in enumerate(held))
         out.append(
             {"factors_bytes": factors, "decompositions_bytes": decomps, "buffers_bytes": buffers}
         )
@@ -411,90 +423,52 @@ def overlap_buckets(
     (:func:`dpkfac.overlap.backward_buckets`, one dtype); under DDP they are
     DDP's own buckets (:func:`ddp_bucket_params`), which its communication
     hook hands over. A layer is sent once the last bucket holding one of its
-    parameters is reduced. With the all-reduce, per bucket and owner one
-    capped broadcast of those layers' updates; under the owner reduction
-    (``Traits.owner_grad_reduction``) a reduce-scatter per bucket and one
-    all-gather of the updates per round (:func:`sharded_collectives`;
-    broadcasts per owner where the ``backend`` cannot gather uneven shards).
-    Each update travels with its two KL scalars when the clip is on.
+    parameters is reduced; under the owner reduction (``Traits.owner_grad_reduction``)
+    the updates are all-gathered per round where the ``backend`` gathers uneven shards.
     """
     p = plan.world_size
     owner_reduction = plan.traits.owner_grad_reduction
-    if ddp:
-        buckets = [
-            tuple(b) for b in ddp_bucket_params(model, itemsize=itemsize, cap_bytes=cap_bytes)
+
+    def reduction(held: Sequence[tuple[int, int]]) -> tuple[Collective, ...]:
+        """One bucket's gradient collectives, as ``OverlapEngine._reduce`` launches them."""
+        cat = "grad_allreduce"
+        if not owner_reduction:
+            return (Collective(cat, "allreduce", sum(n for _, n in held) * itemsize, p),)
+        shards = [
+            [n * itemsize for layer, n in held if layer >= 0 and owner_of[layer] == r]
+            for r in range(p)
         ]
-    else:
-        params = list(model.param_order())[::-1]
-        sizes = [n * itemsize for _, n in params]
-        runs = ddp_buckets(sizes, cap_bytes, ddp_first_cap(cap_bytes))
-        buckets = [tuple(params[i] for i in run) for run in runs]
+        others = sum(n for layer, n in held if layer < 0) * itemsize
+        out: list[Collective] = []
+        if ddp and not reduce_scatter_future(backend):
+            out += [Collective(cat, "reduce", sum(s), p) for s in shards if s]
+        elif any(shards):
+            out.append(Collective(cat, "reduce_scatter", sum(map(sum, shards)), p))
+        if others:
+            out.append(Collective(cat, "allreduce", others, p))
+        return tuple(out)
+
+    order = model.backward_order() if ddp else model.param_order()[::-1]
+    buckets = [tuple(b) for b in _ddp_cut(order, itemsize, cap_bytes)]
     owner_of = [plan.preconditioners[i][0] for i in range(len(model))]
-    last: dict[int, int] = {}
-    for b, held in enumerate(buckets):
-        for layer, _ in held:
-            if layer >= 0:
-                last[layer] = b
+    last = {layer: b for b, held in enumerate(buckets) for layer, _ in held if layer >= 0}
     out = []
     for b, held in enumerate(buckets):
-        grads = _bucket_reduction(held, owner_of, p, itemsize, owner_reduction, ddp, backend)
         layers = tuple(i for i in range(len(model)) if last.get(i) == b)
-        sent = [
-            [
-                n * itemsize
-                for i in layers
-                if owner_of[i] == owner
-                for n in (
-                    (model[i].g_dim * model[i].a_dim, 2)
-                    if kl_clip
-                    else (model[i].g_dim * model[i].a_dim,)
-                )
-            ]
-            for owner in range(p)
-        ]
-        updates: list[Collective] = []
-        if owner_reduction and uneven_all_gather(backend):
-            if any(sent):
-                updates = sharded_collectives("precond_broadcast", "all_gather", sent, cap_bytes)
-        else:
-            for sizes in sent:
-                updates += _collectives("precond_broadcast", "broadcast", sizes, cap_bytes, p)
-        out.append(OverlapBucket(held, grads, layers, tuple(updates)))
+        updates = _update_exchange(
+            model,
+            [[i for i in layers if owner_of[i] == owner] for owner in range(p)],
+            itemsize=itemsize,
+            cap_bytes=cap_bytes,
+            kl_clip=kl_clip,
+            gathered=owner_reduction and uneven_all_gather(backend),
+        )
+        out.append(OverlapBucket(held, reduction(held), layers, tuple(updates)))
     return out
-
-
-def _bucket_reduction(
-    held: Sequence[tuple[int, int]],
-    owner_of: Sequence[int],
-    p: int,
-    itemsize: int,
-    owner_reduction: bool,
-    ddp: bool,
-    backend: str,
-) -> tuple[Collective, ...]:
-    """One overlapped bucket's gradient collectives, as ``OverlapEngine._reduce`` launches
-    them."""
-    cat = "grad_allreduce"
-    if not owner_reduction:
-        return (Collective(cat, "allreduce", sum(n for _, n in held) * itemsize, p),)
-    shards = [
-        [n * itemsize for layer, n in held if layer >= 0 and owner_of[layer] == r] for r in range(p)
-    ]
-    others = sum(n for layer, n in held if layer < 0) * itemsize
-    out: list[Collective] = []
-    if ddp and not reduce_scatter_future(backend):
-        out += [Collective(cat, "reduce", sum(s), p) for s in shards if s]
-    elif any(shards):
-        out.append(Collective(cat, "reduce_scatter", sum(map(sum, shards)), p))
-    if others:
-        out.append(Collective(cat, "allreduce", others, p))
-    return tuple(out)
 
 
 def overlap_collectives(
     buckets: Sequence[OverlapBucket],
 ) -> tuple[list[Collective], list[Collective]]:
     """The overlapped mode's gradient all-reduces and update broadcasts (one rank's view)."""
-    grads = [c for b in buckets for c in b.grads]
-    updates = [c for b in buckets for c in b.updates]
-    return grads, updates
+    return [c for b in buckets for c in b.grads], [c for b in buckets for c in b.updates]

@@ -18,20 +18,31 @@ __all__ = ["PAPER_MODELS", "ZOO", "bert_qa", "cifar_resnet", "resnet50", "transf
 
 
 class _Builder:
-    def __init__(self) -> None:
+    """A model's layers, biases and other parameters, at a local batch of ``n``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
         self.layers: list[LayerShape] = []
         self.bias: list[bool] = []
         self.others: list[int] = []
 
-    def linear(self, name: str, d_in: int, d_out: int, n: int, t: int, bias: bool = True) -> None:
+    def linear(
+        self, name: str, d_in: int, d_out: int, t: int, bias: bool = True, norm: bool = False
+    ) -> None:
+        """A Linear layer over ``t`` positions, then with ``norm`` a LayerNorm of ``d_out``."""
         self.layers.append(
-            LayerShape.linear(name, d_in, d_out, bias=bias, batch_size=n, positions=t)
+            LayerShape.linear(name, d_in, d_out, bias=bias, batch_size=self.n, positions=t)
         )
         self.bias.append(bias)
+        self.others += [d_out, d_out] if norm else []
 
-    def conv(self, name: str, c_in: int, c_out: int, k: int, hw: int, n: int) -> None:
-        self.layers.append(LayerShape.conv2d(name, c_in, c_out, (k, k), (hw, hw), batch_size=n))
+    def conv_bn(self, name: str, c_in: int, c_out: int, k: int, hw: int) -> None:
+        """A bias-free Conv2d followed by a BatchNorm of ``c_out``."""
+        self.layers.append(
+            LayerShape.conv2d(name, c_in, c_out, (k, k), (hw, hw), batch_size=self.n)
+        )
         self.bias.append(False)
+        self.others += [c_out, c_out]
 
     def build(self) -> ModelShapes:
         n = len(self.layers)
@@ -44,10 +55,9 @@ def _out(size: int, k: int, s: int, p: int) -> int:
 
 def resnet50(batch_size: int = 32, image_size: int = 224, num_classes: int = 1000) -> ModelShapes:
     """torchvision ``resnet50()`` (v1.5: stride in the 3x3 conv), BatchNorm left to SGD."""
-    b = _Builder()
+    b = _Builder(batch_size)
     hw = _out(image_size, 7, 2, 3)
-    b.conv("conv1", 3, 64, 7, hw, batch_size)
-    b.others += [64, 64]
+    b.conv_bn("conv1", 3, 64, 7, hw)
     hw = _out(hw, 3, 2, 1)
     inplanes = 64
     for stage, (planes, blocks, stride) in enumerate(
@@ -57,17 +67,13 @@ def resnet50(batch_size: int = 32, image_size: int = 224, num_classes: int = 100
             s = stride if i == 0 else 1
             out_hw = _out(hw, 3, s, 1)
             p = f"layer{stage}.{i}."
-            b.conv(p + "conv1", inplanes, planes, 1, hw, batch_size)
-            b.others += [planes, planes]
-            b.conv(p + "conv2", planes, planes, 3, out_hw, batch_size)
-            b.others += [planes, planes]
-            b.conv(p + "conv3", planes, 4 * planes, 1, out_hw, batch_size)
-            b.others += [4 * planes, 4 * planes]
+            b.conv_bn(p + "conv1", inplanes, planes, 1, hw)
+            b.conv_bn(p + "conv2", planes, planes, 3, out_hw)
+            b.conv_bn(p + "conv3", planes, 4 * planes, 1, out_hw)
             if i == 0 and (s != 1 or inplanes != 4 * planes):
-                b.conv(p + "downsample.0", inplanes, 4 * planes, 1, out_hw, batch_size)
-                b.others += [4 * planes, 4 * planes]
+                b.conv_bn(p + "downsample.0", inplanes, 4 * planes, 1, out_hw)
             inplanes, hw = 4 * planes, out_hw
-    b.linear("fc", 2048, num_classes, batch_size, 1)
+    b.linear("fc", 2048, num_classes, 1)
     return b.build()
 
 
@@ -87,18 +93,16 @@ def bert_qa(
     attention output (hidden²), the FFN (hidden x intermediate and back) and
     the QA head (hidden x 2). Embeddings and LayerNorms stay with SGD.
     """
-    b = _Builder()
+    b = _Builder(batch_size)
     b.others += [vocab * hidden, max_positions * hidden, type_vocab * hidden, hidden, hidden]
     for i in range(layers):
         p = f"bert.encoder.layer.{i}."
         for m in ("query", "key", "value"):
-            b.linear(p + f"attention.self.{m}", hidden, hidden, batch_size, seq_len)
-        b.linear(p + "attention.output.dense", hidden, hidden, batch_size, seq_len)
-        b.others += [hidden, hidden]
-        b.linear(p + "intermediate.dense", hidden, intermediate, batch_size, seq_len)
-        b.linear(p + "output.dense", intermediate, hidden, batch_size, seq_len)
-        b.others += [hidden, hidden]
-    b.linear("qa_outputs", hidden, 2, batch_size, seq_len)
+            b.linear(p + f"attention.self.{m}", hidden, hidden, seq_len)
+        b.linear(p + "attention.output.dense", hidden, hidden, seq_len, norm=True)
+        b.linear(p + "intermediate.dense", hidden, intermediate, seq_len)
+        b.linear(p + "output.dense", intermediate, hidden, seq_len, norm=True)
+    b.linear("qa_outputs", hidden, 2, seq_len)
     return b.build()
 
 
@@ -130,20 +134,18 @@ def transformer(
     checks that :func:`~dpkfac.costmodel.shapes.shapes_from_model` of the
     benchmark's paper-size model equals this function's result.
     """
-    b = _Builder()
+    b = _Builder(batch_size)
     b.others.append(vocab * d_model)
 
     def attention(p: str, t_q: int, t_kv: int) -> None:
-        b.linear(p + "w_qs", d_model, d_model, batch_size, t_q, bias=False)
-        b.linear(p + "w_ks", d_model, d_model, batch_size, t_kv, bias=False)
-        b.linear(p + "w_vs", d_model, d_model, batch_size, t_kv, bias=False)
-        b.linear(p + "fc", d_model, d_model, batch_size, t_q, bias=False)
-        b.others += [d_model, d_model]
+        b.linear(p + "w_qs", d_model, d_model, t_q, bias=False)
+        b.linear(p + "w_ks", d_model, d_model, t_kv, bias=False)
+        b.linear(p + "w_vs", d_model, d_model, t_kv, bias=False)
+        b.linear(p + "fc", d_model, d_model, t_q, bias=False, norm=True)
 
     def ffn(p: str, t: int) -> None:
-        b.linear(p + "w_1", d_model, d_inner, batch_size, t)
-        b.linear(p + "w_2", d_inner, d_model, batch_size, t)
-        b.others += [d_model, d_model]
+        b.linear(p + "w_1", d_model, d_inner, t)
+        b.linear(p + "w_2", d_inner, d_model, t, norm=True)
 
     for i in range(encoder_layers):
         attention(f"encoder.layer_stack.{i}.slf_attn.", src_len, src_len)
@@ -169,20 +171,17 @@ def cifar_resnet(
     if depth < 8 or (depth - 2) % 6:
         raise ValueError(f"depth must be 6n + 2 >= 8, got {depth}")
     blocks = (depth - 2) // 6
-    b = _Builder()
-    b.conv("conv1", 3, 16, 3, image_size, batch_size)
-    b.others += [16, 16]
+    b = _Builder(batch_size)
+    b.conv_bn("conv1", 3, 16, 3, image_size)
     in_planes, hw, index = 16, image_size, 0
     for stage, planes in enumerate((16, 32, 64)):
         for i in range(blocks):
             hw = _out(hw, 3, 2 if stage > 0 and i == 0 else 1, 1)
             p = f"layers.{index}."
-            b.conv(p + "conv1", in_planes, planes, 3, hw, batch_size)
-            b.others += [planes, planes]
-            b.conv(p + "conv2", planes, planes, 3, hw, batch_size)
-            b.others += [planes, planes]
+            b.conv_bn(p + "conv1", in_planes, planes, 3, hw)
+            b.conv_bn(p + "conv2", planes, planes, 3, hw)
             in_planes, index = planes, index + 1
-    b.linear("fc", 64, num_classes, batch_size, 1)
+    b.linear("fc", 64, num_classes, 1)
     return b.build()
 
 
