@@ -26,7 +26,7 @@ layer assignments on the same models.
 
 Layout: ``shapes`` (what a model contributes, :func:`shapes_from_model`),
 ``zoo`` (analytic ResNet-50, BERT, Transformer), ``traffic`` (collectives
-and memory, exact), ``timing`` (work per phase, critical path), ``predict``,
+and memory, exact), ``timing`` (work per phase, critical path), ``predict`` and
 ``auto`` (:func:`resolve`: "auto" priced candidate by candidate), ``table``,
 ``balance``, ``calibration`` (local micro-benchmarks), ``fitting`` (hardware
 from samples, :func:`calibrate` by :func:`nnls`, and from measured runs). The
@@ -63,15 +63,7 @@ from dpkfac.costmodel.table import VARIANTS, format_table, predicted_table
 from dpkfac.costmodel.timing import owner_seconds, seconds_cost
 from dpkfac.costmodel.traffic import Collective, Placement, comm_counts
 from dpkfac.costmodel.zoo import PAPER_MODELS, bert_qa, resnet50, transformer
-from dpkfac.plan.hardware import (
-    Engine,
-    Hardware,
-    Link,
-    Sample,
-    Work,
-    scaled,
-    wire_bytes,
-)
+from dpkfac.plan.hardware import Engine, Hardware, Link, Sample, Work, scaled, wire_bytes
 from dpkfac.plan.presets import PRESETS
 
 __all__ = [

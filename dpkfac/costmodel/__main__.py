@@ -32,17 +32,16 @@ from dpkfac.plan import SCHEMES, canonical_name, name_key
 from dpkfac.plan.assignment import COSTS
 from dpkfac.plan.configs import kfac_configs
 
+#: ``table --format csv``'s figures: column -> (key of a ``predicted_table`` row, scale).
+_CSV_FIGURES = {
+    "computation_ms": ("computation_s", 1e3),
+    "communication_ms": ("communication_s", 1e3),
+    "memory_mib": ("memory_mb", 1.0),
+    "wire_mib": ("kfac_wire_mb", 1.0),
+    "iteration_ms": ("iteration_s", 1e3),
+}
 #: Columns of ``table --format csv``.
-CSV_COLUMNS = (
-    "model",
-    "strategy",
-    "world_size",
-    "computation_ms",
-    "communication_ms",
-    "memory_mib",
-    "wire_mib",
-    "iteration_ms",
-)
+CSV_COLUMNS = ("model", "strategy", "world_size", *_CSV_FIGURES)
 
 
 def _names(text: str, known: list[str], what: str) -> list[str]:
@@ -54,33 +53,24 @@ def _names(text: str, known: list[str], what: str) -> list[str]:
     return names
 
 
-def _hardware(spec: str) -> Hardware:
-    return PRESETS.get(spec) or Hardware.from_json(spec)
-
-
 def csv_rows(
     models: list[str], strategies: list[str], world_size: int, hardware: Hardware
 ) -> list[dict[str, object]]:
     """One row per model and strategy (``CSV_COLUMNS``), predicted at the papers' sizes."""
     configs = kfac_configs()
     variants = {s: configs.get(s) or (canonical_name(s), {}) for s in strategies}
-    out: list[dict[str, object]] = []
-    for row in predicted_table(
+    rows = predicted_table(
         {name: ZOO[name] for name in models}, world_size, hardware, variants=variants
-    ):
-        out.append(
-            {
-                "model": row["model"],
-                "strategy": row["strategy"],
-                "world_size": world_size,
-                "computation_ms": round(row["computation_s"] * 1e3, 3),
-                "communication_ms": round(row["communication_s"] * 1e3, 3),
-                "memory_mib": round(row["memory_mb"], 3),
-                "wire_mib": round(row["kfac_wire_mb"], 3),
-                "iteration_ms": round(row["iteration_s"] * 1e3, 3),
-            }
-        )
-    return out
+    )
+    return [
+        {
+            "model": row["model"],
+            "strategy": row["strategy"],
+            "world_size": world_size,
+            **{col: round(row[key] * scale, 3) for col, (key, scale) in _CSV_FIGURES.items()},
+        }
+        for row in rows
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         models = {name: ZOO[name][0] for name in chosen}
         print(format_balance(balance_rows(models, args.world_size, args.cost)))
         return
-    hw = _hardware(args.hardware)
+    hw = PRESETS.get(args.hardware) or Hardware.from_json(args.hardware)
     if args.format == "csv":
         strategies = _names(
             ",".join(name_key(n) for n in args.strategies.split(",")),

@@ -25,8 +25,6 @@ class Balance:
     """Load balance of one model's layer placement at one world size.
 
     Attributes:
-        model: the model's name.
-        world_size: number of ranks ``P``.
         layers: K-FAC layers placed.
         cost: name of the cost function in :data:`dpkfac.plan.assignment.COSTS`.
         imbalance: per assignment, the busiest rank's load over the mean.
@@ -52,7 +50,6 @@ def balance_rows(
 
     Args:
         models: name -> K-FAC layer shapes in module order.
-        world_size: number of ranks.
         cost: layer cost the assignments balance and the loads are measured in.
         assignments: methods of :func:`dpkfac.plan.assignment.assign_layers`.
 

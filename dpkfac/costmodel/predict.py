@@ -14,18 +14,20 @@ branches on a strategy's name. Bytes, calls, wire bytes and memory come from
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from dpkfac.costmodel import traffic as tr
 from dpkfac.costmodel.auto import Candidate, average_interval
 from dpkfac.costmodel.optimizers import step_bytes
-from dpkfac.costmodel.shapes import ModelShapes, as_model_shapes
+from dpkfac.costmodel.shapes import as_model_shapes
 from dpkfac.costmodel.timing import (
     COMM_PHASES,
     COMPUTE_PHASES,
+    Key,
     StepPrediction,
     pipelined_plan,
     step_prediction,
@@ -39,8 +41,6 @@ from dpkfac.plan.hardware import Hardware, Sample
 from dpkfac.plan.presets import PRESETS, hardware_option
 
 __all__ = ["Prediction", "predict", "predict_sgd"]
-
-Key = tuple[str, str]
 
 
 @dataclass
@@ -114,10 +114,6 @@ class Prediction:
         """A step with neither factor nor decomposition update."""
         return self.steps[(False, False)]
 
-    def comm_stats(self, factor: bool = True, decomposition: bool = True) -> dict:
-        """What ``pre.comm_stats()`` reports on every rank after one such step."""
-        return self.steps[(factor, decomposition)].comm
-
     @property
     def setup_comm(self) -> dict[str, dict[str, int]]:
         """The one-time "setup" collectives (first step, and the end of spd_kfac's profiling)."""
@@ -165,29 +161,15 @@ class Prediction:
         """Seconds per step averaged over the factor and decomposition intervals."""
         return self._average(lambda s: s.iteration)
 
-    @property
-    def bytes_per_step(self) -> float:
-        """Bytes handed to collectives per step and rank (mean over ranks), averaged like
-        :attr:`iteration_avg`."""
+    def comm_per_step(self, key: str = "bytes") -> float:
+        """Bytes handed to collectives (``key="wire_bytes"``: sent on the wire) per step and
+        rank, mean over ranks, averaged like :attr:`iteration_avg`."""
 
-        def mean_bytes(step: StepPrediction) -> float:
+        def mean(step: StepPrediction) -> float:
             ranks = range(self.world_size)
-            total = sum(c["bytes"] for r in ranks for c in step.comm_of(r).values())
-            return total / self.world_size
+            return sum(c[key] for r in ranks for c in step.comm_of(r).values()) / self.world_size
 
-        return self._average(mean_bytes)
-
-    @property
-    def wire_bytes_per_step(self) -> float:
-        """Bytes sent on the wire per step and rank (mean over ranks), averaged like
-        :attr:`iteration_avg`."""
-
-        def mean_wire(step: StepPrediction) -> float:
-            ranks = range(self.world_size)
-            total = sum(c["wire_bytes"] for r in ranks for c in step.comm_of(r).values())
-            return total / self.world_size
-
-        return self._average(mean_wire)
+        return self._average(mean)
 
     def samples(
         self,
@@ -209,10 +191,7 @@ class Prediction:
         one sample with the *smallest* time over ranks: waiting on a
         collective also waits for slower ranks, and the last rank to arrive
         waits only for the transfer. Communication that overlaps the
-        forward/backward (:attr:`overlapped_phases`) is left out. The same
-        holds when comparing predicted with measured phases: compute phases
-        against the busiest rank, communication phases against the rank that
-        waited least.
+        forward/backward (:attr:`overlapped_phases`) is left out.
         """
         out = []
         step = self.update
@@ -260,82 +239,17 @@ def _fusion_comm(options: StrategyOptions, hw: Hardware, p: int) -> tuple[str, C
     return str(getattr(options, "fusion", "dynamic")), comm
 
 
-def _update_collectives(
-    model: ModelShapes,
-    roles: Plan,
-    shared: list[tr.Collective] | None,
-    *,
-    itemsize: int,
-    cap_bytes: int,
-    kl_clip: bool,
-    backend: str,
+def _per_group(
+    world_size: int,
+    group_of: Callable[[int], Hashable],
+    price: Callable[[int], list[tr.Collective]],
 ) -> list[list[tr.Collective]]:
-    """Each rank's update exchange (``shared``: the overlapped mode's, the same for all).
-
-    The ranks of one update group exchange the same collectives: priced once per group.
-    """
-    per_group: dict[tuple[int, ...] | None, list[tr.Collective]] = {}
-    out = []
-    for r in range(roles.world_size):
-        group = roles.update_group(r)
-        if group not in per_group:
-            per_group[group] = (
-                shared
-                if shared is not None
-                else tr.precond_collectives(
-                    model,
-                    roles,
-                    r,
-                    itemsize=itemsize,
-                    cap_bytes=cap_bytes,
-                    kl_clip=kl_clip,
-                    backend=backend,
-                )
-            )
-        out.append(per_group[group])
-    return out
-
-
-def _curvature_collectives(
-    model: ModelShapes,
-    roles: Plan,
-    fusion_plan: list[list[Key]] | None,
-    *,
-    factor_itemsize: int,
-    decomposition_itemsize: int,
-    cap_bytes: int,
-    compute_method: str,
-) -> tuple[list[list[tr.Collective]], list[list[tr.Collective]]]:
-    """Each rank's factor and decomposition traffic, priced once per factor group and per
-    decomposition group (the ranks of a group send the same)."""
-    by_factor_group: dict[tuple[int, ...], list[tr.Collective]] = {}
-    by_decomposition_group: dict[tuple[int, ...] | None, list[tr.Collective]] = {}
-    factor_colls, decomp_colls = [], []
-    for r in range(roles.world_size):
-        group = roles.factor_group(r)
-        if group not in by_factor_group:
-            by_factor_group[group] = tr.factor_collectives(
-                model,
-                len(group),
-                roles.traits,
-                itemsize=factor_itemsize,
-                cap_bytes=cap_bytes,
-                plan=fusion_plan,
-                include=[roles.captures(r, i) for i in range(len(model))],
-            )
-        factor_colls.append(by_factor_group[group])
-        dgroup = roles.decomposition_group(r)
-        if dgroup not in by_decomposition_group:
-            by_decomposition_group[dgroup] = tr.decomposition_collectives(
-                model,
-                roles,
-                r,
-                compute_method=compute_method,
-                itemsize=decomposition_itemsize,
-                cap_bytes=cap_bytes,
-            )
-        decomp_colls.append(by_decomposition_group[dgroup])
-    return factor_colls, decomp_colls
+    """Each rank's collectives, priced once per group (the ranks of a group send the same)."""
+    priced: dict[Hashable, list[tr.Collective]] = {}
+    for r in range(world_size):
+        if group_of(r) not in priced:
+            priced[group_of(r)] = price(r)
+    return [priced[group_of(r)] for r in range(world_size)]
 
 
 def predict(
@@ -366,8 +280,6 @@ def predict(
             all-reduces (:func:`~dpkfac.costmodel.traffic.ddp_collectives`,
             accounted as ``grad_allreduce``) overlap the backward pass
             (:func:`~dpkfac.costmodel.timing.ddp_comm`).
-        world_size: number of ranks ``P``.
-        hardware: device and network model.
         kfac: the preconditioner's common options (default: its defaults).
             Used: compute_method, kl_clip (on unless None), weight_sharing,
             bucket_cap_mb, factor_dtype (default: the parameters' itemsize),
@@ -376,7 +288,6 @@ def predict(
             per-step averages. Without K-FAC only the bucket cap matters.
         options: the strategy's options, as its ``Options`` dataclass or as
             keyword arguments (validated as the preconditioner validates them).
-        param_itemsize: bytes per element of the parameters.
         fusion_plan: the fusion plan of a pipelined strategy as the run fixed
             it (``pre.strategy.fusion_plan``), instead of replanning from modelled
             ready times.
@@ -401,7 +312,8 @@ def predict(
     i_every = _interval("inv_update_steps", kfac.inv_update_steps)
     model = as_model_shapes(shapes, bias=bias, other_params=other_params)
     p, hw = int(world_size), hardware
-    name = roles = traits = opts = None
+    backend = hw.backend if backend is None else backend
+    name = roles = opts = None
     if strategy is None:
         if options:
             raise ValueError(f"strategy options {options!r} given without a strategy")
@@ -419,7 +331,7 @@ def predict(
         roles = scheme.plan(
             step_shapes, p, opts, given=given, num_factors=len(tr.factor_keys(model))
         )
-        traits = roles.traits
+    traits = None if roles is None else roles.traits
     optimizer_bytes = step_bytes(model.num_params, param_itemsize, optimizer)
     fi = kfac.factor_dtype.itemsize if kfac.factor_dtype is not None else param_itemsize
     di = max(4, fi, kfac.decomposition_dtype.itemsize)
@@ -436,7 +348,6 @@ def predict(
     sgd_grad_comm = (
         sum(hw.link(c.kind).time(1, c.wire_bytes, p) for c in sgd_grads) if active else 0.0
     )
-    placement = None if roles is None else roles.placement
     plan = None
     overlap: list[tr.OverlapBucket] | None = None
     # Every step's gradient traffic that the run accounts: DDP's buckets for SGD, none
@@ -446,13 +357,11 @@ def predict(
         every = tr.ddp_collectives(ddp_buckets or [], p, itemsize=param_itemsize)
     elif not ddp:
         every = list(sgd_grads)
-    updates: list[list[tr.Collective]] = [[] for _ in range(p)]
     setup: list[tr.Collective] = []
-    factor_colls: list[list[tr.Collective]] = [[] for _ in range(p)]
-    decomp_colls: list[list[tr.Collective]] = [[] for _ in range(p)]
+    no_colls: list[list[tr.Collective]] = [[] for _ in range(p)]
+    updates, factor_colls, decomp_colls = no_colls, no_colls, no_colls
     if roles is not None and traits is not None and opts is not None:
-        placement = roles.placement
-        shared: list[tr.Collective] | None = None
+        kl_clip = kfac.kl_clip is not None
         if traits.overlapped_precondition and active:
             # Under DDP the mode is DDP's communication hook: DDP's buckets, accounted.
             overlap = tr.overlap_buckets(
@@ -460,25 +369,31 @@ def predict(
                 roles,
                 itemsize=param_itemsize,
                 cap_bytes=cap,
-                kl_clip=kfac.kl_clip is not None,
+                kl_clip=kl_clip,
                 ddp=ddp,
-                backend=hw.backend if backend is None else backend,
+                backend=backend,
             )
             every, shared = tr.overlap_collectives(overlap)
+            updates = [shared] * p
             ddp_buckets = None
-        elif traits.owner_grad_reduction and active and not ddp:
-            every = tr.grad_collectives(
-                model, p, itemsize=param_itemsize, cap_bytes=cap, owners=placement.owner
+        else:
+            if traits.owner_grad_reduction and active and not ddp:
+                every = tr.grad_collectives(
+                    model, p, itemsize=param_itemsize, cap_bytes=cap, owners=roles.placement.owner
+                )
+            updates = _per_group(
+                p,
+                roles.update_group,
+                lambda r: tr.precond_collectives(
+                    model,
+                    roles,
+                    r,
+                    itemsize=param_itemsize,
+                    cap_bytes=cap,
+                    kl_clip=kl_clip,
+                    backend=backend,
+                ),
             )
-        updates = _update_collectives(
-            model,
-            roles,
-            shared,
-            itemsize=param_itemsize,
-            cap_bytes=cap,
-            kl_clip=kfac.kl_clip is not None,
-            backend=hw.backend if backend is None else backend,
-        )
         setup = [tr.Collective("setup", kind, nbytes, p) for kind, nbytes in roles.setup]
         if traits.factor_comm == "pipelined":
             fusion, comm = _fusion_comm(opts, hw, p)
@@ -487,48 +402,58 @@ def predict(
             else:
                 ready = ready_times or timeline(model, hw, sharing, fi)[0]
                 plan = pipelined_plan(model, ready, comm, fi, fusion, traits.triangle)
-        factor_colls, decomp_colls = _curvature_collectives(
-            model,
-            roles,
-            plan,
-            factor_itemsize=fi,
-            decomposition_itemsize=di,
-            cap_bytes=cap,
-            compute_method=method,
+        factor_colls = _per_group(
+            p,
+            roles.factor_group,
+            lambda r: tr.factor_collectives(
+                model,
+                len(roles.factor_group(r)),
+                roles.traits,
+                itemsize=fi,
+                cap_bytes=cap,
+                plan=plan,
+                include=[roles.captures(r, i) for i in range(len(model))],
+            ),
+        )
+        decomp_colls = _per_group(
+            p,
+            roles.decomposition_group,
+            lambda r: tr.decomposition_collectives(
+                model, roles, r, compute_method=method, itemsize=di, cap_bytes=cap
+            ),
         )
     # Lazy synchronisation sends the running factors before each decomposition
     # instead of the batch factors of each factor update.
     lazy = traits is not None and traits.lazy_factor_sync
     steps = {}
-    for factor in (True, False):
-        for decomp in (True, False):
-            # Lazy: on decomposition steps whose factors changed since the last sync
-            # (exact when factors are updated at least as often as decomposed).
-            sync = decomp and (factor or f_every <= i_every) if lazy else factor
-            rank_colls = [
-                every
-                + updates[r]
-                + (factor_colls[r] if sync else [])
-                + (decomp_colls[r] if decomp else [])
-                for r in range(p)
-            ]
-            steps[(factor, decomp)] = step_prediction(
-                model,
-                p,
-                roles,
-                hw,
-                rank_colls if active else [],
-                factor=factor,
-                decomp=decomp,
-                compute_method=method,
-                weight_sharing=sharing,
-                factor_itemsize=fi,
-                fusion_plan=plan,
-                ddp=ddp_buckets,
-                param_itemsize=param_itemsize,
-                overlap=overlap,
-                optimizer_bytes=optimizer_bytes,
-            )
+    for factor, decomp in itertools.product((True, False), repeat=2):
+        # Lazy: on decomposition steps whose factors changed since the last sync
+        # (exact when factors are updated at least as often as decomposed).
+        sync = decomp and (factor or f_every <= i_every) if lazy else factor
+        rank_colls = [
+            every
+            + updates[r]
+            + (factor_colls[r] if sync else [])
+            + (decomp_colls[r] if decomp else [])
+            for r in range(p)
+        ]
+        steps[(factor, decomp)] = step_prediction(
+            model,
+            p,
+            roles,
+            hw,
+            rank_colls if active else [],
+            factor=factor,
+            decomp=decomp,
+            compute_method=method,
+            weight_sharing=sharing,
+            factor_itemsize=fi,
+            fusion_plan=plan,
+            ddp=ddp_buckets,
+            param_itemsize=param_itemsize,
+            overlap=overlap,
+            optimizer_bytes=optimizer_bytes,
+        )
     memory = (
         tr.memory_per_rank(
             model,
@@ -550,7 +475,7 @@ def predict(
         steps=steps,
         memory=memory,
         setup=setup if active else [],
-        placement=placement,
+        placement=None if roles is None else roles.placement,
         plan=roles,
         fusion_buckets=plan,
         sgd_grad_comm=sgd_grad_comm,
@@ -580,10 +505,7 @@ def resolve(
     """The options a run ends up with, and every candidate priced on the way.
 
     Args:
-        scheme: the run's scheme.
-        options: the options it was given.
         shapes: the layers with the step's batch (all its micro-batches).
-        world_size: number of ranks.
         kfac: the preconditioner's common options (the update schedule).
         hardware: the hardware a prediction assumes: where the run would
             measure its model at start-up, this stands for the measurement.
@@ -629,11 +551,8 @@ def resolve(
             kfac=fixed,
             options=opts,
         )
-        candidates.append(
-            Candidate(
-                opts, label, pred.iteration_avg, pred.bytes_per_step, pred.wire_bytes_per_step
-            )
-        )
+        bytes_, wire = pred.comm_per_step("bytes"), pred.comm_per_step("wire_bytes")
+        candidates.append(Candidate(opts, label, pred.iteration_avg, bytes_, wire))
     fastest = min(c.iteration for c in candidates)
     near = [c for c in candidates if c.iteration <= fastest * (1 + tuning.tolerance)]
     best = min(near, key=lambda c: (c.comm_bytes, c.wire_bytes, scheme.preference(c.options)))

@@ -161,10 +161,16 @@ def forward_backward_work(model: ModelShapes) -> Work:
     return {"forward_backward": (float(len(model)), sum(_fb_flops(s) for s in model))}
 
 
-def _walk(
-    model: ModelShapes, hw: Hardware, weight_sharing: str, itemsize: int, factors: bool
+def timeline(
+    model: ModelShapes, hw: Hardware, weight_sharing: str, itemsize: int, factors: bool = True
 ) -> tuple[dict[Key, float], list[float], float]:
-    """Factor ready times, each layer's backward end (module order) and the backward's end."""
+    """Ready time of each factor (A in forward order, G in backward order), each layer's
+    backward end (module order) and the backward's end.
+
+    A layer's forward is a third of its forward/backward work, its backward
+    two thirds; A is built right after the layer's forward, G right after
+    its backward, as the capture hooks do (only when ``factors``).
+    """
     t, ready = 0.0, {}
     ends = [0.0] * len(model)
     for s, c in zip(model, model.captured, strict=True):
@@ -180,19 +186,6 @@ def _walk(
             ready[(s.name, "G")] = t
         ends[i] = t
     return ready, ends, t
-
-
-def timeline(
-    model: ModelShapes, hw: Hardware, weight_sharing: str, itemsize: int
-) -> tuple[dict[Key, float], float]:
-    """Ready time of each factor (A in forward order, G in backward order) and the backward's end.
-
-    A layer's forward is a third of its forward/backward work, its backward
-    two thirds; A is built right after the layer's forward, G right after
-    its backward, as the capture hooks do.
-    """
-    ready, _, end = _walk(model, hw, weight_sharing, itemsize, True)
-    return ready, end
 
 
 def exposed(serial: float, tail: float, overlap: float) -> float:
@@ -225,7 +218,7 @@ def ddp_comm(
     first; :func:`_ready_times`). Only the link's tail past the backward's
     end is waited on, by :func:`exposed`.
     """
-    _, ends, backward_end = _walk(model, hw, weight_sharing, factor_itemsize, factors)
+    _, ends, backward_end = timeline(model, hw, weight_sharing, factor_itemsize, factors)
     link = hw.link("allreduce")
     t = serial = 0.0
     for bucket, ready in zip(buckets, _ready_times(buckets, ends), strict=True):
@@ -286,37 +279,12 @@ def _layer_work(
         if which in decomposes:
             add_work(w.setdefault("decomposition", {}), dec_kind, 1, dec_flops * d**3)
     if preconditions:
-        pre_coeff = 4.0 if compute_method == "eigen" else 2.0
-        flops = pre_coeff * s.g_dim * s.a_dim * (s.g_dim + s.a_dim)
+        flops = _precondition_flops(s, compute_method)
         add_work(w.setdefault("precondition", {}), "precondition", 1, flops)
 
 
-def _rank_work(
-    model: ModelShapes,
-    rank: int,
-    plan: Plan | None,
-    *,
-    factor: bool,
-    decomp: bool,
-    compute_method: str,
-    weight_sharing: str,
-    itemsize: int,
-) -> dict[str, Work]:
-    w: dict[str, Work] = {}
-    for i, s in enumerate(model):
-        if plan is None or not model.captured[i]:
-            continue
-        _layer_work(
-            w,
-            s,
-            factors=factor and plan.captures(rank, i),
-            decomposes="".join(x for x in "AG" if decomp and plan.decomposes(rank, i, x)),
-            preconditions=plan.preconditions(rank, i),
-            compute_method=compute_method,
-            weight_sharing=weight_sharing,
-            itemsize=itemsize,
-        )
-    return w
+def _precondition_flops(s: LayerShape, compute_method: str) -> float:
+    return (4.0 if compute_method == "eigen" else 2.0) * s.g_dim * s.a_dim * (s.g_dim + s.a_dim)
 
 
 def owner_seconds(
@@ -333,27 +301,21 @@ def owner_seconds(
 
     The owner's work of :func:`step_prediction` (batch factors, both
     decompositions, preconditioning), each phase amortised over its update
-    interval and priced by ``hw``, per-call latencies included. Placing layers
-    by this cost balances what the iteration is predicted from; the default
-    cost, :func:`dpkfac.plan.assignment.compute_cost`, counts flops only, so on
-    latency-bound layers (small decompositions on a GPU) it can pile many small
-    layers on one rank: see :func:`seconds_cost`.
+    interval and priced by ``hw``, per-call latencies included (why: :func:`seconds_cost`).
     """
-    seconds = 0.0
-    for every, part in ((factor_every, "factors"), (decomp_every, "decomposes"), (1, "pre")):
-        w: dict[str, Work] = {}
-        _layer_work(
-            w,
-            shape,
-            factors=part == "factors",
-            decomposes="AG" if part == "decomposes" else "",
-            preconditions=part == "pre",
-            compute_method=compute_method,
-            weight_sharing=weight_sharing,
-            itemsize=itemsize,
-        )
-        seconds += sum(hw.time(work, 1) for work in w.values()) / every
-    return seconds
+    w: dict[str, Work] = {}
+    _layer_work(
+        w,
+        shape,
+        factors=True,
+        decomposes="AG",
+        preconditions=True,
+        compute_method=compute_method,
+        weight_sharing=weight_sharing,
+        itemsize=itemsize,
+    )
+    every = {"factor_compute": factor_every, "decomposition": decomp_every, "precondition": 1}
+    return sum(hw.time(w[phase], 1) / n for phase, n in every.items())
 
 
 def seconds_cost(hw: Hardware, kfac: KFACOptions | None = None, itemsize: int = 4) -> CostFn:
@@ -361,15 +323,16 @@ def seconds_cost(hw: Hardware, kfac: KFACOptions | None = None, itemsize: int = 
 
     ``DPKFACOptions(assignment_cost=seconds_cost(hw, kfac))`` makes LPT (and
     "best") balance what :func:`dpkfac.costmodel.predict` prices, rather than
-    flops: the default cost is hardware-free, so every rank computes the same
-    placement with nothing measured, but it leaves out per-call latency. Where
-    that latency dominates, a flop-balanced placement can be predicted slower
-    than round robin (ResNet-32 at P=8 on ``v100_ib100``: LPT by flops puts 5
-    layers, 10 decompositions, on its busiest rank; ``tests/test_placement_cost.py``).
+    flops: the default cost (:func:`dpkfac.plan.assignment.compute_cost`) is
+    hardware-free, so every rank computes the same placement with nothing
+    measured, but it leaves out per-call latency. Where that latency dominates
+    (small decompositions on a GPU), a flop-balanced placement can pile many small
+    layers on one rank and be predicted slower than round robin (ResNet-32 at P=8 on
+    ``v100_ib100``: LPT by flops puts 5 layers, 10 decompositions, on its busiest
+    rank; ``tests/test_placement_cost.py``).
     """
     kfac = KFACOptions() if kfac is None else kfac
-    factor_every = kfac.factor_update_steps
-    decomp_every = kfac.inv_update_steps
+    factor_every, decomp_every = kfac.factor_update_steps, kfac.inv_update_steps
     if not (isinstance(factor_every, int) and isinstance(decomp_every, int)):
         raise ValueError("seconds_cost needs int update intervals, not schedules")
 
@@ -437,19 +400,15 @@ def _overlap_backward(
     serial = seconds[0]["grad_comm"] + seconds[0]["precond_comm"]
     if serial <= 0.0 or not buckets:
         return
-    _, ends, backward_end = _walk(model, hw, weight_sharing, itemsize, factors)
+    _, ends, backward_end = timeline(model, hw, weight_sharing, itemsize, factors)
     ready = _ready_times([b.params for b in buckets], ends)
     owners = [group[0] for group in plan.preconditioners]
-    pre_coeff = 4.0 if compute_method == "eigen" else 2.0
 
     def link_time(c: tr.Collective) -> float:
         return hw.link(c.kind).time(1, c.wire_bytes, p)
 
     def prec_time(i: int) -> float:
-        s = model[i]
-        return hw.time(
-            {"precondition": (1, pre_coeff * s.g_dim * s.a_dim * (s.g_dim + s.a_dim))}, 1
-        )
+        return hw.time({"precondition": (1, _precondition_flops(model[i], compute_method))}, 1)
 
     t, j = 0.0, 0
     queued: list[tuple[float, float]] = []  # (ready, seconds) of update broadcasts
@@ -465,8 +424,7 @@ def _overlap_backward(
             # Each owner preconditions its own layers; the exchange waits for the slowest.
             by_owner: dict[int, float] = {}
             for i in b.layers:
-                owner = owners[i]
-                by_owner[owner] = by_owner.get(owner, 0.0) + prec_time(i)
+                by_owner[owners[i]] = by_owner.get(owners[i], 0.0) + prec_time(i)
             prec = max(by_owner.values(), default=0.0)
             queued.append((t + prec, sum(link_time(c) for c in b.updates)))
             queued.sort()
@@ -510,46 +468,41 @@ def step_prediction(
     (:func:`dpkfac.costmodel.optimizers.step_bytes`), the breakdown's ``optimizer``.
     """
     traits = None if plan is None else plan.traits
-    rank_comm_work: list[dict[str, Work]] = []
-    for colls in rank_colls or [[] for _ in range(p)]:
-        comm_work: dict[str, Work] = {}
-        for c in colls:
-            phase = comm_work.setdefault(PHASE_OF_CATEGORY[c.category], {})
+    work: list[dict[str, Work]] = []
+    seconds = []
+    for r in range(p):
+        w: dict[str, Work] = {}
+        for c in rank_colls[r] if rank_colls else []:
+            phase = w.setdefault(PHASE_OF_CATEGORY[c.category], {})
             add_work(phase, c.kind, 1, c.wire_bytes)
             if c.unpack_bytes:
                 add_work(phase, "unpack", 0, c.unpack_bytes)
-        rank_comm_work.append(comm_work)
-    comm_work = rank_comm_work[0]
-    colls = rank_colls[0] if rank_colls else []
-    work, seconds = [], []
-    for r in range(p):
-        w = {k: dict(v) for k, v in rank_comm_work[r].items()}
-        w.update(
-            _rank_work(
-                model,
-                r,
-                plan,
-                factor=factor,
-                decomp=decomp,
-                compute_method=compute_method,
-                weight_sharing=weight_sharing,
-                itemsize=factor_itemsize,
-            )
-        )
+        for i, s in enumerate(model):
+            if plan is not None and model.captured[i]:
+                _layer_work(
+                    w,
+                    s,
+                    factors=factor and plan.captures(r, i),
+                    decomposes="".join(x for x in "AG" if decomp and plan.decomposes(r, i, x)),
+                    preconditions=plan.preconditions(r, i),
+                    compute_method=compute_method,
+                    weight_sharing=weight_sharing,
+                    itemsize=factor_itemsize,
+                )
         work.append(w)
         seconds.append({ph: hw.time(w.get(ph, {}), p) for ph in (*COMPUTE_PHASES, *COMM_PHASES)})
     serial = {ph: seconds[0][ph] for ph in COMM_PHASES}
     pipelined = traits is not None and traits.factor_comm == "pipelined"
-    if pipelined and "factor_comm" in comm_work and fusion_plan:
-        ready, backward_end = timeline(model, hw, weight_sharing, factor_itemsize)
+    if pipelined and "factor_comm" in work[0] and fusion_plan:
+        ready, _, backward_end = timeline(model, hw, weight_sharing, factor_itemsize)
         link, finish = hw.link("allreduce"), -math.inf
-        factor_colls = [c for c in colls if c.category == "factor_allreduce"]
+        factor_colls = [c for c in rank_colls[0] if c.category == "factor_allreduce"]
         for c, bucket in zip(factor_colls, fusion_plan, strict=True):
             start = max(finish, max(ready[k] for k in bucket))
             finish = start + link.time(1, c.wire_bytes, p)
         hidden = hw.overlap * max(0.0, finish - backward_end)
         # Unpacking happens in step(), after the backward pass: never hidden.
-        unpack = hw.time({"unpack": comm_work["factor_comm"].get("unpack", (0.0, 0.0))}, p)
+        unpack = hw.time({"unpack": work[0]["factor_comm"].get("unpack", (0.0, 0.0))}, p)
         for t in seconds:
             t["factor_comm"] = hidden + (1.0 - hw.overlap) * (t["factor_comm"] - unpack) + unpack
     if traits is not None and traits.overlapped_precondition and overlap:

@@ -1,26 +1,16 @@
 """Benchmark rows meet the cost model (:mod:`dpkfac.costmodel`).
 
-Four parts:
-
-* **Rows to measurements.** :func:`measurement` turns a row of
-  ``python -m experiments.bench`` into a :class:`dpkfac.costmodel.Measurement`
-  (shapes, strategy, the preconditioner's options, per-rank timings, least
-  waits, shared cores); fitting and predicting measurements are the cost
-  model's own (:mod:`dpkfac.costmodel.fitting`, whose docstring explains the
-  fitting).
-* **Exact bytes.** :func:`predict_row` replays a measured job (same shapes,
-  strategy, options and, for a pipelined strategy, the fusion plan the run
-  fixed) and :func:`byte_mismatches` compares every category's bytes, calls
-  and wire bytes with what the run counted.
-* **Rows as a row reports them.** :func:`amortised_prediction`,
-  :func:`paper_predictions` and :func:`row_process_memory`: predictions
-  weighted over the row's update intervals, at the paper's sizes, and the
-  whole process's memory (the ablation and second_order_update tables).
-* **Scaling.** :func:`scaling_frames` puts measured rows beside
-  predictions at P = 1..256 on (a) the model calibrated to the rows with the
-  measured (CPU-sized) shapes and (b) the ``v100_ib100`` preset with the
-  paper's shapes, and reports measured-vs-predicted error per phase, in
-  sample and held out (links from the job's own probes, :func:`probe_links`).
+:func:`measurement` turns a row of ``python -m experiments.bench`` into a
+:class:`dpkfac.costmodel.Measurement`; fitting and predicting measurements are
+the cost model's own (:mod:`dpkfac.costmodel.fitting`). On top of that:
+:func:`predict_row` replays a measured job (for a pipelined strategy with the
+fusion plan the run fixed) and :func:`byte_mismatches` checks every category's
+bytes, calls and wire bytes against it; :func:`amortised_prediction`,
+:func:`paper_predictions` and :func:`row_process_memory` report predictions as a
+row reports its measurement (the ablation and second_order_update tables);
+:func:`scaling_frames` puts measured rows beside predictions at P = 1..256 on
+the model calibrated to the rows and on the ``v100_ib100`` preset with the
+paper's shapes, with measured-vs-predicted error per phase, in sample and held out.
 
 Whether a row is K-FAC is read from its ``kfac_options`` (JSON ``null``:
 first order), never from its strategy label; the strategy of a K-FAC row is
@@ -38,13 +28,14 @@ from typing import Any
 
 import pandas as pd
 
-from dpkfac.costmodel import PRESETS, Hardware, Measurement, ModelShapes, Prediction
+from dpkfac.costmodel import PRESETS, Hardware, Measurement, ModelShapes, Prediction, StepPrediction
 from dpkfac.costmodel import fitting as fitting_lib
 from dpkfac.costmodel.memory import activation_bytes, process_memory_of
 from dpkfac.costmodel.timing import COMM_PHASES, COMPUTE_PHASES
 from dpkfac.options import KFACOptions
 from dpkfac.plan import scheme_of
 from dpkfac.plan.hardware import Link, Sample
+from dpkfac.stats import COMM_CATEGORIES
 from dpkfac.strategies import canonical_name, strategy_options
 from experiments.bench.aggregate import SECOND_ORDER_CATEGORIES, SECOND_ORDER_COMM, kind_weights
 from experiments.bench.measure import OPTIMIZER
@@ -52,7 +43,7 @@ from experiments.bench.measure import OPTIMIZER
 PREDICTED_P = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: The ``phase`` of the error rows that compare a whole step (measured less its barriers).
 ITERATION = "iteration"
-CATEGORIES = ("grad_allreduce", "factor_allreduce", "decomposition_broadcast", "precond_broadcast")
+CATEGORIES = COMM_CATEGORIES
 #: Kinds of measured steps -> the (factor update?, decomposition?) step the cost model prices.
 STEP_OF_KIND = {"decomp": (True, True), "factor": (True, False), "plain": (False, False)}
 #: Rows of the scaling table predicted with the paper's shapes on this preset.
@@ -129,6 +120,11 @@ def _kfac_split(
     return name, KFACOptions(**common), values
 
 
+def _least_wait(row: Mapping[str, Any]) -> dict[str, float] | None:
+    least = _json(row.get("least_wait"))
+    return least if isinstance(least, dict) and least else None
+
+
 def _cores(row: Mapping[str, Any]) -> int | None:
     """CPU cores the row's ranks shared (None: a device per rank)."""
     if not str(row.get("device", "cpu")).startswith("cpu"):
@@ -148,7 +144,6 @@ def measurement(
         weight_sharing = weight_sharing or model_sharing
     name, kfac, own = _kfac_split(row, weight_sharing)
     plan = _json(row.get("fusion_plan"))
-    least = _json(row.get("least_wait"))
     # The hardware model the run measured at start-up (spd_kfac's placement).
     measured = row.get("measured_hardware")
     measured = measured if isinstance(measured, str) and measured.strip() else None
@@ -160,7 +155,7 @@ def measurement(
         kfac=kfac,
         options=strategy_options(name, own) if name is not None else None,
         timings=tuple(_json(row.get("rank_timings")) or ()),
-        least_wait=least if isinstance(least, dict) and least else None,
+        least_wait=_least_wait(row),
         forward_backward=float(row.get("fwd_bwd_s") or 0.0),
         cores=_cores(row),
         fusion_plan=tuple(tuple((k[0], k[1]) for k in bucket) for bucket in plan) if plan else None,
@@ -168,6 +163,19 @@ def measurement(
         optimizer=OPTIMIZER,
         optimizer_seconds=float(row.get("optimizer_s") or 0.0),
     )
+
+
+def _measurements(rows: list[Mapping[str, Any]], *, paper: bool = False) -> list[Measurement]:
+    """Each row's :func:`measurement`, one build of each model's shapes (``paper``: at its
+    paper size)."""
+    shapes_of: dict[str, tuple[ModelShapes, str]] = {}
+    out = []
+    for r in rows:
+        if str(r["model"]) not in shapes_of:
+            shapes_of[str(r["model"])] = row_shapes(r, paper=paper)
+        shapes, sharing = shapes_of[str(r["model"])]
+        out.append(measurement(r, shapes=shapes, weight_sharing=sharing))
+    return out
 
 
 def predict_row(
@@ -208,13 +216,9 @@ def _weights(row: Mapping[str, Any]) -> dict[str, float]:
 
 
 def amortised_prediction(row: Mapping[str, Any], prediction: Prediction) -> dict[str, float]:
-    """The prediction as a row reports its measurement: per step, weighted like the row.
-
-    The paper setting is the update step itself; the practical setting
-    weights the decomposition, factor-only and plain steps as
-    :func:`experiments.bench.aggregate.kind_weights` does, so the numbers
-    stand beside the row's own ``iteration_s``, ``compute_s``, ``comm_s``,
-    ``grad_comm_s``, ``bytes_second_order`` and ``mem_kfac``.
+    """The prediction as a row reports its measurement: per step, weighted like the row
+    (:func:`predicted_counts`), beside the row's own ``iteration_s``, ``compute_s``,
+    ``comm_s``, ``grad_comm_s``, ``bytes_second_order`` and ``mem_kfac``.
 
     Returns:
         ``iteration_s`` (critical path), ``compute_s`` (factor compute,
@@ -244,11 +248,8 @@ def amortised_prediction(row: Mapping[str, Any], prediction: Prediction) -> dict
 def process_memory_prediction(
     prediction: Prediction, shapes: ModelShapes, *, param_itemsize: int = 4
 ) -> dict[str, float]:
-    """The busiest rank's whole-process memory as the cost model predicts it for a row's job.
-
-    The benchmark trains every strategy with the same optimizer
-    (:data:`experiments.bench.measure.OPTIMIZER`), so its state is
-    predicted for that one.
+    """The busiest rank's whole-process memory as the cost model predicts it for a row's job
+    (optimizer state for :data:`experiments.bench.measure.OPTIMIZER`, the benchmark's only one).
 
     Returns:
         ``process_state_bytes``: the tally :func:`dpkfac.process_memory`
@@ -286,28 +287,19 @@ def paper_predictions(
 ) -> list[dict[str, Any]]:
     """:func:`amortised_prediction` of every row at ``world_size`` ranks with its paper-size model.
 
-    Each row keeps its strategy, options and update intervals; the shapes are
-    those of its model at the papers' sizes (``workload.paper``), built once
-    per model, and the hardware is the ``preset`` (default: the papers'
-    V100/InfiniBand cluster). Spd_kfac's fusion plan is made from the
-    modelled ready times there, not replayed from the measurement. Each entry
-    also says what the strategy chose there (``configuration``: grouped's k
-    and f), "" where it chose nothing, and the busiest rank's whole-process
-    memory there (:func:`process_memory_prediction`'s keys).
+    Each row keeps its strategy, options and update intervals; the shapes are its
+    model's at the papers' sizes (``workload.paper``) and the hardware is ``preset``
+    (the papers' V100/InfiniBand cluster). Spd_kfac's fusion plan is made from the
+    modelled ready times there, not replayed. Each entry also says what the strategy
+    chose (``configuration``: grouped's k and f; "": nothing) and holds
+    :func:`process_memory_prediction`'s keys.
     """
-    hardware = PRESETS[preset]
     rows = list(rows)
-    shapes_of = {
-        m: row_shapes(next(r for r in rows if str(r["model"]) == m), paper=True)
-        for m in _models(rows)
-    }
     out = []
-    for r in rows:
-        shapes, sharing = shapes_of[str(r["model"])]
-        m = measurement(r, shapes=shapes, weight_sharing=sharing)
-        pred = fitting_lib.predict_measurement(m, hardware, world_size=world_size)
+    for r, m in zip(rows, _measurements(rows, paper=True), strict=True):
+        pred = fitting_lib.predict_measurement(m, PRESETS[preset], world_size=world_size)
         chosen = scheme_of(pred.strategy).describe(pred.options) if pred.strategy else ""
-        process = process_memory_prediction(pred, shapes, param_itemsize=m.param_itemsize)
+        process = process_memory_prediction(pred, m.shapes, param_itemsize=m.param_itemsize)
         out.append({**amortised_prediction(r, pred), "configuration": chosen, **process})
     return out
 
@@ -330,22 +322,9 @@ def byte_mismatches(row: Mapping[str, Any], prediction: Prediction) -> list[str]
     return out
 
 
-def core_share(row: Mapping[str, Any]) -> float:
-    """Fraction of a core each rank of a CPU row had: ``min(1, cores / P)``."""
-    cores = _cores(row)
-    return 1.0 if cores is None else min(1.0, cores / max(int(row["world_size"]), 1))
-
-
-def _paper(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """Rows of the paper setting (factors and decompositions every step): the ones fitted."""
-    return [r for r in rows if r.get("setting", "paper") == "paper"]
-
-
 def measured_phases(row: Mapping[str, Any]) -> dict[str, float]:
     """Seconds per phase as the cost model defines them (busiest rank / least wait)."""
-    least = _json(row.get("least_wait"))
-    least = least if isinstance(least, dict) and least else None
-    return fitting_lib.phases_from_timings(_json(row["rank_timings"]), least)
+    return fitting_lib.phases_from_timings(_json(row["rank_timings"]), _least_wait(row))
 
 
 def _prediction_row(
@@ -376,7 +355,8 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
     """
     if df.empty:
         return pd.DataFrame(), pd.DataFrame(), ["No measured rows."]
-    rows = _paper(df.to_dict("records"))
+    # The paper setting (factors and decompositions every step): the rows fitted.
+    rows = [r for r in df.to_dict("records") if r.get("setting", "paper") == "paper"]
     records = []
     for r in rows:
         entry = {"model": r["model"], "strategy": r["strategy"], "source": "measured"}
@@ -389,12 +369,7 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
         entry["memory_MiB"] = r["mem_kfac"] / 2**20
         records.append(entry)
 
-    # One build of each model's shapes; every row of a model shares them.
-    shapes_of = {m: row_shapes(next(r for r in rows if r["model"] == m)) for m in _models(rows)}
-    ms = [
-        measurement(r, shapes=shapes_of[r["model"]][0], weight_sharing=shapes_of[r["model"]][1])
-        for r in rows
-    ]
+    ms = _measurements(rows)
     base = PRESETS[BASE_PRESET]
     fitted = fitting_lib.fit(ms, base, "calibrated")
     sizes = sorted({m.world_size for m in ms})
@@ -408,7 +383,6 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
     for model, model_fit in fitted.models.items():
         hw = model_fit.hardware
         mine = [(r, m) for r, m in zip(rows, ms, strict=True) if m.model == model]
-        paper_shapes, paper_ws = row_shapes(mine[0][0], paper=True)
         for r, m in mine:
             if m.world_size == 1:
                 continue
@@ -416,16 +390,8 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
                 m, fitting_lib.hardware_for(m, hw, fitted.regimes)
             )
             fit = pred.update.phases
-            hold: dict[str, float] = {}
-            held_iteration = 0.0
-            out = held.get(m.world_size)
-            if out is not None and model in out.models:
-                hold_hw = fitting_lib.hardware_for(m, out.models[model].hardware, out.regimes)
-                probed = probe_links(r)
-                if probed:
-                    hold_hw = replace(hold_hw, links={**hold_hw.links, **probed})
-                held_pred = fitting_lib.predict_measurement(m, hold_hw).update
-                hold, held_iteration = held_pred.phases, held_pred.iteration
+            held_step = _held_out(r, m, held.get(m.world_size))
+            hold = held_step.phases if held_step else {}
             for phase, seconds in fitting_lib.measured_phases(m).items():
                 if seconds <= 0 and fit.get(phase, 0.0) <= 0:
                     continue
@@ -433,14 +399,15 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
                 if overlapped and seconds <= 0:
                     continue  # DDP's all-reduces: inside the backward pass, not timed apart
                 name = phase + (" (overlapped)" if overlapped else "")
-                held_phase = hold.get(phase)
-                errors.append(_error_row(r, m, name, seconds, fit.get(phase, 0.0), held_phase))
+                errors.append(_error_row(r, m, name, seconds, fit.get(phase, 0.0), hold.get(phase)))
             # The whole step, less the benchmark's own barriers (``isolate_comm``).
             measured = float(r["iteration_s"]) - float(r.get("comm_sync_s", 0.0) or 0.0)
-            held_step = held_iteration or None  # 0: no held-out fit at this P
-            errors.append(_error_row(r, m, ITERATION, measured, pred.update.iteration, held_step))
-        labels = dict.fromkeys(r["strategy"] for r, _ in mine)
-        for label in labels:
+            held_iteration = (held_step.iteration if held_step else 0.0) or None  # 0: no fit
+            errors.append(
+                _error_row(r, m, ITERATION, measured, pred.update.iteration, held_iteration)
+            )
+        paper_shapes, paper_ws = row_shapes(mine[0][0], paper=True)
+        for label in dict.fromkeys(r["strategy"] for r, _ in mine):
             runs = [(r, m) for r, m in mine if r["strategy"] == label]
             ref_row, ref = runs[0]
             paper_ref = measurement(ref_row, shapes=paper_shapes, weight_sharing=paper_ws)
@@ -482,6 +449,20 @@ def scaling_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, list[s
     return pd.DataFrame(records), pd.DataFrame(errors), notes
 
 
+def _held_out(
+    row: Mapping[str, Any], m: Measurement, out: fitting_lib.Fit | None
+) -> StepPrediction | None:
+    """The run's update step on the fit without its world size (None: no such fit), with the
+    links of the job's own probes (:func:`probe_links`) where it has them."""
+    if out is None or m.model not in out.models:
+        return None
+    hw = fitting_lib.hardware_for(m, out.models[m.model].hardware, out.regimes)
+    probed = probe_links(row)
+    if probed:
+        hw = replace(hw, links={**hw.links, **probed})
+    return fitting_lib.predict_measurement(m, hw).update
+
+
 def probe_links(row: Mapping[str, Any]) -> dict[str, Link]:
     """Links fitted to the job's start-up probes (:mod:`experiments.bench.link_probe`).
 
@@ -508,18 +489,14 @@ def iteration_errors(errors: pd.DataFrame) -> pd.DataFrame:
     return errors[errors["phase"] == ITERATION] if not errors.empty else errors
 
 
-def _models(rows: Iterable[Mapping[str, Any]]) -> list[str]:
-    """Model names in order of first appearance."""
-    return list(dict.fromkeys(str(r["model"]) for r in rows))
-
-
 def _machine(rows: list[Mapping[str, Any]]) -> str:
     """Where the rows ran, e.g. "2 CPU cores, gloo; P=4 oversubscribes the cores"."""
     devices = {str(r.get("device", "cpu")).split(":")[0] for r in rows}
     if devices != {"cpu"}:
         return ", ".join(sorted(devices))
-    cores = int(rows[0].get("cpus") or os.cpu_count() or 1)
-    over = sorted({int(r["world_size"]) for r in rows if core_share(r) < 1.0})
+    cores = _cores(rows[0])
+    # Where the ranks outnumber the cores.
+    over = sorted({int(r["world_size"]) for r in rows if (_cores(r) or 1) < int(r["world_size"])})
     text = f"{cores} CPU cores, gloo"
     if over:
         text += f"; P={', '.join(map(str, over))} oversubscribe{'s' if len(over) == 1 else ''}"
