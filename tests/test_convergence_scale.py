@@ -292,3 +292,13 @@ def test_a_tiny_sweep_writes_the_table(tmp_path: Path) -> None:
     assert md[2].startswith("**Takeaway (mnist1d_mlp).**")
     assert (results / "convergence_scale.png").exists()
     assert (results / "raw" / "convergence_scale.csv").exists()
+
+
+def test_the_time_sentence_when_sgd_takes_fewer_steps() -> None:
+    """More steps for dp_kfac read as more, not as a fraction 'fewer' (P=256 on MNIST-1D)."""
+    rows = _rows()
+    rows.loc[rows["strategy"] == "dp_kfac", "steps_to_target"] *= 3
+    rows.loc[rows["strategy"] == "dp_kfac", "pred_iteration_s"] = 0.0012
+    _, time = cs.takeaway(cs.cells_frame(cs.choose_lr(pages.ok_rows(rows, cs.TASK))))
+    assert "x more steps, each 1.20x dearer, SGD's steps are fewer and cheaper (" in time
+    assert "x fewer steps" not in time

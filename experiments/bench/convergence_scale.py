@@ -541,10 +541,13 @@ def _time_sentence(
         winner = "neither wins"  # within 1% of each other: the ratios are rounded to 0.01
         if fewer > 1.01 * dearer:
             winner = "fewer steps win"
+        elif fewer < 1 <= dearer:
+            winner = "SGD's steps are fewer and cheaper"
         elif dearer > 1.01 * fewer:
             winner = "cheaper steps win"
+        steps = f"{fewer:.2f}x fewer steps" if fewer >= 1 else f"{1 / fewer:.2f}x more steps"
         parts.append(
-            f"P={p}: {fewer:.2f}x fewer steps, each {dearer:.2f}x dearer, {winner} "
+            f"P={p}: {steps}, each {dearer:.2f}x dearer, {winner} "
             f"({dearer / fewer:.2f}x SGD's time to target)"
         )
     sentence = (
