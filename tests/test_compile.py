@@ -311,8 +311,8 @@ def test_every_strategy_trains_like_eager_compiled_on_two_ranks() -> None:
 @pytest.mark.slow
 def test_inductor_trains_like_eager() -> None:
     """The default backend (generated kernels; 15-60 s of compilation here, depending on
-    inductor's cache): two graphs, factors equal to float32 rounding, parameters within
-    that rounding amplified by the eigendecomposition (1e-4 of their scale)."""
+    inductor's cache): two graphs, factors equal to float32 rounding (1e-5 of their scale),
+    parameters within that rounding amplified by the eigendecomposition (1e-4 of their scale)."""
     model = _model()
     pre = dpkfac.KFACPreconditioner(model, **SCHEDULE)
     ref = _train(model, model, pre, 5)
@@ -326,8 +326,10 @@ def test_inductor_trains_like_eager() -> None:
     assert not counters["graph_break"]
     for key, factor in _factors(pre).items():
         assert factor is not None
+        # float32 sums in another order: inductor's kernels reduce differently with the
+        # thread count (2e-6 of the scale seen with one thread), so allow 1e-5 of it.
         torch.testing.assert_close(
-            _factors(cpre)[key], factor, rtol=0, atol=1e-6 * factor.abs().max().item()
+            _factors(cpre)[key], factor, rtol=0, atol=1e-5 * factor.abs().max().item()
         )
     for step, (a, b) in enumerate(zip(got, ref, strict=True)):
         for name in b:
