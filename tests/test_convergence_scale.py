@@ -205,7 +205,7 @@ def test_the_writer_chooses_on_validation_and_states_the_claim(tmp_path: Path) -
     assert "mnist1d_mlp at P=16 (global batch 256, 2 seed(s)): dp_kfac 1872 steps, " in line
     assert "d_kfac 1092 steps to 0.85" in line
     assert (
-        "- mnist1d_mlp, P=16: d_kfac, dp_kfac, none; multipliers 0.5, 2; seeds 0, 1 (12 runs)"
+        "- mnist1d_mlp, P=16 (12 runs): d_kfac, dp_kfac, none: multipliers 0.5, 2; seeds 0, 1"
         in text
     )
 
@@ -254,6 +254,20 @@ def test_no_choice_without_validation_accuracy() -> None:
     rows = _rows()
     rows["final_val_acc"] = math.nan
     assert not cs.choose_lr(pages.ok_rows(rows, cs.TASK))["chosen"].any()
+
+
+def test_coverage_lists_each_multiplier_with_its_seeds_and_a_lone_multiplier_is_an_edge() -> None:
+    """A sweep run in parts holds extra seeds at some multipliers only: the page says which."""
+    rows = [_row("d_kfac", 64, 0, m, final_val_acc=0.9 - abs(m - 0.5)) for m in (0.25, 0.5, 1.0)]
+    rows += [_row("d_kfac", 64, s, 0.5) for s in (1, 2)]
+    rows += [_row("dp_kfac", 64, 0, 0.5)]
+    runs = cs.choose_lr(pages.ok_rows(pd.DataFrame(rows), cs.TASK))
+    assert cs.coverage(runs)[1:] == [
+        "- mnist1d_mlp, P=64 (6 runs): d_kfac: x0.25 (seeds 0) x0.5 (seeds 0, 1, 2) x1 (seeds 0); "
+        "dp_kfac: multipliers 0.5; seeds 0"
+    ]
+    edge = cs.cells_frame(runs).set_index("strategy")["lr_at_grid_edge"]
+    assert not edge["d_kfac"] and edge["dp_kfac"]
 
 
 # --------------------------------------------------------- end to end, tiny

@@ -407,7 +407,8 @@ def cells_frame(runs: pd.DataFrame) -> pd.DataFrame:
             "target": float(cell["target"].iloc[0]),
             "lr": float(cell["lr"].iloc[0]),
             "lr_multiplier": m,
-            "lr_at_grid_edge": len(grid) > 1 and m in (grid[0], grid[-1]),
+            # A grid of one point is its own edge: nothing around it was tried.
+            "lr_at_grid_edge": m in (grid[0], grid[-1]),
             "val_acc": float(cell["final_val_acc"].mean()),
             "seeds": len(cell),
             "reached": len(hit),
@@ -688,18 +689,30 @@ def _markdown_frame(cells: pd.DataFrame) -> pd.DataFrame:
     return show[list(columns)].rename(columns=columns)
 
 
+def _points(runs: pd.DataFrame) -> str:
+    """One configuration's grid points: its multipliers and seeds, each multiplier's own seeds
+    where they differ."""
+    seeds = {
+        m: ", ".join(str(int(x)) for x in sorted(s.unique()))
+        for m, s in runs.groupby("lr_multiplier", sort=True)["seed"]
+    }
+    if len(set(seeds.values())) == 1:
+        only = next(iter(seeds.values()))
+        return f"multipliers {', '.join(f'{m:g}' for m in seeds)}; seeds {only}"
+    return " ".join(f"x{m:g} (seeds {s})" for m, s in seeds.items())
+
+
 def coverage(runs: pd.DataFrame) -> list[str]:
-    """What the table holds, per (model, P): configurations, multipliers and seeds run, so a
-    sweep run in parts (rows merged with ``tables convergence_scale --rows A B``) shows how
-    much of the preset's grid it covers."""
+    """What the table holds, per (model, P): each configuration's multipliers and seeds
+    (configurations with the same points listed together), so a sweep run in parts (rows
+    merged with ``tables convergence_scale --rows A B``) shows which grid points it covers."""
     lines = [f"Grid points in this table: {len(runs)} runs (cells not listed were not run)."]
     for (model, p), g in runs.groupby(["model", "world_size"], sort=True):
-        configs = ", ".join(sorted(g["strategy"].unique()))
-        mults = ", ".join(f"{m:g}" for m in sorted(g["lr_multiplier"].unique()))
-        seeds = ", ".join(str(int(x)) for x in sorted(g["seed"].unique()))
-        lines.append(
-            f"- {model}, P={int(p)}: {configs}; multipliers {mults}; seeds {seeds} ({len(g)} runs)"
-        )
+        same: dict[str, list[str]] = {}
+        for strategy, c in g.groupby("strategy", sort=True):
+            same.setdefault(_points(c), []).append(str(strategy))
+        parts = "; ".join(f"{', '.join(names)}: {points}" for points, names in same.items())
+        lines.append(f"- {model}, P={int(p)} ({len(g)} runs): {parts}")
     return lines
 
 
@@ -734,7 +747,9 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         f"learning-rate rule: {rules}, the multiplier chosen per (model,",
         "configuration, P) on the validation split's final accuracy (mean over seeds), never",
         "on the test set (every grid point is in `convergence_scale.csv`; `grid edge`: the",
-        "best multiplier is the grid's smallest or largest). Steps and epochs to target: the",
+        "best multiplier is the grid's smallest or largest, or the only one run; a multiplier",
+        "run with more seeds than its neighbours is compared on its mean all the same).",
+        "Steps and epochs to target: the",
         "first evaluation (one per epoch) at or above the target test accuracy, mean ± std",
         "over the seeds that reached it; the takeaway's spread is d_kfac's min–max over",
         "seeds widened by one evaluation interval. cosine: the fidelity probe (owner-local",
