@@ -42,9 +42,13 @@ def threads_per_rank(setting: int | str, local_ranks: int | None = None) -> int:
     Several ranks on one machine, each with torch's default pool (a thread
     per core), oversubscribe the cores many times over: the default digits
     run took 73-115 s that way on two shared cores, and 4.9 s with one thread
-    per rank. ``"auto"`` divides the cores among the ranks this node runs side
-    by side (torchrun's ``LOCAL_WORLD_SIZE``); ranks of ``launcher=threads``
-    compute one after another, so they count as one.
+    per rank. ``"auto"`` takes ``OMP_NUM_THREADS`` where it is set (the
+    per-process count a user, a batch scheduler or torchrun with several local
+    ranks chose: overriding it put a 2-thread pool beside another job on two
+    cores, and OpenMP's barriers then made one epoch 4-13x slower, in bursts).
+    Otherwise it divides the cores among the ranks this node runs side by side
+    (torchrun's ``LOCAL_WORLD_SIZE``); ranks of ``launcher=threads`` compute
+    one after another, so they count as one.
 
     Args:
         setting: ``trainer.threads``: ``"auto"`` or a positive integer.
@@ -53,6 +57,9 @@ def threads_per_rank(setting: int | str, local_ranks: int | None = None) -> int:
     """
     if setting != "auto":
         return int(setting)
+    chosen = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if chosen.isdigit() and int(chosen) > 0:
+        return int(chosen)
     if local_ranks is None:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, available_cores() // max(1, local_ranks))

@@ -273,6 +273,7 @@ def test_threads_auto_divides_the_cores_among_the_local_ranks(monkeypatch):
     from experiments.distributed import available_cores, threads_per_rank
 
     cores = available_cores()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert threads_per_rank(3) == 3
     assert threads_per_rank("auto", 1) == cores
     assert threads_per_rank("auto", 2 * cores) == 1  # never zero
@@ -280,6 +281,19 @@ def test_threads_auto_divides_the_cores_among_the_local_ranks(monkeypatch):
     assert threads_per_rank("auto") == max(1, cores // 2)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert threads_per_rank("auto") == cores
+
+
+@pytest.mark.parametrize("env, wanted", [("3", 3), ("1", 1), ("0", None), ("x", None), ("", None)])
+def test_threads_auto_keeps_the_omp_num_threads_a_user_or_torchrun_set(monkeypatch, env, wanted):
+    """OMP_NUM_THREADS is the process's own choice (torchrun sets 1 for several local ranks);
+    an unusable value falls back to dividing the cores."""
+    from experiments.distributed import available_cores, threads_per_rank
+
+    monkeypatch.setenv("OMP_NUM_THREADS", env)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    expected = wanted if wanted is not None else max(1, available_cores() // 2)
+    assert threads_per_rank("auto") == expected
+    assert threads_per_rank(5) == 5  # an explicit trainer.threads wins
 
 
 @pytest.mark.parametrize("value, shown", [("0", "0"), ("-1", "-1"), ("many", "'many'")])
