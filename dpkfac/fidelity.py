@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -104,8 +105,17 @@ def metric_rank(layer: KFACLayer, world_size: int) -> int:
 
 
 def _eigen(factor: torch.Tensor, dtype: torch.dtype) -> EigenDecomposition:
-    """As :meth:`EigenDecomposition.compute`, without its host-side finiteness checks."""
-    d, q = torch.linalg.eigh(factor.to(dtype))
+    """As :meth:`EigenDecomposition.compute`, without its host-side finiteness checks.
+
+    Retried in float64 where LAPACK does not converge, as the training path
+    does: a local batch factor has rank at most the batch size, and float32
+    ``eigh`` failed on such 101x101 factors (many repeated zero eigenvalues)
+    in MNIST-1D runs at P=64.
+    """
+    try:
+        d, q = torch.linalg.eigh(factor.to(dtype))
+    except torch.linalg.LinAlgError:
+        d, q = (t.to(dtype) for t in torch.linalg.eigh(factor.to(torch.float64)))
     return EigenDecomposition(q, d.clamp(min=0.0))
 
 
@@ -346,8 +356,18 @@ class FidelityProbe:
                     dtype=work,
                     pi_damping=self.pi_damping,
                 )
-                mine = update(grad, local[name]["A"], local[name]["G"])
-                ref = update(grad, a_avg, g_avg)
+                try:
+                    mine = update(grad, local[name]["A"], local[name]["G"])
+                    ref = update(grad, a_avg, g_avg)
+                except torch.linalg.LinAlgError as err:
+                    # A measurement must never end the run it measures: no value this time.
+                    warnings.warn(
+                        f"dpkfac: fidelity probe of layer {name!r} at step {step} skipped "
+                        f"(cosine and rel_error NaN): {err}",
+                        stacklevel=2,
+                    )
+                    values[lo:hi] = math.nan
+                    continue
                 values[lo:hi] = compare(mine, ref).to(values.device)
         if self.comm.active:
             # Non-owners hold zeros: the mean times P is the owners' values on every rank.

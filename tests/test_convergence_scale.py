@@ -316,3 +316,14 @@ def test_the_time_sentence_when_sgd_takes_fewer_steps() -> None:
     _, time = cs.takeaway(cs.cells_frame(cs.choose_lr(pages.ok_rows(rows, cs.TASK))))
     assert "x more steps, each 1.20x dearer, SGD's steps are fewer and cheaper (" in time
     assert "x fewer steps" not in time
+
+
+def test_a_skipped_probe_counts_for_nothing_in_the_cosine() -> None:
+    probes = [
+        {"layer": "fc1", "cosine": 0.5},
+        {"layer": "fc1", "cosine": math.nan},  # skipped (eigh did not converge)
+        {"layer": "fc2", "cosine": math.nan},
+    ]
+    kinds = {"fc1": "Linear", "fc2": "Conv2d"}
+    got = cs.fidelity_by_kind(probes, kinds)
+    assert got["Linear"] == 0.5 and math.isnan(got["Conv2d"])

@@ -482,3 +482,43 @@ def test_the_fidelity_table_summarises_each_layer_under_a_computed_takeaway(tmp_
     assert "1 of them stay at 0.99 or above" in text
     assert "costs most at r's `fc` (mean cosine 0.700, worst 0.600" in text
     assert "| r | 2 | dp_kfac | `fc` | 0.700 | 0.600 | 1.000 | 2 |" in text
+
+
+# ------------------------------------------------------- a probe that fails
+
+
+def test_eigh_that_does_not_converge_in_float32_is_retried_in_float64(monkeypatch) -> None:
+    """float32 LAPACK failed on local batch factors (rank <= batch) in MNIST-1D runs at P=64."""
+    from dpkfac import fidelity
+
+    eigh = torch.linalg.eigh
+
+    def float32_fails(a: torch.Tensor) -> Any:
+        if a.dtype == torch.float32:
+            raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+        return eigh(a)
+
+    x = torch.randn(3, 6, dtype=torch.float64)
+    factor = x.t() @ x  # rank 3 of 6: repeated zero eigenvalues
+    monkeypatch.setattr(torch.linalg, "eigh", float32_fails)
+    dec = fidelity._eigen(factor.float(), torch.float32)
+    d, q = eigh(factor.float().double())
+    assert dec.d.dtype == dec.q.dtype == torch.float32
+    assert torch.equal(dec.d, d.clamp(min=0.0).float()) and torch.equal(dec.q, q.float())
+
+
+def test_a_failed_probe_is_skipped_with_a_warning_and_training_goes_on(monkeypatch) -> None:
+    from dpkfac import fidelity
+
+    def fails(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+
+    monkeypatch.setattr(fidelity, "damped_update", fails)
+    with pytest.warns(UserWarning, match="fidelity probe of layer 'conv' at step 0 skipped"):
+        out = _train(0, 1, "dp_kfac", False, 3, {"fidelity_every": 1})
+    values = _probe_values(out)
+    assert [v[:2] for v in values] == [("conv", 0), ("fc1", 1), ("fc2", 2)]
+    assert all(math.isnan(c) and math.isnan(e) for _, _, c, e in values)
+    plain = _train(0, 1, "dp_kfac", False, 3, {"fidelity_every": 0})
+    for name, p in plain["params"].items():
+        assert torch.equal(out["params"][name], p), name  # the probe stays invisible

@@ -249,11 +249,12 @@ def layer_kinds(model: Any) -> dict[str, str]:
 
 
 def fidelity_by_kind(probes: Sequence[Mapping[str, Any]], kinds: Mapping[str, str]) -> dict:
-    """Mean probe cosine per layer kind over a run (every probe of every layer of that kind)."""
+    """Mean probe cosine per layer kind over a run (every probe of every layer of that kind;
+    a skipped probe, NaN, counts for nothing)."""
     values: dict[str, list[float]] = {}
     for p in probes:
         values.setdefault(kinds.get(str(p["layer"]), "?"), []).append(float(p["cosine"]))
-    return {kind: statistics.fmean(v) for kind, v in sorted(values.items())}
+    return {kind: _mean_std(v)[0] for kind, v in sorted(values.items())}
 
 
 def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
@@ -421,7 +422,7 @@ def cells_frame(runs: pd.DataFrame) -> pd.DataFrame:
             "epochs_std": e_std,
             "final_acc": a_mean,
             "final_acc_std": a_std,
-            **{f"cosine_{k}": statistics.fmean(v) for k, v in sorted(kinds.items())},
+            **{f"cosine_{k}": _mean_std(v)[0] for k, v in sorted(kinds.items())},
             "replicas_identical": bool(cell["replicas_identical"].astype(bool).all())
             if p > 1
             else None,
