@@ -270,6 +270,20 @@ def test_coverage_lists_each_multiplier_with_its_seeds_and_a_lone_multiplier_is_
     assert not edge["d_kfac"] and edge["dp_kfac"]
 
 
+def test_multipliers_are_compared_on_the_seeds_they_all_ran() -> None:
+    """x0.5 beats x0.25 on seed 0; its two extra seeds are worse than x0.25's lone seed 0,
+    which must not win the choice on a mean over fewer seeds."""
+    rows = [
+        _row("d_kfac", 64, 0, 0.25, final_val_acc=0.95),
+        _row("d_kfac", 64, 0, 0.5, final_val_acc=0.96),
+        _row("d_kfac", 64, 1, 0.5, final_val_acc=0.93),
+        _row("d_kfac", 64, 2, 0.5, final_val_acc=0.93),
+    ]
+    runs = cs.choose_lr(pages.ok_rows(pd.DataFrame(rows), cs.TASK))
+    assert set(runs.loc[runs["chosen"], "lr_multiplier"]) == {0.5}
+    assert runs["chosen"].sum() == 3  # every seed of the chosen multiplier
+
+
 # --------------------------------------------------------- end to end, tiny
 def test_a_tiny_sweep_writes_the_table(tmp_path: Path) -> None:
     """The real command at P in {1, 4}, 3 configurations, 2 learning rates, 1 seed, 400

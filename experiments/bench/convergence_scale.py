@@ -359,15 +359,21 @@ def choose_lr(runs: pd.DataFrame) -> pd.DataFrame:
     """Every run with ``chosen``: its multiplier is its cell's best on validation accuracy.
 
     Per (model, strategy config, P), the multiplier whose runs have the highest
-    mean final validation accuracy over seeds (the first in grid order on a tie);
-    the test accuracy plays no part. A cell without validation accuracy gets
-    no choice (``chosen`` false everywhere) rather than one made on the test set.
+    mean final validation accuracy over the seeds every multiplier of the cell
+    ran (a grid run in parts holds more seeds at some multipliers: one lucky
+    seed must not beat three averaged ones), the first in grid order on a tie;
+    all seeds where the multipliers share none. The test accuracy plays no
+    part. A cell without validation accuracy gets no choice (``chosen`` false
+    everywhere) rather than one made on the test set.
     """
     runs = runs.copy()
     runs["val_mean"] = runs.groupby([*CELL, "lr_multiplier"])["final_val_acc"].transform("mean")
     runs["chosen"] = False
     for _, cell in runs.groupby(CELL, sort=False):
-        means = cell.groupby("lr_multiplier", sort=True)["val_mean"].first().dropna()
+        seeds = [set(g) for _, g in cell.groupby("lr_multiplier")["seed"]]
+        shared = set.intersection(*seeds)
+        judged = cell[cell["seed"].isin(shared)] if shared else cell
+        means = judged.groupby("lr_multiplier", sort=True)["final_val_acc"].mean().dropna()
         if not means.empty:
             runs.loc[cell.index, "chosen"] = cell["lr_multiplier"] == means.idxmax()
     return runs
@@ -748,8 +754,9 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         f"learning-rate rule: {rules}, the multiplier chosen per (model,",
         "configuration, P) on the validation split's final accuracy (mean over seeds), never",
         "on the test set (every grid point is in `convergence_scale.csv`; `grid edge`: the",
-        "best multiplier is the grid's smallest or largest, or the only one run; a multiplier",
-        "run with more seeds than its neighbours is compared on its mean all the same).",
+        "best multiplier is the grid's smallest or largest, or the only one run; multipliers",
+        "are compared on the seeds they all ran, extra seeds at one of them count in its",
+        "spread, not in the choice).",
         "Steps and epochs to target: the",
         "first evaluation (one per epoch) at or above the target test accuracy, mean ± std",
         "over the seeds that reached it; the takeaway's spread is d_kfac's min–max over",
