@@ -424,9 +424,16 @@ def test_ddp_flag_removes_gradient_traffic_but_not_its_time() -> None:
     wait, serial = ddp_comm(shapes, HW, 8, buckets, factors=True, **common)
     assert ddp.update.breakdown["ddp_grad_comm"] == pytest.approx(wait)
     assert 0 < wait < serial
-    # Serial DDP costs what the preconditioner's own capped all-reduce costs, up to start-ups.
+    # Serial DDP costs what the preconditioner's own capped all-reduce costs, up to start-ups,
+    # less landing it: DDP's buckets are the gradients' storage, nothing is copied back.
     link = HW.link("allreduce")
-    assert serial == pytest.approx(plain.update.phases["grad_comm"], abs=3 * link.latency(8))
+    own = traffic.grad_collectives(shapes, 8, itemsize=4, cap_bytes=25 * 2**20)
+    landing = HW.time({"unpack": (0, sum(c.landing_bytes for c in own))}, 8)
+    assert landing > 0
+    assert all(c.landing_bytes == 0 for c in traffic.ddp_collectives(buckets, 8, itemsize=4))
+    assert serial + landing == pytest.approx(
+        plain.update.phases["grad_comm"], abs=3 * link.latency(8)
+    )
     hidden_none = replace(HW, overlap=0.0)
     serial_ddp = predict(shapes, strategy="d_kfac", world_size=8, hardware=hidden_none, ddp=True)
     assert serial_ddp.update.breakdown["ddp_grad_comm"] == pytest.approx(serial)
@@ -610,9 +617,12 @@ def test_spd_kfac_triangle_unpacking_is_timed_and_never_hidden() -> None:
         )
         colls = [c for c in pred.update.collectives if c.category == "factor_allreduce"]
         assert sum(c.unpack_bytes for c in colls) == unpack
+        # landing: the packed buffer averaged in place, then the full matrices rebuilt
+        landed = sum(c.nbytes for c in colls) + unpack
+        assert sum(c.landing_bytes for c in colls) == landed
         phases[overlap] = pred.update.phases["factor_comm"]
         transfer = sum(hw.link("allreduce").time(1, c.wire_bytes, 4) for c in colls)
-    assert phases[0.0] == pytest.approx(transfer + unpack / rate, rel=1e-9)
+    assert phases[0.0] == pytest.approx(transfer + landed / rate, rel=1e-9)
     assert unpack / rate <= phases[1.0] < phases[0.0]
     # d_kfac sends full factors: nothing to unpack.
     d = predict(shapes, strategy="d_kfac", world_size=4, hardware=hw).update.collectives
@@ -632,6 +642,43 @@ def test_calibrate_recovers_known_parameters() -> None:
     for kind, engine in truth.engines.items():
         assert noisy.engine(kind).rate == pytest.approx(engine.rate, rel=0.1)
     assert noisy.link("allreduce").beta == pytest.approx(1e-9, rel=0.1)
+
+
+def test_landing_bytes_follow_the_communicator_passes() -> None:
+    """A mean is divided and copied back where it lands; a broadcast or gather is copied back
+    on the ranks that receive it; triangle-packed factors are rebuilt instead of copied."""
+    from dpkfac.plan.hardware import landing_bytes
+
+    n, p = 1200, 4
+    assert landing_bytes("allreduce", n, p) == 2 * n  # every rank: div_ + copy back
+    assert landing_bytes("reduce", n, p) == 2 * n / p  # the root only
+    assert landing_bytes("reduce_scatter", n, p) == 2 * n / p  # each rank its own shard
+    assert landing_bytes("broadcast", n, p) == n * (p - 1) / p  # the receivers
+    assert landing_bytes("all_gather", n, p) == n * (p - 1) / p  # the others' shards
+    assert landing_bytes("allreduce", n, p, unpack_bytes=5000) == n + 5000
+    assert landing_bytes("broadcast", n, 1) == 0
+    with pytest.raises(ValueError, match="'gather'"):
+        landing_bytes("gather", n, p)
+    assert traffic.Collective("grad_allreduce", "allreduce", n, p).landing_bytes == 2 * n
+    view = traffic.Collective("grad_allreduce", "allreduce", n, p, in_place=True)
+    assert view.landing_bytes == 0  # DDP's bucket views: nothing lands
+
+
+def test_calibrate_keeps_fixed_kinds_and_fits_the_rest() -> None:
+    """Landing work is a fixed multiple of an all-reduce's wire bytes, so a joint fit cannot
+    tell it from the link; with ``fixed`` the base prices it and the link comes out exact."""
+    truth = _truth()
+    truth = replace(truth, engines={**truth.engines, "unpack": Engine(rate=4e9, latency=0.0)})
+    samples = []
+    for n in (1e4, 1e6, 1e8):
+        work = {"allreduce": (2.0, 2 * n / 2), "unpack": (0.0, 2 * n)}  # P=2: wire n, landing 2n
+        samples.append(Sample(work, truth.time(work, 2), 2))
+    fitted = calibrate(samples, base=truth, log2p=False, fixed=("unpack",))
+    assert fitted.engine("unpack") == truth.engine("unpack")
+    assert fitted.link("allreduce").beta == pytest.approx(truth.link("allreduce").beta, rel=1e-6)
+    assert fitted.link("allreduce").alpha == pytest.approx(truth.link("allreduce").alpha, rel=1e-6)
+    with pytest.raises(ValueError, match="need a base"):
+        calibrate(samples, fixed=("unpack",))
 
 
 def test_calibrate_fits_latency_per_doubling_only_across_world_sizes() -> None:
@@ -706,9 +753,16 @@ def test_timing_scales_sensibly() -> None:
             assert d.update.phases["factor_compute"] == prev["d"].update.phases["factor_compute"]
             assert d.update.phases["factor_comm"] > prev["d"].update.phases["factor_comm"]
         prev = {"dp": dp, "d": d}
-    base = predict(shapes, strategy="d_kfac", world_size=16, hardware=HW)
-    fast_net = predict(shapes, strategy="d_kfac", world_size=16, hardware=scaled(HW, network=2))
-    fast_gpu = predict(shapes, strategy="d_kfac", world_size=16, hardware=scaled(HW, compute=2))
+    # Landing a received buffer is memory traffic, not the network's: free here.
+    memory = ("memory", "unpack")
+    net_only = replace(HW, engines={k: e for k, e in HW.engines.items() if k not in memory})
+    base = predict(shapes, strategy="d_kfac", world_size=16, hardware=net_only)
+    fast_net = predict(
+        shapes, strategy="d_kfac", world_size=16, hardware=scaled(net_only, network=2)
+    )
+    fast_gpu = predict(
+        shapes, strategy="d_kfac", world_size=16, hardware=scaled(net_only, compute=2)
+    )
     assert fast_net.communication == pytest.approx(base.communication / 2)
     assert fast_gpu.computation == pytest.approx(base.computation / 2)
     assert fast_net.iteration < base.iteration and fast_gpu.iteration < base.iteration

@@ -31,6 +31,15 @@ oversubscribed world size gets a :class:`Regime` of links fitted to its own
 communication phases (:func:`shared_core_links`). Without one (held-out
 predictions) the links are slowed by C/P like the engines.
 
+**Landing.** A communication phase also holds the memory passes that land
+each buffer once it arrives (averaging, copying back, rebuilding triangle-
+packed factors: :func:`~dpkfac.plan.hardware.landing_bytes`, kind
+"unpack"). Their bytes are a fixed multiple of the collective's wire bytes
+per kind, so fitted beside the links they could not be told apart from
+them; they keep the base model's "unpack" engine (a kernel timed alone,
+:mod:`dpkfac.costmodel.calibration`) and only the rest of each phase is
+fitted to the links (``calibrate(fixed=...)``).
+
 **Forward/backward.** The model derives the forward/backward time from the
 K-FAC layers' flops alone, and a real network's normalisation and attention
 kernels run at a very different rate, so that rate is fitted per model
@@ -108,6 +117,7 @@ def calibrate(
     base: Hardware | None = None,
     relative: bool = True,
     log2p: bool | None = None,
+    fixed: Sequence[str] = (),
 ) -> Hardware:
     """Fit links and engines to measurements by non-negative least squares.
 
@@ -127,7 +137,12 @@ def calibrate(
             fixed percentage of every phase).
         log2p: fit ``alpha_log2p`` (None: when the collective samples span
             several world sizes above 1).
+        fixed: compute kinds priced by ``base``, not fitted: their predicted
+            seconds are taken off each sample first.
     """
+    if fixed and base is None:
+        raise ValueError(f"fixed kinds {list(fixed)} need a base hardware model")
+    samples = [_without(s, fixed, base) for s in samples] if base and fixed else list(samples)
     samples = [s for s in samples if s.seconds > 0]
     kinds = sorted({k for s in samples for k in s.work})
     if not kinds:
@@ -166,6 +181,19 @@ def calibrate(
     if base is None:
         return Hardware(name, links, engines, (source,))
     return Hardware(name, links, engines, (source, *base.sources), base.overlap, base.backend)
+
+
+#: The kinds a run's phases are not fitted to (see "Landing" above).
+LANDING = ("unpack",)
+
+
+def _without(sample: Sample, kinds: Sequence[str], base: Hardware) -> Sample:
+    """``sample`` less the work of ``kinds`` and the seconds ``base`` gives it."""
+    known = {k: w for k, w in sample.work.items() if k in kinds}
+    if not known:
+        return sample
+    rest = {k: w for k, w in sample.work.items() if k not in kinds}
+    return replace(sample, work=rest, seconds=sample.seconds - base.time(known, sample.world_size))
 
 
 @dataclass(frozen=True)
@@ -375,7 +403,7 @@ def calibrate_measurements(
             samples += comm
     # No per-doubling latency: runs on one machine span too few world sizes
     # with a core per rank to tell it from the constant start-up.
-    return calibrate(samples, name=name, base=base, log2p=False)
+    return calibrate(samples, name=name, base=base, log2p=False, fixed=LANDING)
 
 
 def shared_core_links(measurements: Iterable[Measurement], hardware: Hardware) -> dict[int, Regime]:
@@ -394,7 +422,9 @@ def shared_core_links(measurements: Iterable[Measurement], hardware: Hardware) -
         if not samples:
             continue
         base = scaled_hardware(hardware, network=core_share(mine[0]))
-        fitted = calibrate(samples, name=f"shared cores, P={p}", base=base, log2p=False)
+        fitted = calibrate(
+            samples, name=f"shared cores, P={p}", base=base, log2p=False, fixed=LANDING
+        )
         out[p] = Regime(dict(fitted.links))
     return out
 

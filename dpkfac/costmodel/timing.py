@@ -28,8 +28,9 @@ Work (``kind -> (calls, amount)``, see :mod:`dpkfac.plan.hardware`) per phase:
 * ``optimizer``: the first-order optimizer's step, one memory-bound pass of
   :func:`dpkfac.costmodel.optimizers.step_bytes` bytes;
 * communication phases: one call and its wire bytes per collective, plus
-  "unpack" bytes for rebuilding full factors from triangle-packed buffers
-  (spd_kfac), which happens when the collective is waited on.
+  the "unpack" bytes that land it when it is waited on
+  (:func:`~dpkfac.plan.hardware.landing_bytes`: averaging and copying back,
+  or rebuilding full factors from triangle-packed buffers for spd_kfac).
 
 Which rank does which work, and where the step synchronises, come from the
 strategy's :class:`~dpkfac.plan.Traits` and placement, never from its
@@ -475,8 +476,7 @@ def step_prediction(
         for c in rank_colls[r] if rank_colls else []:
             phase = w.setdefault(PHASE_OF_CATEGORY[c.category], {})
             add_work(phase, c.kind, 1, c.wire_bytes)
-            if c.unpack_bytes:
-                add_work(phase, "unpack", 0, c.unpack_bytes)
+            add_work(phase, "unpack", 0, c.landing_bytes)
         for i, s in enumerate(model):
             if plan is not None and model.captured[i]:
                 _layer_work(

@@ -26,7 +26,12 @@ from dpkfac.comm import triangle_numel
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.plan.assignment import LayerShape, Placement
 from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap, shard_rounds, size_cap_buckets
-from dpkfac.plan.hardware import reduce_scatter_future, uneven_all_gather, wire_bytes
+from dpkfac.plan.hardware import (
+    landing_bytes,
+    reduce_scatter_future,
+    uneven_all_gather,
+    wire_bytes,
+)
 from dpkfac.plan.roles import Plan
 from dpkfac.plan.traits import Traits
 from dpkfac.stats import COMM_CATEGORIES
@@ -61,7 +66,8 @@ class Collective:
 
     ``unpack_bytes``: bytes of full matrices rebuilt from a triangle-packed
     buffer once it arrives (a gather as large as the matrices, timed in the
-    collective's phase; plain buffers are copied back at negligible cost).
+    collective's phase, in place of a plain buffer's copy back). ``in_place``:
+    the buffer is the tensors' own storage (DDP's bucket views), so nothing lands.
     """
 
     category: str
@@ -69,10 +75,18 @@ class Collective:
     nbytes: int
     world_size: int
     unpack_bytes: int = 0
+    in_place: bool = False
 
     @property
     def wire_bytes(self) -> int:
         return wire_bytes(self.kind, self.nbytes, self.world_size)
+
+    @property
+    def landing_bytes(self) -> float:
+        """Bytes a rank writes to land it (:func:`~dpkfac.plan.hardware.landing_bytes`)."""
+        if self.in_place:
+            return 0.0
+        return landing_bytes(self.kind, self.nbytes, self.world_size, self.unpack_bytes)
 
 
 def bucket_bytes(sizes: Sequence[int], cap_bytes: int | None) -> list[int]:
@@ -183,7 +197,13 @@ def ddp_collectives(
 ) -> list[Collective]:
     """DDP's gradient averaging: one all-reduce per bucket of :func:`ddp_bucket_params`."""
     return [
-        Collective("grad_allreduce", "allreduce", sum(n for _, n in b) * itemsize, world_size)
+        Collective(
+            "grad_allreduce",
+            "allreduce",
+            sum(n for _, n in b) * itemsize,
+            world_size,
+            in_place=True,
+        )
         for b in buckets
     ]
 

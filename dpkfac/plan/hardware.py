@@ -15,9 +15,10 @@ Time is predicted from *work*, a mapping ``kind -> (calls, amount)``:
   ``"precondition"``, ``"forward_backward"``, falling back to ``"matmul"``)
   costs ``calls * latency + amount / rate`` with ``amount`` in flops;
   ``"memory"`` is memory-bound traffic (``amount`` in bytes, ``rate`` in
-  bytes/s, free when not given); ``"unpack"`` is the gather that rebuilds
-  full factors from triangle-packed buffers (bytes written; falls back to
-  ``"memory"``).
+  bytes/s, free when not given); ``"unpack"`` is the landing of a received
+  buffer (:func:`landing_bytes`: averaging it, copying it back into its
+  tensors, or rebuilding full factors from triangle-packed buffers; bytes
+  written; falls back to ``"memory"``).
 
 Both forms are linear in their parameters, so the cost model
 (:func:`dpkfac.costmodel.fitting.calibrate`) fits them to measured
@@ -77,6 +78,27 @@ def wire_bytes(kind: str, nbytes: int, world_size: int) -> int:
         raise ValueError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}")
     factor = 2 if kind == "allreduce" else 1
     return factor * nbytes * (world_size - 1) // world_size
+
+
+def landing_bytes(kind: str, nbytes: int, world_size: int, unpack_bytes: int = 0) -> float:
+    """Bytes one rank writes, on average over ranks, to land one collective's buffer.
+
+    Mirrors the passes :class:`dpkfac.comm.Communicator` runs when a collective
+    is waited on (so they are timed in its phase): a mean divides the received
+    flat buffer by ``P`` and copies it back into its tensors (all-reduce on every
+    rank, a reduce on its root, a reduce-scatter on each rank's own shard); a
+    broadcast or all-gather copies back what a rank received, ``(P-1)/P`` of the
+    buffer. ``unpack_bytes``: full matrices rebuilt from a triangle-packed buffer,
+    which replace the plain copy back. DDP's buckets are views of the gradients
+    (no copy back) and are not priced here.
+    """
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}")
+    p = max(world_size, 1)
+    if kind in ("broadcast", "all_gather"):
+        return nbytes * (p - 1) / p
+    received = nbytes if kind == "allreduce" else nbytes / p
+    return received + (unpack_bytes if unpack_bytes else received)
 
 
 def add_work(total: Work, kind: str, calls: float, amount: float) -> None:
