@@ -43,6 +43,11 @@ def test_the_preset_composes_and_validates() -> None:
     node = cfg.convergence_scale
     assert node.batch_size == 16 and node.hardware == "v100_ib100"
     assert dict(node.seeds_at) == {256: 1}
+    # The documented way to run every seed at P=256 (conf/benchmark.yaml):
+    assert "'convergence_scale.seeds_at={256:3}'" in (ROOT / "conf" / "benchmark.yaml").read_text()
+    wide = _compose("convergence_scale.seeds_at={256:3}", "world_size=256", "seed=2")
+    assert dict(wide.convergence_scale.seeds_at) == {256: 3} and cs.skip_reason(wide) is None
+    assert cs.skip_reason(_compose("world_size=256", "seed=2")) == "P=256 runs seeds 0..0"
     assert set(node.targets) == {"mnist1d_mlp", "mnist1d_cnn", "digits_cnn"}
     assert dict(node.max_world_size) == {"digits_cnn": 16}
     assert list(node.overrides) == ["data.val_fraction=0.1"]  # lr chosen on validation
