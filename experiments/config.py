@@ -618,6 +618,7 @@ def _check_convergence_scale(node: DictConfig) -> None:
     Checked before a job trains: a typo in a sweep of hundreds of runs should cost a
     second, not the first run's minutes.
     """
+    from dpkfac.plan.configs import kfac_configs
     from dpkfac.plan.presets import PRESETS
 
     def bad(key: str, expected: str) -> ExperimentError:
@@ -656,6 +657,9 @@ def _check_convergence_scale(node: DictConfig) -> None:
         str(k) in presets and _positive_int(v) for k, v in (limits or {}).items()
     ):
         raise bad("max_world_size", "null or a mapping of experiment presets to positive P")
+    kfac = sorted(kfac_configs())
+    if node.get("one_rank_kfac") not in (None, *kfac):
+        raise bad("one_rank_kfac", f"null or a K-FAC strategy config, one of {kfac}")
     if not isinstance(node.get("overrides"), ListConfig):
         raise bad("overrides", "a list of training overrides")
 

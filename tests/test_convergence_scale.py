@@ -73,6 +73,8 @@ def test_the_preset_composes_and_validates() -> None:
         ("convergence_scale.targets.mnist1d_mlp=1.5", "convergence_scale.targets="),
         ("convergence_scale.seeds_at={256:0}", "convergence_scale.seeds_at="),
         ("convergence_scale.max_world_size={digits_cnn:0}", "convergence_scale.max_world_size="),
+        ("convergence_scale.one_rank_kfac=none", "convergence_scale.one_rank_kfac='none'"),
+        ("convergence_scale.one_rank_kfac=dp-kfac", "convergence_scale.one_rank_kfac='dp-kfac'"),
     ],
 )
 def test_bad_values_are_named(override: str, named: str) -> None:
@@ -115,6 +117,55 @@ def test_the_job_trains_what_the_study_fixes_and_prices_it(tmp_path: Path) -> No
     sgd = cs.predicted_iteration(sgd_train, 64, "v100_ib100", model, x)
     assert 0 < sgd["pred_iteration_s"] < grouped["pred_iteration_s"]
     assert cs.layer_kinds(model)["0"] == "Linear"
+
+
+def _sweep_strategies() -> list[str]:
+    preset = (ROOT / "conf" / "table" / "convergence_scale.yaml").read_text()
+    line = next(x for x in preset.splitlines() if x.strip().startswith("strategy:"))
+    return line.split(":", 1)[1].strip().split(",")
+
+
+def test_at_one_rank_every_kfac_configuration_trains_the_same_parameters(
+    tmp_path: Path,
+) -> None:
+    """What lets the sweep train one K-FAC configuration at P=1 for all (``one_rank_kfac``):
+    each of the sweep's K-FAC configurations, trained 12 steps by the job's own training
+    config on one rank, ends with bitwise the same parameters, optimizer state and
+    history as dp_kfac; and the others' P=1 jobs are skipped, SGD's and dp_kfac's not."""
+    import torch
+
+    from experiments.train import run
+
+    overrides = 'convergence_scale.overrides=["data.fake=true","trainer.max_steps=12"]'
+    states = {}
+    for strategy in _sweep_strategies():
+        cfg = _compose(f"strategy={strategy}", "world_size=1", overrides)
+        skipped = cs.skip_reason(cfg)
+        assert (skipped is None) == (strategy in ("none", "dp_kfac")), (strategy, skipped)
+        if strategy == "none":
+            continue
+        train = cs.training_config(cfg, tmp_path / strategy)
+        train.trainer.checkpoint_every_steps = 12
+        run(train)
+        states[strategy] = torch.load(
+            tmp_path / strategy / "checkpoints" / "last.pt", weights_only=False
+        )
+    reference = states.pop("dp_kfac")
+    assert len(states) >= 3
+    for strategy, state in states.items():
+        for key, value in reference["model"].items():
+            assert torch.equal(value, state["model"][key]), (strategy, key)
+        momenta = [s["momentum_buffer"] for s in reference["optimizer"]["state"].values()]
+        theirs = [s["momentum_buffer"] for s in state["optimizer"]["state"].values()]
+        assert all(torch.equal(a, b) for a, b in zip(momenta, theirs, strict=True)), strategy
+        untimed = [
+            [{k: v for k, v in h.items() if k != "wall_time_s"} for h in c["history"]]
+            for c in (state, reference)
+        ]
+        assert untimed[0] == untimed[1], strategy
+    assert cs.skip_reason(_compose("strategy=d_kfac", "world_size=4")) is None
+    every = _compose("strategy=d_kfac", "world_size=1", "convergence_scale.one_rank_kfac=null")
+    assert cs.skip_reason(every) is None
 
 
 # ------------------------------------------------------------------- writer
@@ -213,6 +264,40 @@ def test_the_writer_chooses_on_validation_and_states_the_claim(tmp_path: Path) -
         "- mnist1d_mlp, P=16 (12 runs): d_kfac, dp_kfac, none: multipliers 0.5, 2; seeds 0, 1"
         in text
     )
+
+
+def test_one_rank_stand_ins_fill_only_missing_points_and_name_their_run() -> None:
+    """At P=1 a K-FAC configuration's missing grid points take a run of another (dp_kfac's
+    first), marked ``run_as`` and without a measured time; real runs are never replaced,
+    SGD gets none, a configuration the model never ran gets none, and applying it twice
+    adds nothing."""
+    rows = pd.DataFrame(
+        [
+            _row("dp_kfac", 1, 0, 0.5, final_acc=0.91),
+            _row("dp_kfac", 1, 1, 0.5, final_acc=0.92),
+            _row("d_kfac", 1, 0, 0.5, final_acc=0.93),  # a real run: kept as it is
+            _row("kaisa_mem_opt", 1, 1, 0.5, final_acc=0.94),  # the only source of seed 1?
+            _row("kaisa_mem_opt", 4, 0, 0.5),
+            _row("none", 1, 0, 0.5),
+            _row("none", 4, 0, 0.5),
+        ]
+    )
+    rows.loc[rows["strategy"] == "kaisa_mem_opt", "run_as"] = "kaisa_mem_opt"
+    out = cs.with_one_rank_stand_ins(rows)
+    one = out[out["world_size"] == 1].set_index(["strategy", "seed"])
+    assert tuple(one.loc[("d_kfac", 0), ["run_as", "final_acc"]]) == ("d_kfac", 0.93)
+    assert tuple(one.loc[("d_kfac", 1), ["run_as", "final_acc"]]) == ("dp_kfac", 0.92)
+    assert math.isnan(one.loc[("d_kfac", 1), "step_s"])
+    assert one.loc[("kaisa_mem_opt", 0), "run_as"] == "dp_kfac"  # dp_kfac first
+    assert one.loc[("kaisa_mem_opt", 1), "run_as"] == "kaisa_mem_opt"
+    assert one.loc[("dp_kfac", 1), "run_as"] == "dp_kfac"
+    assert len(one.loc["none"]) == 1 and "grouped_auto" not in set(out["strategy"])
+    assert len(out) == len(rows) + 2  # d_kfac seed 1 and kaisa_mem_opt seed 0
+    assert len(cs.with_one_rank_stand_ins(out)) == len(out)
+    cells = cs.cells_frame(cs.choose_lr(out)).set_index(["strategy", "P"])
+    assert cells.loc[("d_kfac", 1), "run_as"] == "dp_kfac"
+    assert cells.loc[("dp_kfac", 1), "run_as"] == ""
+    assert cells.loc[("kaisa_mem_opt", 4), "run_as"] == ""
 
 
 def test_a_failed_job_is_listed_not_dropped(tmp_path: Path) -> None:
@@ -315,7 +400,15 @@ def test_a_tiny_sweep_writes_the_table(tmp_path: Path) -> None:
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     grid = pd.read_csv(results / "convergence_scale.csv")
-    assert len(grid) == 3 * 2 * 2
+    assert len(grid) == 3 * 2 * 2  # d_kfac's P=1 grid points: dp_kfac's runs stand in
+    one = grid[grid["world_size"] == 1].set_index(["strategy", "lr_multiplier"])
+    trained = {"none": "none", "dp_kfac": "dp_kfac", "d_kfac": "dp_kfac"}
+    assert all(trained[s] == a for (s, _), a in one["run_as"].items())
+    for m in (0.5, 2):
+        assert one.loc[("d_kfac", m), "final_acc"] == one.loc[("dp_kfac", m), "final_acc"]
+        assert math.isnan(one.loc[("d_kfac", m), "step_s"])
+    four = grid[grid["world_size"] == 4]
+    assert (four["run_as"] == four["strategy"]).all()
     assert grid.groupby(["strategy", "world_size"])["chosen"].sum().eq(1).all()
     kfac4 = grid[(grid["world_size"] == 4) & (grid["strategy"] != "none")]
     assert kfac4["replicas_identical"].all()
@@ -323,6 +416,9 @@ def test_a_tiny_sweep_writes_the_table(tmp_path: Path) -> None:
     assert (grid["pred_iteration_s"] > 0).all()
     md = (results / "convergence_scale.md").read_text().split("\n")
     assert md[2].startswith("**Takeaway (mnist1d_mlp).**")
+    assert "| d_kfac (= dp_kfac's runs) | 1 |" in "\n".join(md)
+    assert "stands for 2 more grid points" in "\n".join(md)
+    assert "Grid points in this table: 10 runs" in "\n".join(md)
     assert (results / "convergence_scale.png").exists()
     assert (results / "raw" / "convergence_scale.csv").exists()
 

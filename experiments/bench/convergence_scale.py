@@ -100,10 +100,14 @@ def learning_rate(node: DictConfig | Mapping[str, Any], world_size: int) -> floa
 
 def skip_reason(cfg: DictConfig) -> str | None:
     """Why this grid point is not run (None: run it). A Hydra sweep is a full product; the
-    preset keeps fewer seeds at large P (``seeds_at``: P -> seeds) and stops an experiment
-    at the P its data allows (``max_world_size``: experiment -> P)."""
+    preset keeps fewer seeds at large P (``seeds_at``: P -> seeds), stops an experiment
+    at the P its data allows (``max_world_size``: experiment -> P) and, at P=1, trains
+    one K-FAC configuration for all (``one_rank_kfac``: :func:`with_one_rank_stand_ins`)."""
     node = cfg.convergence_scale
     p, experiment = int(cfg.world_size), str(node.experiment)
+    one_rank, strategy = node.get("one_rank_kfac"), strategy_name(cfg.strategy)
+    if p == 1 and one_rank and strategy not in (SGD, one_rank):
+        return f"at P=1 every K-FAC configuration computes {one_rank}'s step: its runs stand in"
     limit = (node.get("max_world_size") or {}).get(experiment)
     if limit is not None and p > int(limit):
         return f"{experiment} runs up to P={limit}"
@@ -309,6 +313,7 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
         "model": str(node.experiment),
         "label": f"{train_cfg.model._target_.rsplit('.', 1)[-1]} ({node.experiment} preset)",
         "strategy": strategy,
+        "run_as": strategy,  # a P=1 stand-in names the configuration that trained
         "world_size": p,
         "seed": seed,
         "batch_size": batch,
@@ -379,6 +384,46 @@ def choose_lr(runs: pd.DataFrame) -> pd.DataFrame:
     return runs
 
 
+def with_one_rank_stand_ins(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs, plus a stand-in for every P=1 grid point a K-FAC configuration skipped.
+
+    On one rank every K-FAC configuration computes the same step (its own factors are
+    the average, it owns every layer, nothing is sent), so the sweep trains one of them
+    there (``one_rank_kfac``) and its run is every other's at the same (model, multiplier,
+    seed), for the configurations the model ran at some P. A stand-in carries
+    ``run_as`` (the configuration that trained) and no measured time (``step_s``,
+    ``seconds``): the price is the cost model's, the same step's. Real runs keep
+    ``run_as`` = their own configuration and are never replaced.
+    """
+    runs = runs.copy()
+    if "run_as" not in runs:
+        runs["run_as"] = runs["strategy"]
+    runs["run_as"] = runs["run_as"].fillna(runs["strategy"])
+    kfac = runs[runs["strategy"] != SGD]
+    one = kfac[(kfac["world_size"] == 1) & (kfac["run_as"] == kfac["strategy"])]
+    added = []
+    for model, mine in kfac.groupby("model", sort=False):
+        sources = one[one["model"] == model]
+        # A source per (multiplier, seed): dp_kfac's run where it has one.
+        sources = sources.sort_values("strategy", key=lambda s: s != REFERENCE, kind="stable")
+        sources = sources.drop_duplicates(["lr_multiplier", "seed"])
+        for strategy in dict.fromkeys(mine["strategy"]):
+            own = mine[(mine["world_size"] == 1) & (mine["strategy"] == strategy)]
+            have = set(zip(own["lr_multiplier"], own["seed"], strict=True))
+            for r in sources.to_dict("records"):
+                if (r["lr_multiplier"], r["seed"]) not in have:
+                    added.append(
+                        {
+                            **r,
+                            "strategy": strategy,
+                            "run_as": r["strategy"],
+                            "step_s": math.nan,
+                            "seconds": math.nan,
+                        }
+                    )
+    return pd.concat([runs, pd.DataFrame(added)], ignore_index=True) if added else runs
+
+
 def cells_frame(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per (model, configuration, P) at the chosen learning rate.
 
@@ -409,6 +454,7 @@ def cells_frame(runs: pd.DataFrame) -> pd.DataFrame:
         entry = {
             "model": model,
             "strategy": strategy,
+            "run_as": ", ".join(sorted(set(cell.get("run_as", [strategy])) - {strategy})),
             "P": int(p),
             "global_batch": int(cell["global_batch"].iloc[0]),
             "target": float(cell["target"].iloc[0]),
@@ -650,6 +696,7 @@ _DIGITS = {"pred. ms/step": 3, "CPU s to target": 1, "cosine Linear": 3, "cosine
 _GRID = [
     "model",
     "strategy",
+    "run_as",
     "world_size",
     "global_batch",
     "lr_multiplier",
@@ -677,6 +724,9 @@ def _pm(mean: float, std: float, digits: int) -> str:
 
 def _markdown_frame(cells: pd.DataFrame) -> pd.DataFrame:
     show = cells.copy()
+    show["strategy"] = [
+        r.strategy + (f" (= {r.run_as}'s runs)" if r.run_as else "") for r in show.itertuples()
+    ]
     show["lr"] = [
         f"{r.lr:.4g} (x{r.lr_multiplier:g}{', grid edge' if r.lr_at_grid_edge else ''})"
         for r in show.itertuples()
@@ -713,8 +763,15 @@ def coverage(runs: pd.DataFrame) -> list[str]:
     """What the table holds, per (model, P): each configuration's multipliers and seeds
     (configurations with the same points listed together), so a sweep run in parts (rows
     merged with ``tables convergence_scale --rows A B``) shows which grid points it covers."""
-    lines = [f"Grid points in this table: {len(runs)} runs (cells not listed were not run)."]
-    for (model, p), g in runs.groupby(["model", "world_size"], sort=True):
+    real = runs[runs.get("run_as", runs["strategy"]) == runs["strategy"]]
+    stand_ins = len(runs) - len(real)
+    lines = [f"Grid points in this table: {len(real)} runs (cells not listed were not run)."]
+    if stand_ins:
+        lines.append(
+            f"At P=1 another K-FAC configuration's run stands for {stand_ins} more grid points "
+            "(`run_as`): one rank computes the same step under every K-FAC configuration."
+        )
+    for (model, p), g in real.groupby(["model", "world_size"], sort=True):
         same: dict[str, list[str]] = {}
         for strategy, c in g.groupby("strategy", sort=True):
             same.setdefault(_points(c), []).append(str(strategy))
@@ -736,7 +793,7 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         return paths
     if "pred_chosen" in runs:  # empty in a CSV read back: NaN, which is truthy
         runs["pred_chosen"] = runs["pred_chosen"].fillna("")
-    runs = choose_lr(runs)
+    runs = choose_lr(with_one_rank_stand_ins(runs))
     grid = runs[_GRID].rename(columns={"val_mean": "val_acc_mean_over_seeds"})
     grid.to_csv(paths["csv"], index=False)
     cells = cells_frame(runs)
