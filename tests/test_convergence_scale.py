@@ -276,12 +276,13 @@ def test_one_rank_stand_ins_fill_only_missing_points_and_name_their_run() -> Non
             _row("dp_kfac", 1, 0, 0.5, final_acc=0.91),
             _row("dp_kfac", 1, 1, 0.5, final_acc=0.92),
             _row("d_kfac", 1, 0, 0.5, final_acc=0.93),  # a real run: kept as it is
-            _row("kaisa_mem_opt", 1, 1, 0.5, final_acc=0.94),  # the only source of seed 1?
+            _row("kaisa_mem_opt", 1, 1, 0.5, final_acc=0.94),  # a real run of its own: kept
             _row("kaisa_mem_opt", 4, 0, 0.5),
             _row("none", 1, 0, 0.5),
             _row("none", 4, 0, 0.5),
         ]
     )
+    # Rows from before ``run_as`` existed (NaN) mix with rows that carry it.
     rows.loc[rows["strategy"] == "kaisa_mem_opt", "run_as"] = "kaisa_mem_opt"
     out = cs.with_one_rank_stand_ins(rows)
     one = out[out["world_size"] == 1].set_index(["strategy", "seed"])
