@@ -234,10 +234,33 @@ def predicted_iteration(
     }
 
 
-def reached(history: Sequence[Mapping[str, Any]], target: float) -> tuple[float, float]:
-    """(steps, epochs) of the first evaluation at or above ``target`` test accuracy (NaN: never)."""
-    hit = next((h for h in history if float(h.get("accuracy", -1.0)) >= target), None)
+def reached(curve: Sequence[Mapping[str, Any]], target: float) -> tuple[float, float]:
+    """(steps, epochs) of the evaluation from which the test accuracy stays at or above
+    ``target`` to the end of the run (NaN: the run ends below it).
+
+    Not the first crossing: where training plateaus near the target (the MNIST-1D CNN
+    at P=4 sits at 0.92-0.96 until its learning-rate drop), the first evaluation above
+    it is decided by evaluation noise, and a run that crosses once and falls back for
+    six epochs has not reached it in any sense a user would time.
+    """
+    hit = None
+    for point in reversed(curve):
+        if not float(point["test_acc"]) >= target:  # NaN (a diverged run) is below
+            break
+        hit = point
     return (math.nan, math.nan) if hit is None else (float(hit["step"]), float(hit["epoch"]))
+
+
+def with_steps_to_target(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs with steps and epochs to target recomputed from each run's curve by
+    :func:`reached`, so rows merged from older sweeps follow today's definition."""
+    runs = runs.copy()
+    hits = [
+        reached(json.loads(c), float(t)) for c, t in zip(runs["curve"], runs["target"], strict=True)
+    ]
+    runs["steps_to_target"] = [s for s, _ in hits]
+    runs["epochs_to_target"] = [e for _, e in hits]
+    return runs
 
 
 def _records(path: Path) -> tuple[list[float], list[dict[str, Any]]]:
@@ -289,7 +312,6 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
     seconds = time.perf_counter() - started
     history = json.loads((train_dir / "metrics.json").read_text())["history"]
     target = float(node.targets[str(node.experiment)])
-    steps, epochs = reached(history, target)
     times, probes = _records(train_dir / RECORD)
     model, example = model_and_input(train_cfg)
     per_kind = fidelity_by_kind(probes, layer_kinds(model))
@@ -308,6 +330,7 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
         for h in history
         if "accuracy" in h
     ]
+    steps, epochs = reached(curve, target)
     row = {
         "task": TASK,
         "model": str(node.experiment),
@@ -793,7 +816,7 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         return paths
     if "pred_chosen" in runs:  # empty in a CSV read back: NaN, which is truthy
         runs["pred_chosen"] = runs["pred_chosen"].fillna("")
-    runs = choose_lr(with_one_rank_stand_ins(runs))
+    runs = choose_lr(with_one_rank_stand_ins(with_steps_to_target(runs)))
     grid = runs[_GRID].rename(columns={"val_mean": "val_acc_mean_over_seeds"})
     grid.to_csv(paths["csv"], index=False)
     cells = cells_frame(runs)
@@ -815,7 +838,9 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         "are compared on the seeds they all ran, extra seeds at one of them count in its",
         "spread, not in the choice).",
         "Steps and epochs to target: the",
-        "first evaluation (one per epoch) at or above the target test accuracy, mean ± std",
+        "evaluation (one per epoch) from which the test accuracy stays at or above the target",
+        "to the end of the run (not its first crossing, which noise decides where a run",
+        "plateaus near the target), mean ± std",
         "over the seeds that reached it; the takeaway's spread is d_kfac's min–max over",
         "seeds widened by one evaluation interval. cosine: the fidelity probe (owner-local",
         "against all-ranks factors, on the owner; every strategy config measures it, only",
