@@ -660,6 +660,19 @@ def _check_convergence_scale(node: DictConfig) -> None:
     kfac = sorted(kfac_configs())
     if node.get("one_rank_kfac") not in (None, *kfac):
         raise bad("one_rank_kfac", f"null or a K-FAC strategy config, one of {kfac}")
+    same = node.get("same_step")
+    if (same is not None and not isinstance(same, DictConfig)) or not all(
+        k in kfac and v in kfac and k != v for k, v in (same or {}).items()
+    ):
+        raise bad("same_step", f"null or a mapping between two different configs of {kfac}")
+    check = node.get("same_step_check")
+    if same and not (
+        isinstance(check, DictConfig)
+        and _is_number(check.get("lr_multiplier"))
+        and _is_int(check.get("seed"))
+        and check.get("seed") >= 0
+    ):
+        raise bad("same_step_check", "{lr_multiplier: a number, seed: a seed} for same_step")
     if not isinstance(node.get("overrides"), ListConfig):
         raise bad("overrides", "a list of training overrides")
 

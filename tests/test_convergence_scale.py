@@ -75,6 +75,10 @@ def test_the_preset_composes_and_validates() -> None:
         ("convergence_scale.max_world_size={digits_cnn:0}", "convergence_scale.max_world_size="),
         ("convergence_scale.one_rank_kfac=none", "convergence_scale.one_rank_kfac='none'"),
         ("convergence_scale.one_rank_kfac=dp-kfac", "convergence_scale.one_rank_kfac='dp-kfac'"),
+        ("+convergence_scale.same_step.kaisa=d_kfac", "convergence_scale.same_step="),
+        ("convergence_scale.same_step.kaisa_mem_opt=kaisa_mem_opt", "convergence_scale.same_step="),
+        ("convergence_scale.same_step_check=null", "convergence_scale.same_step_check=None"),
+        ("convergence_scale.same_step_check.seed=-1", "convergence_scale.same_step_check="),
     ],
 )
 def test_bad_values_are_named(override: str, named: str) -> None:
@@ -96,6 +100,14 @@ def test_learning_rate_rule_and_skips() -> None:
     assert cs.skip_reason(_compose("world_size=64", "seed=2")) is None
     limited = _compose("world_size=64", "+convergence_scale.max_world_size.mnist1d_mlp=16")
     assert "up to P=16" in str(cs.skip_reason(limited))
+    # A configuration that computes another's step trains at its check point only (P > 1).
+    twin = ("strategy=kaisa_mem_opt", "world_size=16")
+    check = ("convergence_scale.lr_multiplier=0.5", "seed=0")
+    assert cs.skip_reason(_compose(*twin, *check)) is None
+    assert "d_kfac's step" in str(cs.skip_reason(_compose(*twin, check[0], "seed=1")))
+    assert "x0.5 seed 0 only" in str(cs.skip_reason(_compose(*twin, "seed=0")))  # x1
+    assert cs.skip_reason(_compose(*twin, "seed=1", "convergence_scale.same_step=null")) is None
+    assert cs.skip_reason(_compose("strategy=d_kfac", "world_size=16", "seed=1")) is None
 
 
 def test_the_job_trains_what_the_study_fixes_and_prices_it(tmp_path: Path) -> None:
@@ -125,6 +137,37 @@ def _sweep_strategies() -> list[str]:
     return line.split(":", 1)[1].strip().split(",")
 
 
+def _trained(tmp_path: Path, strategy: str, p: int, steps: int = 12) -> dict[str, Any]:
+    """The checkpoint after ``steps`` steps of this grid point's own training config."""
+    import torch
+
+    from experiments.train import run
+
+    overrides = f'convergence_scale.overrides=["data.fake=true","trainer.max_steps={steps}"]'
+    cfg = _compose(f"strategy={strategy}", f"world_size={p}", overrides)
+    train = cs.training_config(cfg, tmp_path / f"{strategy}_{p}")
+    train.trainer.checkpoint_every_steps = steps
+    run(train)
+    path = tmp_path / f"{strategy}_{p}" / "checkpoints" / "last.pt"
+    return torch.load(path, weights_only=False)
+
+
+def _assert_same_step(reference: dict[str, Any], state: dict[str, Any], name: str) -> None:
+    """Bitwise the same parameters, momentum buffers and history (wall time aside)."""
+    import torch
+
+    for key, value in reference["model"].items():
+        assert torch.equal(value, state["model"][key]), (name, key)
+    momenta = [s["momentum_buffer"] for s in reference["optimizer"]["state"].values()]
+    theirs = [s["momentum_buffer"] for s in state["optimizer"]["state"].values()]
+    assert all(torch.equal(a, b) for a, b in zip(momenta, theirs, strict=True)), name
+    untimed = [
+        [{k: v for k, v in h.items() if k != "wall_time_s"} for h in c["history"]]
+        for c in (state, reference)
+    ]
+    assert untimed[0] == untimed[1], name
+
+
 def test_at_one_rank_every_kfac_configuration_trains_the_same_parameters(
     tmp_path: Path,
 ) -> None:
@@ -132,40 +175,36 @@ def test_at_one_rank_every_kfac_configuration_trains_the_same_parameters(
     each of the sweep's K-FAC configurations, trained 12 steps by the job's own training
     config on one rank, ends with bitwise the same parameters, optimizer state and
     history as dp_kfac; and the others' P=1 jobs are skipped, SGD's and dp_kfac's not."""
-    import torch
-
-    from experiments.train import run
-
-    overrides = 'convergence_scale.overrides=["data.fake=true","trainer.max_steps=12"]'
     states = {}
     for strategy in _sweep_strategies():
-        cfg = _compose(f"strategy={strategy}", "world_size=1", overrides)
-        skipped = cs.skip_reason(cfg)
+        skipped = cs.skip_reason(_compose(f"strategy={strategy}", "world_size=1"))
         assert (skipped is None) == (strategy in ("none", "dp_kfac")), (strategy, skipped)
-        if strategy == "none":
-            continue
-        train = cs.training_config(cfg, tmp_path / strategy)
-        train.trainer.checkpoint_every_steps = 12
-        run(train)
-        states[strategy] = torch.load(
-            tmp_path / strategy / "checkpoints" / "last.pt", weights_only=False
-        )
+        if strategy != "none":
+            states[strategy] = _trained(tmp_path, strategy, 1)
     reference = states.pop("dp_kfac")
     assert len(states) >= 3
     for strategy, state in states.items():
-        for key, value in reference["model"].items():
-            assert torch.equal(value, state["model"][key]), (strategy, key)
-        momenta = [s["momentum_buffer"] for s in reference["optimizer"]["state"].values()]
-        theirs = [s["momentum_buffer"] for s in state["optimizer"]["state"].values()]
-        assert all(torch.equal(a, b) for a, b in zip(momenta, theirs, strict=True)), strategy
-        untimed = [
-            [{k: v for k, v in h.items() if k != "wall_time_s"} for h in c["history"]]
-            for c in (state, reference)
-        ]
-        assert untimed[0] == untimed[1], strategy
+        _assert_same_step(reference, state, strategy)
     assert cs.skip_reason(_compose("strategy=d_kfac", "world_size=4")) is None
     every = _compose("strategy=d_kfac", "world_size=1", "convergence_scale.one_rank_kfac=null")
     assert cs.skip_reason(every) is None
+
+
+def test_at_four_ranks_each_same_step_configuration_trains_its_twins_parameters(
+    tmp_path: Path,
+) -> None:
+    """What lets the sweep train kaisa_mem_opt and grouped_auto at one grid point per
+    (model, P) (``same_step``): at P=4, as threads, each ends 12 steps bitwise where its
+    twin does (kaisa_mem_opt: d_kfac's averaged factors and decompositions, one rank
+    preconditions; grouped_auto: its cost model picks dp_kfac's k = 1, f = 1/P here)."""
+    same = _compose().convergence_scale.same_step
+    assert set(same) == {"kaisa_mem_opt", "grouped_auto"}
+    states = {s: _trained(tmp_path, s, 4) for s in [*same, *same.values()]}
+    for strategy, twin in same.items():
+        assert strategy in _sweep_strategies() and twin in _sweep_strategies()
+        _assert_same_step(states[twin], states[strategy], strategy)
+    with pytest.raises(AssertionError):  # what the check tells apart: local against averaged
+        _assert_same_step(states["dp_kfac"], states["d_kfac"], "d_kfac")
 
 
 # ------------------------------------------------------------------- writer
@@ -334,6 +373,48 @@ def test_one_rank_stand_ins_fill_only_missing_points_and_name_their_run() -> Non
     assert cells.loc[("d_kfac", 1), "run_as"] == "dp_kfac"
     assert cells.loc[("dp_kfac", 1), "run_as"] == ""
     assert cells.loc[("kaisa_mem_opt", 4), "run_as"] == ""
+
+
+def test_same_step_stand_ins_fill_only_where_the_runs_are_bitwise_equal() -> None:
+    """At P > 1 a configuration whose runs equal another's (kaisa_mem_opt and d_kfac) takes
+    the other's runs for its missing points, priced as its own step; one whose run differs
+    (grouped_auto here) keeps its own; SGD, P=1 and a configuration with as many points as
+    its match get none; applying it twice adds nothing."""
+    rows = [
+        _row(s, 16, seed, m) for s in ("d_kfac", "dp_kfac") for seed in (0, 1) for m in (0.5, 1)
+    ]
+    for r in rows:  # every run a different curve
+        r["final_acc"] = hash((r["strategy"], r["seed"], r["lr_multiplier"])) % 1000 / 1000
+    twin = {**rows[0], "strategy": "kaisa_mem_opt", "pred_iteration_s": 0.002}
+    other = {**rows[4], "strategy": "grouped_auto", "final_val_acc": 0.5}  # differs
+    sgd = [_row("none", 16, 0, 0.5), _row("none", 16, 1, 0.5)]
+    one_rank = [_row("d_kfac", 1, 0, 0.5), _row("d_kfac", 1, 1, 0.5), _row("dp_kfac", 1, 0, 0.5)]
+    frame = pd.DataFrame([*rows, twin, other, *sgd, *one_rank])
+    out = cs.with_same_step_stand_ins(frame)
+    added = out.iloc[len(frame) :]
+    assert set(added["strategy"]) == {"kaisa_mem_opt"} and set(added["run_as"]) == {"d_kfac"}
+    assert len(added) == 3 and set(added["world_size"]) == {16}
+    d = frame[(frame["strategy"] == "d_kfac") & (frame["world_size"] == 16)]
+    d = d.set_index(["lr_multiplier", "seed"])
+    for r in added.itertuples():
+        assert r.final_acc == d.loc[(r.lr_multiplier, r.seed), "final_acc"]
+        assert r.pred_iteration_s == 0.002 and math.isnan(r.step_s)  # its own price, no time
+    assert len(cs.with_same_step_stand_ins(out)) == len(out)
+    cells = cs.cells_frame(cs.choose_lr(out)).set_index(["strategy", "P"])
+    kaisa = cells.loc[("kaisa_mem_opt", 16)]
+    assert (kaisa["run_as"], kaisa["pred_iteration_ms"]) == ("d_kfac", pytest.approx(2.0))
+    assert (
+        cells.loc[("grouped_auto", 16), "run_as"],
+        cells.loc[("grouped_auto", 16), "seeds"],
+    ) == (
+        "",
+        1,
+    )
+    lines = cs.coverage(out)
+    assert any("kaisa_mem_opt's runs (multipliers 0.5; seeds 0) equal d_kfac's" in x for x in lines)
+    assert any("stand for 3 more of kaisa_mem_opt's grid points" in x for x in lines)
+    shown = cs._markdown_frame(cells.reset_index())
+    assert "kaisa_mem_opt (with d_kfac's runs)" in set(shown["configuration"])
 
 
 def test_a_failed_job_is_listed_not_dropped(tmp_path: Path) -> None:

@@ -101,13 +101,22 @@ def learning_rate(node: DictConfig | Mapping[str, Any], world_size: int) -> floa
 def skip_reason(cfg: DictConfig) -> str | None:
     """Why this grid point is not run (None: run it). A Hydra sweep is a full product; the
     preset keeps fewer seeds at large P (``seeds_at``: P -> seeds), stops an experiment
-    at the P its data allows (``max_world_size``: experiment -> P) and, at P=1, trains
-    one K-FAC configuration for all (``one_rank_kfac``: :func:`with_one_rank_stand_ins`)."""
+    at the P its data allows (``max_world_size``: experiment -> P), at P=1 trains one
+    K-FAC configuration for all (``one_rank_kfac``: :func:`with_one_rank_stand_ins`) and
+    at P > 1 trains a configuration that computes another's step at one grid point
+    (``same_step``: :func:`with_same_step_stand_ins`)."""
     node = cfg.convergence_scale
     p, experiment = int(cfg.world_size), str(node.experiment)
     one_rank, strategy = node.get("one_rank_kfac"), strategy_name(cfg.strategy)
     if p == 1 and one_rank and strategy not in (SGD, one_rank):
         return f"at P=1 every K-FAC configuration computes {one_rank}'s step: its runs stand in"
+    twin, check = (node.get("same_step") or {}).get(strategy), node.get("same_step_check")
+    point = (float(node.lr_multiplier), int(cfg.seed))
+    if p > 1 and twin and point != (float(check.lr_multiplier), int(check.seed)):
+        return (
+            f"{strategy} computes {twin}'s step: it trains at x{check.lr_multiplier} seed "
+            f"{check.seed} only, and {twin}'s runs stand in where that run equals {twin}'s"
+        )
     limit = (node.get("max_world_size") or {}).get(experiment)
     if limit is not None and p > int(limit):
         return f"{experiment} runs up to P={limit}"
@@ -407,6 +416,76 @@ def choose_lr(runs: pd.DataFrame) -> pd.DataFrame:
     return runs
 
 
+#: What a stand-in keeps of its own configuration: the cost model prices its own step.
+PRICED = ("pred_iteration_s", "pred_hardware", "pred_chosen")
+
+
+def _with_run_as(runs: pd.DataFrame) -> pd.DataFrame:
+    """A copy of the runs whose ``run_as`` is filled (rows from before it existed are real)."""
+    runs = runs.copy()
+    if "run_as" not in runs:
+        runs["run_as"] = runs["strategy"]
+    runs["run_as"] = runs["run_as"].fillna(runs["strategy"])
+    return runs
+
+
+def _stand_in(source: Mapping[str, Any], strategy: str, **own: Any) -> dict[str, Any]:
+    """``source``'s run as a grid point of ``strategy``: marked, and without a measured time."""
+    return {
+        **source,
+        "strategy": strategy,
+        "run_as": source["strategy"],
+        "step_s": math.nan,
+        "seconds": math.nan,
+        **own,
+    }
+
+
+def with_same_step_stand_ins(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs, plus stand-ins at P > 1 for a configuration whose runs are another's.
+
+    Per (model, P > 1), a K-FAC configuration X whose every real run equals another
+    configuration R's run at the same (multiplier, seed) bitwise (curve and final
+    accuracies), where R ran more grid points, takes R's runs for its missing points
+    (``run_as`` R), priced as X's own step. The sweep trains kaisa_mem_opt and
+    grouped_auto at one point only (``same_step``), but nothing here trusts that
+    list: a run that differs matches nothing, and its configuration keeps its own
+    points only.
+    """
+    runs = _with_run_as(runs)
+    real = runs[
+        (runs["run_as"] == runs["strategy"]) & (runs["strategy"] != SGD) & (runs["world_size"] > 1)
+    ]
+    same = ["curve", "final_acc", "final_val_acc"]
+    points = runs.groupby(["model", "world_size", "strategy"])[["lr_multiplier", "seed"]]
+    added = []
+    for (model, p), group in real.groupby(["model", "world_size"], sort=False):
+        by = {
+            str(s): g.drop_duplicates(["lr_multiplier", "seed"]).set_index(
+                ["lr_multiplier", "seed"]
+            )
+            for s, g in group.groupby("strategy", sort=False)
+        }
+        for x, mine in by.items():
+            twins = [
+                r
+                for r, theirs in by.items()
+                if len(theirs) > len(mine)
+                and mine.index.isin(theirs.index).all()
+                and theirs.loc[mine.index, same].equals(mine[same])
+            ]
+            if not twins:
+                continue
+            r = max(twins, key=lambda s: len(by[s]))
+            own = {k: mine[k].iloc[0] for k in PRICED if k in mine}
+            have = set(map(tuple, points.get_group((model, p, x)).to_numpy().tolist()))
+            for (m, seed), source in by[r].iterrows():
+                if (m, seed) not in have:
+                    point = {**source.to_dict(), "lr_multiplier": m, "seed": seed}
+                    added.append(_stand_in(point, x, **own))
+    return pd.concat([runs, pd.DataFrame(added)], ignore_index=True) if added else runs
+
+
 def with_one_rank_stand_ins(runs: pd.DataFrame) -> pd.DataFrame:
     """The runs, plus a stand-in for every P=1 grid point a K-FAC configuration skipped.
 
@@ -418,10 +497,7 @@ def with_one_rank_stand_ins(runs: pd.DataFrame) -> pd.DataFrame:
     ``seconds``): the price is the cost model's, the same step's. Real runs keep
     ``run_as`` = their own configuration and are never replaced.
     """
-    runs = runs.copy()
-    if "run_as" not in runs:
-        runs["run_as"] = runs["strategy"]
-    runs["run_as"] = runs["run_as"].fillna(runs["strategy"])
+    runs = _with_run_as(runs)
     kfac = runs[runs["strategy"] != SGD]
     one = kfac[(kfac["world_size"] == 1) & (kfac["run_as"] == kfac["strategy"])]
     added = []
@@ -435,15 +511,7 @@ def with_one_rank_stand_ins(runs: pd.DataFrame) -> pd.DataFrame:
             have = set(zip(own["lr_multiplier"], own["seed"], strict=True))
             for r in sources.to_dict("records"):
                 if (r["lr_multiplier"], r["seed"]) not in have:
-                    added.append(
-                        {
-                            **r,
-                            "strategy": strategy,
-                            "run_as": r["strategy"],
-                            "step_s": math.nan,
-                            "seconds": math.nan,
-                        }
-                    )
+                    added.append(_stand_in(r, strategy))
     return pd.concat([runs, pd.DataFrame(added)], ignore_index=True) if added else runs
 
 
@@ -487,6 +555,7 @@ def cells_frame(runs: pd.DataFrame) -> pd.DataFrame:
             "lr_at_grid_edge": m in (grid[0], grid[-1]),
             "val_acc": float(cell["final_val_acc"].mean()),
             "seeds": len(cell),
+            "stand_ins": int((cell["run_as"] != strategy).sum()) if "run_as" in cell else 0,
             "reached": len(hit),
             "steps_to_target": s_mean,
             "steps_std": s_std,
@@ -748,7 +817,9 @@ def _pm(mean: float, std: float, digits: int) -> str:
 def _markdown_frame(cells: pd.DataFrame) -> pd.DataFrame:
     show = cells.copy()
     show["strategy"] = [
-        r.strategy + (f" (= {r.run_as}'s runs)" if r.run_as else "") for r in show.itertuples()
+        r.strategy
+        + (f" ({'=' if r.stand_ins == r.seeds else 'with'} {r.run_as}'s runs)" if r.run_as else "")
+        for r in show.itertuples()
     ]
     show["lr"] = [
         f"{r.lr:.4g} (x{r.lr_multiplier:g}{', grid edge' if r.lr_at_grid_edge else ''})"
@@ -786,13 +857,25 @@ def coverage(runs: pd.DataFrame) -> list[str]:
     """What the table holds, per (model, P): each configuration's multipliers and seeds
     (configurations with the same points listed together), so a sweep run in parts (rows
     merged with ``tables convergence_scale --rows A B``) shows which grid points it covers."""
-    real = runs[runs.get("run_as", runs["strategy"]) == runs["strategy"]]
-    stand_ins = len(runs) - len(real)
+    runs = _with_run_as(runs)
+    real = runs[runs["run_as"] == runs["strategy"]]
     lines = [f"Grid points in this table: {len(real)} runs (cells not listed were not run)."]
-    if stand_ins:
+    stand_ins = runs[runs["run_as"] != runs["strategy"]]
+    if (stand_ins["world_size"] == 1).any():
         lines.append(
-            f"At P=1 another K-FAC configuration's run stands for {stand_ins} more grid points "
-            "(`run_as`): one rank computes the same step under every K-FAC configuration."
+            f"At P=1 another K-FAC configuration's run stands for "
+            f"{int((stand_ins['world_size'] == 1).sum())} more grid points (`run_as`): one "
+            "rank computes the same step under every K-FAC configuration."
+        )
+    twins = stand_ins[stand_ins["world_size"] > 1].groupby(
+        ["model", "world_size", "strategy", "run_as"], sort=True
+    )
+    for (model, p, x, r), g in twins:
+        own = real[(real["model"] == model) & (real["world_size"] == p) & (real["strategy"] == x)]
+        lines.append(
+            f"{model}, P={int(p)}: {x}'s runs ({_points(own)}) equal {r}'s at the same points "
+            f"bitwise (curve and final accuracies), so {r}'s runs stand for {len(g)} more of "
+            f"{x}'s grid points (`run_as`)."
         )
     for (model, p), g in real.groupby(["model", "world_size"], sort=True):
         same: dict[str, list[str]] = {}
@@ -816,7 +899,8 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         return paths
     if "pred_chosen" in runs:  # empty in a CSV read back: NaN, which is truthy
         runs["pred_chosen"] = runs["pred_chosen"].fillna("")
-    runs = choose_lr(with_one_rank_stand_ins(with_steps_to_target(runs)))
+    runs = with_same_step_stand_ins(with_steps_to_target(runs))
+    runs = choose_lr(with_one_rank_stand_ins(runs))
     grid = runs[_GRID].rename(columns={"val_mean": "val_acc_mean_over_seeds"})
     grid.to_csv(paths["csv"], index=False)
     cells = cells_frame(runs)
