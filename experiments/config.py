@@ -666,13 +666,13 @@ def _check_convergence_scale(node: DictConfig) -> None:
     ):
         raise bad("same_step", f"null or a mapping between two different configs of {kfac}")
     check = node.get("same_step_check")
-    if same and not (
+    if (same or node.get("one_rank_kfac")) and not (
         isinstance(check, DictConfig)
         and _is_number(check.get("lr_multiplier"))
         and _is_int(check.get("seed"))
         and check.get("seed") >= 0
     ):
-        raise bad("same_step_check", "{lr_multiplier: a number, seed: a seed} for same_step")
+        raise bad("same_step_check", "{lr_multiplier: a number, seed: a seed}")
     if not isinstance(node.get("overrides"), ListConfig):
         raise bad("overrides", "a list of training overrides")
 

@@ -176,9 +176,11 @@ def test_at_one_rank_every_kfac_configuration_trains_the_same_parameters(
     config on one rank, ends with bitwise the same parameters, optimizer state and
     history as dp_kfac; and the others' P=1 jobs are skipped, SGD's and dp_kfac's not."""
     states = {}
+    check = ("world_size=1", "convergence_scale.lr_multiplier=0.5", "seed=0")
     for strategy in _sweep_strategies():
-        skipped = cs.skip_reason(_compose(f"strategy={strategy}", "world_size=1"))
+        skipped = cs.skip_reason(_compose(f"strategy={strategy}", "world_size=1"))  # x1
         assert (skipped is None) == (strategy in ("none", "dp_kfac")), (strategy, skipped)
+        assert cs.skip_reason(_compose(f"strategy={strategy}", *check)) is None
         if strategy != "none":
             states[strategy] = _trained(tmp_path, strategy, 1)
     reference = states.pop("dp_kfac")
@@ -188,6 +190,9 @@ def test_at_one_rank_every_kfac_configuration_trains_the_same_parameters(
     assert cs.skip_reason(_compose("strategy=d_kfac", "world_size=4")) is None
     every = _compose("strategy=d_kfac", "world_size=1", "convergence_scale.one_rank_kfac=null")
     assert cs.skip_reason(every) is None
+    assert "d_kfac computes dp_kfac's step on one rank" in str(
+        cs.skip_reason(_compose("strategy=d_kfac", "world_size=1"))
+    )
 
 
 def test_at_four_ranks_each_same_step_configuration_trains_its_twins_parameters(
@@ -340,46 +345,11 @@ def test_the_writer_chooses_on_validation_and_states_the_claim(tmp_path: Path) -
     )
 
 
-def test_one_rank_stand_ins_fill_only_missing_points_and_name_their_run() -> None:
-    """At P=1 a K-FAC configuration's missing grid points take a run of another (dp_kfac's
-    first), marked ``run_as`` and without a measured time; real runs are never replaced,
-    SGD gets none, a configuration the model never ran gets none, and applying it twice
-    adds nothing."""
-    rows = pd.DataFrame(
-        [
-            _row("dp_kfac", 1, 0, 0.5, final_acc=0.91),
-            _row("dp_kfac", 1, 1, 0.5, final_acc=0.92),
-            _row("d_kfac", 1, 0, 0.5, final_acc=0.93),  # a real run: kept as it is
-            _row("kaisa_mem_opt", 1, 1, 0.5, final_acc=0.94),  # a real run of its own: kept
-            _row("kaisa_mem_opt", 4, 0, 0.5),
-            _row("none", 1, 0, 0.5),
-            _row("none", 4, 0, 0.5),
-        ]
-    )
-    # Rows from before ``run_as`` existed (NaN) mix with rows that carry it.
-    rows.loc[rows["strategy"] == "kaisa_mem_opt", "run_as"] = "kaisa_mem_opt"
-    out = cs.with_one_rank_stand_ins(rows)
-    one = out[out["world_size"] == 1].set_index(["strategy", "seed"])
-    assert tuple(one.loc[("d_kfac", 0), ["run_as", "final_acc"]]) == ("d_kfac", 0.93)
-    assert tuple(one.loc[("d_kfac", 1), ["run_as", "final_acc"]]) == ("dp_kfac", 0.92)
-    assert math.isnan(one.loc[("d_kfac", 1), "step_s"])
-    assert one.loc[("kaisa_mem_opt", 0), "run_as"] == "dp_kfac"  # dp_kfac first
-    assert one.loc[("kaisa_mem_opt", 1), "run_as"] == "kaisa_mem_opt"
-    assert one.loc[("dp_kfac", 1), "run_as"] == "dp_kfac"
-    assert len(one.loc["none"]) == 1 and "grouped_auto" not in set(out["strategy"])
-    assert len(out) == len(rows) + 2  # d_kfac seed 1 and kaisa_mem_opt seed 0
-    assert len(cs.with_one_rank_stand_ins(out)) == len(out)
-    cells = cs.cells_frame(cs.choose_lr(out)).set_index(["strategy", "P"])
-    assert cells.loc[("d_kfac", 1), "run_as"] == "dp_kfac"
-    assert cells.loc[("dp_kfac", 1), "run_as"] == ""
-    assert cells.loc[("kaisa_mem_opt", 4), "run_as"] == ""
-
-
 def test_same_step_stand_ins_fill_only_where_the_runs_are_bitwise_equal() -> None:
-    """At P > 1 a configuration whose runs equal another's (kaisa_mem_opt and d_kfac) takes
-    the other's runs for its missing points, priced as its own step; one whose run differs
-    (grouped_auto here) keeps its own; SGD, P=1 and a configuration with as many points as
-    its match get none; applying it twice adds nothing."""
+    """A configuration whose runs equal another's (kaisa_mem_opt and d_kfac at P=16, d_kfac
+    and dp_kfac at P=1) takes the other's runs for its missing points, priced as its own
+    step; one whose run differs (grouped_auto here) keeps its own; SGD and a configuration
+    with as many points as its match get none; applying it twice adds nothing."""
     rows = [
         _row(s, 16, seed, m) for s in ("d_kfac", "dp_kfac") for seed in (0, 1) for m in (0.5, 1)
     ]
@@ -388,12 +358,17 @@ def test_same_step_stand_ins_fill_only_where_the_runs_are_bitwise_equal() -> Non
     twin = {**rows[0], "strategy": "kaisa_mem_opt", "pred_iteration_s": 0.002}
     other = {**rows[4], "strategy": "grouped_auto", "final_val_acc": 0.5}  # differs
     sgd = [_row("none", 16, 0, 0.5), _row("none", 16, 1, 0.5)]
-    one_rank = [_row("d_kfac", 1, 0, 0.5), _row("d_kfac", 1, 1, 0.5), _row("dp_kfac", 1, 0, 0.5)]
+    one_rank = [_row("dp_kfac", 1, 0, 0.5), _row("dp_kfac", 1, 1, 0.5), _row("d_kfac", 1, 0, 0.5)]
     frame = pd.DataFrame([*rows, twin, other, *sgd, *one_rank])
     out = cs.with_same_step_stand_ins(frame)
     added = out.iloc[len(frame) :]
+    one = added[added["world_size"] == 1]
+    assert list(zip(one["strategy"], one["run_as"], one["seed"], strict=True)) == [
+        ("d_kfac", "dp_kfac", 1)
+    ]
+    added = added[added["world_size"] == 16]
     assert set(added["strategy"]) == {"kaisa_mem_opt"} and set(added["run_as"]) == {"d_kfac"}
-    assert len(added) == 3 and set(added["world_size"]) == {16}
+    assert len(added) == 3
     d = frame[(frame["strategy"] == "d_kfac") & (frame["world_size"] == 16)]
     d = d.set_index(["lr_multiplier", "seed"])
     for r in added.itertuples():
@@ -503,7 +478,7 @@ def test_a_tiny_sweep_writes_the_table(tmp_path: Path) -> None:
         "-m",
         "table=convergence_scale",
         "convergence_scale.experiment=mnist1d_mlp",
-        "strategy=none,dp_kfac,d_kfac",
+        "strategy=none,dp_kfac,d_kfac,kaisa_mem_opt",
         "world_size=1,4",
         "seed=0",
         "convergence_scale.lr_multiplier=0.5,2",
@@ -516,16 +491,18 @@ def test_a_tiny_sweep_writes_the_table(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    grid = pd.read_csv(results / "convergence_scale.csv")
-    assert len(grid) == 3 * 2 * 2  # d_kfac's P=1 grid points: dp_kfac's runs stand in
-    one = grid[grid["world_size"] == 1].set_index(["strategy", "lr_multiplier"])
-    trained = {"none": "none", "dp_kfac": "dp_kfac", "d_kfac": "dp_kfac"}
-    assert all(trained[s] == a for (s, _), a in one["run_as"].items())
-    for m in (0.5, 2):
-        assert one.loc[("d_kfac", m), "final_acc"] == one.loc[("dp_kfac", m), "final_acc"]
-        assert math.isnan(one.loc[("d_kfac", m), "step_s"])
-    four = grid[grid["world_size"] == 4]
-    assert (four["run_as"] == four["strategy"]).all()
+    grid = pd.read_csv(results / "convergence_scale.csv").set_index(["strategy", "world_size"])
+    assert len(grid) == 4 * 2 * 2  # every grid point: trained, or another's run standing in
+    # Trained at x0.5 only (seed 0): d_kfac and kaisa_mem_opt at P=1 (dp_kfac's step), and
+    # kaisa_mem_opt at P=4 (d_kfac's); their x2 points are their twins' runs.
+    stood = grid[grid["run_as"] != grid.index.get_level_values("strategy")]
+    assert set(stood.index) == {("d_kfac", 1), ("kaisa_mem_opt", 1), ("kaisa_mem_opt", 4)}
+    assert (stood["lr_multiplier"] == 2).all() and stood["step_s"].isna().all()
+    assert list(stood["run_as"]) == ["dp_kfac", "dp_kfac", "d_kfac"]
+    for (_, p), r in stood.iterrows():
+        twin = grid.loc[(r["run_as"], p)].set_index("lr_multiplier")
+        assert r["final_acc"] == twin.loc[2, "final_acc"]
+    grid = grid.reset_index()
     assert grid.groupby(["strategy", "world_size"])["chosen"].sum().eq(1).all()
     kfac4 = grid[(grid["world_size"] == 4) & (grid["strategy"] != "none")]
     assert kfac4["replicas_identical"].all()
@@ -533,9 +510,9 @@ def test_a_tiny_sweep_writes_the_table(tmp_path: Path) -> None:
     assert (grid["pred_iteration_s"] > 0).all()
     md = (results / "convergence_scale.md").read_text().split("\n")
     assert md[2].startswith("**Takeaway (mnist1d_mlp).**")
-    assert "| d_kfac (= dp_kfac's runs) | 1 |" in "\n".join(md)
-    assert "stands for 2 more grid points" in "\n".join(md)
-    assert "Grid points in this table: 10 runs" in "\n".join(md)
+    assert "so d_kfac's runs stand for 1 more of kaisa_mem_opt's grid points" in "\n".join(md)
+    assert "so dp_kfac's runs stand for 1 more of d_kfac's grid points" in "\n".join(md)
+    assert "Grid points in this table: 13 runs" in "\n".join(md)
     assert (results / "convergence_scale.png").exists()
     assert (results / "raw" / "convergence_scale.csv").exists()
 

@@ -101,21 +101,22 @@ def learning_rate(node: DictConfig | Mapping[str, Any], world_size: int) -> floa
 def skip_reason(cfg: DictConfig) -> str | None:
     """Why this grid point is not run (None: run it). A Hydra sweep is a full product; the
     preset keeps fewer seeds at large P (``seeds_at``: P -> seeds), stops an experiment
-    at the P its data allows (``max_world_size``: experiment -> P), at P=1 trains one
-    K-FAC configuration for all (``one_rank_kfac``: :func:`with_one_rank_stand_ins`) and
-    at P > 1 trains a configuration that computes another's step at one grid point
-    (``same_step``: :func:`with_same_step_stand_ins`)."""
+    at the P its data allows (``max_world_size``: experiment -> P) and trains a
+    configuration that computes another's step (every K-FAC configuration on one rank,
+    ``one_rank_kfac``; ``same_step`` above it) at one grid point (``same_step_check``),
+    where :func:`with_same_step_stand_ins` checks it and fills the rest."""
     node = cfg.convergence_scale
     p, experiment = int(cfg.world_size), str(node.experiment)
-    one_rank, strategy = node.get("one_rank_kfac"), strategy_name(cfg.strategy)
-    if p == 1 and one_rank and strategy not in (SGD, one_rank):
-        return f"at P=1 every K-FAC configuration computes {one_rank}'s step: its runs stand in"
-    twin, check = (node.get("same_step") or {}).get(strategy), node.get("same_step_check")
+    strategy = strategy_name(cfg.strategy)
+    one_rank = node.get("one_rank_kfac") if strategy != SGD else None
+    twin = one_rank if p == 1 else (node.get("same_step") or {}).get(strategy)
+    check = node.get("same_step_check")
     point = (float(node.lr_multiplier), int(cfg.seed))
-    if p > 1 and twin and point != (float(check.lr_multiplier), int(check.seed)):
+    if twin and twin != strategy and point != (float(check.lr_multiplier), int(check.seed)):
         return (
-            f"{strategy} computes {twin}'s step: it trains at x{check.lr_multiplier} seed "
-            f"{check.seed} only, and {twin}'s runs stand in where that run equals {twin}'s"
+            f"{strategy} computes {twin}'s step{' on one rank' if p == 1 else ''}: it trains at "
+            f"x{check.lr_multiplier} seed {check.seed} only, and {twin}'s runs stand in where "
+            f"that run equals {twin}'s"
         )
     limit = (node.get("max_world_size") or {}).get(experiment)
     if limit is not None and p > int(limit):
@@ -442,20 +443,19 @@ def _stand_in(source: Mapping[str, Any], strategy: str, **own: Any) -> dict[str,
 
 
 def with_same_step_stand_ins(runs: pd.DataFrame) -> pd.DataFrame:
-    """The runs, plus stand-ins at P > 1 for a configuration whose runs are another's.
+    """The runs, plus stand-ins for a configuration whose runs are another's.
 
-    Per (model, P > 1), a K-FAC configuration X whose every real run equals another
+    Per (model, P), a K-FAC configuration X whose every real run equals another
     configuration R's run at the same (multiplier, seed) bitwise (curve and final
     accuracies), where R ran more grid points, takes R's runs for its missing points
-    (``run_as`` R), priced as X's own step. The sweep trains kaisa_mem_opt and
-    grouped_auto at one point only (``same_step``), but nothing here trusts that
-    list: a run that differs matches nothing, and its configuration keeps its own
+    (``run_as`` R), priced as X's own step. The sweep trains such configurations at
+    one point only (on one rank every K-FAC configuration, ``one_rank_kfac``; above
+    it kaisa_mem_opt and grouped_auto, ``same_step``), but nothing here trusts those
+    lists: a run that differs matches nothing, and its configuration keeps its own
     points only.
     """
     runs = _with_run_as(runs)
-    real = runs[
-        (runs["run_as"] == runs["strategy"]) & (runs["strategy"] != SGD) & (runs["world_size"] > 1)
-    ]
+    real = runs[(runs["run_as"] == runs["strategy"]) & (runs["strategy"] != SGD)]
     same = ["curve", "final_acc", "final_val_acc"]
     points = runs.groupby(["model", "world_size", "strategy"])[["lr_multiplier", "seed"]]
     added = []
@@ -483,35 +483,6 @@ def with_same_step_stand_ins(runs: pd.DataFrame) -> pd.DataFrame:
                 if (m, seed) not in have:
                     point = {**source.to_dict(), "lr_multiplier": m, "seed": seed}
                     added.append(_stand_in(point, x, **own))
-    return pd.concat([runs, pd.DataFrame(added)], ignore_index=True) if added else runs
-
-
-def with_one_rank_stand_ins(runs: pd.DataFrame) -> pd.DataFrame:
-    """The runs, plus a stand-in for every P=1 grid point a K-FAC configuration skipped.
-
-    On one rank every K-FAC configuration computes the same step (its own factors are
-    the average, it owns every layer, nothing is sent), so the sweep trains one of them
-    there (``one_rank_kfac``) and its run is every other's at the same (model, multiplier,
-    seed), for the configurations the model ran at some P. A stand-in carries
-    ``run_as`` (the configuration that trained) and no measured time (``step_s``,
-    ``seconds``): the price is the cost model's, the same step's. Real runs keep
-    ``run_as`` = their own configuration and are never replaced.
-    """
-    runs = _with_run_as(runs)
-    kfac = runs[runs["strategy"] != SGD]
-    one = kfac[(kfac["world_size"] == 1) & (kfac["run_as"] == kfac["strategy"])]
-    added = []
-    for model, mine in kfac.groupby("model", sort=False):
-        sources = one[one["model"] == model]
-        # A source per (multiplier, seed): dp_kfac's run where it has one.
-        sources = sources.sort_values("strategy", key=lambda s: s != REFERENCE, kind="stable")
-        sources = sources.drop_duplicates(["lr_multiplier", "seed"])
-        for strategy in dict.fromkeys(mine["strategy"]):
-            own = mine[(mine["world_size"] == 1) & (mine["strategy"] == strategy)]
-            have = set(zip(own["lr_multiplier"], own["seed"], strict=True))
-            for r in sources.to_dict("records"):
-                if (r["lr_multiplier"], r["seed"]) not in have:
-                    added.append(_stand_in(r, strategy))
     return pd.concat([runs, pd.DataFrame(added)], ignore_index=True) if added else runs
 
 
@@ -861,15 +832,7 @@ def coverage(runs: pd.DataFrame) -> list[str]:
     real = runs[runs["run_as"] == runs["strategy"]]
     lines = [f"Grid points in this table: {len(real)} runs (cells not listed were not run)."]
     stand_ins = runs[runs["run_as"] != runs["strategy"]]
-    if (stand_ins["world_size"] == 1).any():
-        lines.append(
-            f"At P=1 another K-FAC configuration's run stands for "
-            f"{int((stand_ins['world_size'] == 1).sum())} more grid points (`run_as`): one "
-            "rank computes the same step under every K-FAC configuration."
-        )
-    twins = stand_ins[stand_ins["world_size"] > 1].groupby(
-        ["model", "world_size", "strategy", "run_as"], sort=True
-    )
+    twins = stand_ins.groupby(["model", "world_size", "strategy", "run_as"], sort=True)
     for (model, p, x, r), g in twins:
         own = real[(real["model"] == model) & (real["world_size"] == p) & (real["strategy"] == x)]
         lines.append(
@@ -899,8 +862,7 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         return paths
     if "pred_chosen" in runs:  # empty in a CSV read back: NaN, which is truthy
         runs["pred_chosen"] = runs["pred_chosen"].fillna("")
-    runs = with_same_step_stand_ins(with_steps_to_target(runs))
-    runs = choose_lr(with_one_rank_stand_ins(runs))
+    runs = choose_lr(with_same_step_stand_ins(with_steps_to_target(runs)))
     grid = runs[_GRID].rename(columns={"val_mean": "val_acc_mean_over_seeds"})
     grid.to_csv(paths["csv"], index=False)
     cells = cells_frame(runs)
