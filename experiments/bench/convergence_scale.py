@@ -346,7 +346,7 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
         "model": str(node.experiment),
         "label": f"{train_cfg.model._target_.rsplit('.', 1)[-1]} ({node.experiment} preset)",
         "strategy": strategy,
-        "run_as": strategy,  # a P=1 stand-in names the configuration that trained
+        "run_as": strategy,  # a stand-in names the configuration that trained
         "world_size": p,
         "seed": seed,
         "batch_size": batch,
