@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from experiments.config import ExperimentError
+from experiments.config import ExperimentError, first_line
 
 FORMAT_VERSION = 1
 REQUIRED_KEYS = (
@@ -142,7 +142,7 @@ def load_checkpoint(path: str | Path, world_size: int, strategy: str) -> dict[st
     except Exception as exc:  # torch raises several types for damaged files
         raise ExperimentError(
             f"cannot resume: checkpoint file {path} is corrupt or not a checkpoint "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            f"({type(exc).__name__}: {first_line(exc, '')})"
         ) from None
     missing = [k for k in REQUIRED_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:

@@ -36,6 +36,18 @@ class ExperimentError(Exception):
     """
 
 
+def plain(node: Any) -> Any:
+    """A config node as plain Python containers (resolved); anything else as it is."""
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def first_line(err: BaseException, default: str | None = None) -> str:
+    """An exception's first line, for a one-line message (``default``, or the exception's
+    type name, when it has no text)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else (type(err).__name__ if default is None else default)
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

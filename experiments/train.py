@@ -34,7 +34,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from experiments.config import ExperimentError, launcher_name, validate
+from experiments.config import ExperimentError, first_line, launcher_name, validate
 from experiments.data.loading import DataModule
 from experiments.distributed import (
     DistEnv,
@@ -82,9 +82,9 @@ def _instantiate(
         if isinstance(cause, ExperimentError):
             raise cause from None
         log.debug("building %s failed", group, exc_info=True)
-        text = str(cause).strip()
-        first = text.splitlines()[0] if text else type(cause).__name__
-        raise ExperimentError(f"cannot build {group} ({node.get('_target_')}): {first}") from None
+        raise ExperimentError(
+            f"cannot build {group} ({node.get('_target_')}): {first_line(cause)}"
+        ) from None
 
 
 def _wrap_model(model: nn.Module, cfg: DictConfig, env: DistEnv) -> nn.Module:

@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from experiments.bench.fidelity import RecordingLogger
-from experiments.config import ExperimentError
+from experiments.config import ExperimentError, first_line, plain
 from experiments.preconditioning import strategy_name, uses_preconditioner
 
 log = logging.getLogger(__name__)
@@ -160,18 +160,15 @@ def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
     try:
         train_cfg = compose_config("config", overrides)
     except HydraException as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ExperimentError(f"cannot compose the {TASK} training config: {first}") from None
+        raise ExperimentError(
+            f"cannot compose the {TASK} training config: {first_line(err)}"
+        ) from None
     if uses_preconditioner(train_cfg.strategy):
         train_cfg.strategy.fidelity_every = int(node.fidelity_every)
         if "hardware" in train_cfg.strategy and train_cfg.strategy.hardware is None:
             train_cfg.strategy.hardware = str(node.hardware)
     validate(train_cfg)
     return train_cfg
-
-
-def _plain(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
 def model_and_input(train_cfg: DictConfig) -> tuple[Any, Any]:
@@ -210,7 +207,7 @@ def predicted_iteration(
     options = preconditioner_kwargs(train_cfg.strategy)
     skip = (options or {}).get("skip_layers", [])
     shapes = shapes_from_model(model, example, batch, skip_layers=skip, ready_order=True)
-    values = {k: _plain(v) for k, v in (options or {}).items()}
+    values = {k: plain(v) for k, v in (options or {}).items()}
     name = values.pop("strategy", None)  # None (SGD): no strategy, no options
     kfac: KFACOptions | None = None
     if options is not None:
@@ -326,7 +323,7 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
     model, example = model_and_input(train_cfg)
     per_kind = fidelity_by_kind(probes, layer_kinds(model))
     predicted = predicted_iteration(train_cfg, p, str(node.hardware), model, example)
-    kfac = _plain(train_cfg.strategy) if uses_preconditioner(train_cfg.strategy) else None
+    kfac = plain(train_cfg.strategy) if uses_preconditioner(train_cfg.strategy) else None
     base_lr, base_batch = base_lr_and_batch(node)
     batch = int(node.batch_size)
     curve = [
@@ -702,15 +699,7 @@ def figure(curves: pd.DataFrame, cells: pd.DataFrame) -> Any:
     cols = len(sizes) + 1
     fig, axes = plots._figure(len(models), cols, (3.6 * cols, 3.2 * len(models)))
     strategies = plots.ordered(list(cells["strategy"]))
-    looks = {
-        s: {
-            "color": plots.strategy_color(s),
-            "marker": plots.CURVE_MARKERS[k % len(plots.CURVE_MARKERS)],
-            "linestyle": "--" if k % 2 else "-",
-            "markersize": max(7 - k, 3),
-        }
-        for k, s in enumerate(strategies)
-    }
+    looks = plots.curve_looks(strategies)
     for row, model in zip(axes, models, strict=True):
         mine = cells[cells["model"] == model]
         target = float(mine["target"].iloc[0])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -331,19 +331,26 @@ def scaling_lines(frame: pd.DataFrame) -> Figure:
 CURVE_MARKERS = "osv^Dp<>h*"
 
 
-def accuracy_curves(curves: pd.DataFrame) -> Figure:
-    """Test accuracy per epoch, one panel per world size, one line per strategy."""
-    sizes = sorted(curves["world_size"].unique())
-    fig, axes = _figure(1, max(len(sizes), 1), (4.5 * max(len(sizes), 1), 3.5))
-    strategies = ordered(curves["strategy"])
-    looks = {
+def curve_looks(strategies: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per strategy config its colour and its own marker, dash and marker size, so curves
+    that coincide (every K-FAC config at P=1) stay visible on top of one another."""
+    return {
         s: {
+            "color": strategy_color(s),
             "marker": CURVE_MARKERS[k % len(CURVE_MARKERS)],
             "linestyle": "--" if k % 2 else "-",
             "markersize": max(7 - k, 3),
         }
         for k, s in enumerate(strategies)
     }
+
+
+def accuracy_curves(curves: pd.DataFrame) -> Figure:
+    """Test accuracy per epoch, one panel per world size, one line per strategy."""
+    sizes = sorted(curves["world_size"].unique())
+    fig, axes = _figure(1, max(len(sizes), 1), (4.5 * max(len(sizes), 1), 3.5))
+    strategies = ordered(curves["strategy"])
+    looks = curve_looks(strategies)
     for ax, p in zip(axes.flat, sizes, strict=False):
         sub = curves[curves["world_size"] == p]
         for strategy in ordered(sub["strategy"]):
@@ -351,7 +358,6 @@ def accuracy_curves(curves: pd.DataFrame) -> Figure:
             ax.plot(
                 line["epoch"],
                 line["test_acc"],
-                color=strategy_color(strategy),
                 label=strategy,
                 **looks[strategy],
             )
@@ -359,9 +365,7 @@ def accuracy_curves(curves: pd.DataFrame) -> Figure:
         ax.set_xlabel("epoch")
         ax.set_ylabel("test accuracy")
         ax.set_ylim(0.5, 1.0)
-    _strategy_legend(
-        fig, [Line2D([], [], color=strategy_color(s), label=s, **looks[s]) for s in strategies]
-    )
+    _strategy_legend(fig, [Line2D([], [], label=s, **looks[s]) for s in strategies])
     return fig
 
 

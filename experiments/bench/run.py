@@ -63,6 +63,8 @@ from experiments.config import (
     ExperimentError,
     check_update_intervals,
     compose_config,
+    first_line,
+    plain,
     validate,
     validate_benchmark,
     validate_strategy,
@@ -83,12 +85,6 @@ log = logging.getLogger(__name__)
 BENCHMARK_DECIDES = ("factor_update_steps", "inv_update_steps", "lr")
 #: K-FAC's view of the model, recorded for every row (first order too) for the cost model.
 VIEW_KEYS = ("compute_method", "skip_layers", "weight_sharing", "bucket_cap_mb")
-
-
-def _first_line(err: BaseException, default: str) -> str:
-    """An exception's first line (``default`` when it has no message)."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else default
 
 
 def _without(overrides: Sequence[str], keys: Sequence[str]) -> list[str]:
@@ -129,16 +125,12 @@ def member_configs(cfg: DictConfig, overrides: Sequence[str] = ()) -> list[DictC
         except HydraException as err:
             raise ExperimentError(
                 f"invalid value strategies={list(names)!r}: cannot compose strategy={name} "
-                f"with this job's overrides ({_first_line(err, type(err).__name__)})"
+                f"with this job's overrides ({first_line(err)})"
             ) from None
         validate_strategy(member.strategy)
         check_update_intervals(member.strategy, member.setting)
         members.append(member)
     return members
-
-
-def _plain(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
 def _member(cfg: DictConfig) -> dict[str, Any]:
@@ -148,10 +140,10 @@ def _member(cfg: DictConfig) -> dict[str, Any]:
     node = cfg.strategy
     kwargs = preconditioner_kwargs(node)
     if kwargs is not None:
-        kwargs = {k: _plain(v) for k, v in kwargs.items() if k not in BENCHMARK_DECIDES}
+        kwargs = {k: plain(v) for k, v in kwargs.items() if k not in BENCHMARK_DECIDES}
     defaults = KFACOptions()
     given = node_options(node)
-    view = {key: _plain(given.get(key, getattr(defaults, key))) for key in VIEW_KEYS}
+    view = {key: plain(given.get(key, getattr(defaults, key))) for key in VIEW_KEYS}
     view["skip_layers"] = list(view["skip_layers"])
     return {"name": strategy_name(node), "kfac": kwargs, "view": view}
 
@@ -183,7 +175,7 @@ def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
     try:
         train_cfg = compose_config("config", overrides)
     except HydraException as err:
-        first = _first_line(err, type(err).__name__)
+        first = first_line(err)
         raise ExperimentError(f"cannot compose the convergence training config: {first}") from None
     validate(train_cfg)
     return train_cfg
@@ -209,15 +201,15 @@ def job_spec(
         )
     members = member_configs(cfg, overrides)
     keys = ("task", "world_size", "seed", "isolate_comm", "lr", "threads", "device", "timeout_s")
-    spec: dict[str, Any] = {key: _plain(cfg[key]) for key in keys}
+    spec: dict[str, Any] = {key: plain(cfg[key]) for key in keys}
     spec["model"] = {
         "name": str(cfg.workload.name),
         "label": str(cfg.workload.label),
-        "config": _plain(cfg.model),
-        "batch": _plain(cfg.workload.batch),
-        "paper": _plain(cfg.workload.get("paper")) or {},
+        "config": plain(cfg.model),
+        "batch": plain(cfg.workload.batch),
+        "paper": plain(cfg.workload.get("paper")) or {},
     }
-    spec["setting"] = _plain(cfg.setting)
+    spec["setting"] = plain(cfg.setting)
     spec["strategies"] = [_member(m) for m in members]
     spec["interleaved"] = len(members) > 1
     intervals = int(cfg.setting.factor_update_steps), int(cfg.setting.inv_update_steps)
@@ -437,22 +429,22 @@ def scale_sim_task(cfg: DictConfig) -> dict[str, Path]:
     """``task=scale_sim``: the ``scale_sim`` node's jobs, simulated in this process."""
     from experiments.bench.scale_sim import Limit, run_scale_sim
 
-    plain = _plain(cfg.scale_sim)
+    node = plain(cfg.scale_sim)
     log.info(
         "scale_sim: %s at P=%s, ranks %s",
-        ", ".join(plain["models"]),
-        plain["world_sizes"],
-        plain["ranks"],
+        ", ".join(node["models"]),
+        node["world_sizes"],
+        node["ranks"],
     )
     return run_scale_sim(
-        plain["models"],
-        [int(p) for p in plain["world_sizes"]],
-        plain["ranks"],
-        plain["strategies"],
-        limits=[Limit.parse(limit) for limit in plain["limits"]],
-        hardware=str(plain["hardware"]),
-        paper=bool(plain["paper"]),
-        factor_method=plain["factor_method"],
+        node["models"],
+        [int(p) for p in node["world_sizes"]],
+        node["ranks"],
+        node["strategies"],
+        limits=[Limit.parse(limit) for limit in node["limits"]],
+        hardware=str(node["hardware"]),
+        paper=bool(node["paper"]),
+        factor_method=node["factor_method"],
         out=Path(str(cfg.results_dir)),
     )
 
@@ -536,7 +528,7 @@ def main(cfg: DictConfig) -> None:
     except Exception as err:  # recorded in the row; the table shows it
         log.exception("benchmark job failed")
         names = cfg.get("strategies") or [strategy_name(cfg.strategy)]
-        message = _first_line(err, "")[:300]
+        message = first_line(err, "")[:300]
         model = cfg.workload.name
         if cfg.task in ("convergence", "convergence_scale"):  # a training preset
             model = cfg[cfg.task].experiment
