@@ -201,7 +201,8 @@ def test_at_four_ranks_each_same_step_configuration_trains_its_twins_parameters(
     """What lets the sweep train kaisa_mem_opt and grouped_auto at one grid point per
     (model, P) (``same_step``): at P=4, as threads, each ends 12 steps bitwise where its
     twin does (kaisa_mem_opt: d_kfac's averaged factors and decompositions, one rank
-    preconditions; grouped_auto: its cost model picks dp_kfac's k = 1, f = 1/P here)."""
+    preconditions; grouped_auto: its cost model picks k = 1 here, each layer's factors from
+    its owner's batch alone, as dp_kfac's)."""
     same = _compose().convergence_scale.same_step
     assert set(same) == {"kaisa_mem_opt", "grouped_auto"}
     states = {s: _trained(tmp_path, s, 4) for s in [*same, *same.values()]}
