@@ -30,7 +30,6 @@ import csv
 import statistics
 import sys
 import time
-import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from dpkfac.plan.configs import kfac_configs
+from experiments.bench import smoke
 
 #: Strategy configs (dpkfac/plan/configs.py, conf/strategy/NAME.yaml) of the P=1 checks: all.
 CHECKED = tuple(kfac_configs())
@@ -255,15 +255,10 @@ def read_junit(path: Path | None) -> list[Row]:
     """The ``gpu`` tests' outcomes from pytest's JUnit XML (one row per test)."""
     if path is None or not path.exists():
         return [Row("tests", "pytest -m gpu", "NOT RUN", f"no JUnit XML at {path}")]
+    labels = {"failure": "FAILED", "error": "ERROR", "skipped": "skipped"}
     rows = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        status, detail = "ok", ""
-        for tag, label in (("failure", "FAILED"), ("error", "ERROR"), ("skipped", "skipped")):
-            found = case.find(tag)
-            if found is not None:
-                status, detail = label, (found.get("message") or "")[:300]
-                break
-        rows.append(Row("tests", case.get("name", "?"), status, detail))
+    for case, outcome, message in smoke.junit_cases(path):
+        rows.append(Row("tests", case.get("name", "?"), labels.get(outcome, "ok"), message[:300]))
     return rows
 
 

@@ -24,8 +24,7 @@ from typing import Any
 
 import pandas as pd
 
-from dpkfac.costmodel import PRESETS, Prediction
-from dpkfac.costmodel import fitting as fitting_lib
+from dpkfac.costmodel import Prediction
 from dpkfac.plan.configs import BASELINES, REFERENCE
 from experiments.bench import predict as bench_predict
 
@@ -64,31 +63,20 @@ def described_rows(models: Sequence[str] = MODELS) -> list[dict[str, Any]]:
     return rows
 
 
-#: A prediction's amortised figures (with process memory and the layer count), and itself.
+#: A prediction's figures (:func:`experiments.bench.predict.paper_predictions`'s entry:
+#: amortised costs, process memory, the layer count), and the prediction itself.
 Figures = tuple[dict[str, float], Prediction]
 
 
 def _predictions(rows: list[dict[str, Any]]) -> dict[tuple[str, str], Figures]:
-    """(model, strategy) -> (amortised figures plus process memory, the prediction itself)."""
-    hardware = PRESETS[PRESET]
-    out = {}
-    shapes_of: dict[str, Any] = {}
-    for r in rows:
-        model = str(r["model"])
-        if model not in shapes_of:
-            shapes_of[model] = bench_predict.row_shapes(r, paper=True)
-        shapes, sharing = shapes_of[model]
-        m = bench_predict.measurement(r, shapes=shapes, weight_sharing=sharing)
-        pred = fitting_lib.predict_measurement(m, hardware, world_size=WORLD_SIZE)
-        figures = {
-            **bench_predict.amortised_prediction(r, pred),
-            **bench_predict.process_memory_prediction(
-                pred, shapes, param_itemsize=m.param_itemsize
-            ),
-            "layers": len(shapes),
-        }
-        out[(model, str(r["strategy"]))] = (figures, pred)
-    return out
+    """(model, strategy) -> (its figures, the prediction itself), priced at P=WORLD_SIZE on
+    PRESET by :func:`~experiments.bench.predict.paper_predictions`, as every table prices
+    paper-size rows."""
+    predicted = bench_predict.paper_predictions(rows, WORLD_SIZE, PRESET)
+    return {
+        (str(r["model"]), str(r["strategy"])): (p, p["prediction"])
+        for r, p in zip(rows, predicted, strict=True)
+    }
 
 
 def _position(value: float, paper: tuple[float, float]) -> str:

@@ -291,8 +291,10 @@ def paper_predictions(
     model's at the papers' sizes (``workload.paper``) and the hardware is ``preset``
     (the papers' V100/InfiniBand cluster). Spd_kfac's fusion plan is made from the
     modelled ready times there, not replayed. Each entry also says what the strategy
-    chose (``configuration``: grouped's k and f; "": nothing) and holds
-    :func:`process_memory_prediction`'s keys.
+    chose (``configuration``: grouped's k and f; "": nothing), holds
+    :func:`process_memory_prediction`'s keys, the model's K-FAC ``layers`` and the
+    ``prediction`` itself, so that a table needing per-rank detail (the ``paper``
+    table) prices its rows here rather than repeating the steps.
     """
     rows = list(rows)
     out = []
@@ -301,6 +303,7 @@ def paper_predictions(
         chosen = scheme_of(pred.strategy).describe(pred.options) if pred.strategy else ""
         process = process_memory_prediction(pred, m.shapes, param_itemsize=m.param_itemsize)
         out.append({**amortised_prediction(r, pred), "configuration": chosen, **process})
+        out[-1].update(layers=len(m.shapes), prediction=pred)
     return out
 
 

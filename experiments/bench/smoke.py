@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
@@ -19,18 +20,27 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[2]
 #: Where the smoke report lies, relative to the results folder (the Makefile's smoke-report).
 JUNIT = Path("raw") / "smoke_junit.xml"
+#: The elements by which a JUnit test case says it did not pass, the first found winning.
+OUTCOMES = ("failure", "error", "skipped")
+
+
+def junit_cases(path: Path) -> Iterator[tuple[ET.Element, str, str]]:
+    """Each ``testcase`` of a JUnit XML report with its outcome (the first of
+    :data:`OUTCOMES` it holds; "" for a pass) and that element's message: the one
+    reader of pytest's reports, for the smoke table and the GPU report."""
+    for case in ET.parse(path).getroot().iter("testcase"):
+        found = next(((t, e) for t in OUTCOMES if (e := case.find(t)) is not None), None)
+        yield case, *(("", "") if found is None else (found[0], found[1].get("message") or ""))
 
 
 def smoke_cases(junit: Path) -> pd.DataFrame:
     """Every test case of a JUnit report: name, status and seconds."""
     if not junit.exists():
         return pd.DataFrame()
+    words = {"failure": "failed", "error": "error", "skipped": "skipped"}
     rows = []
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        status = "passed"
-        for tag, word in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
-            if case.find(tag) is not None:
-                status = word
+    for case, outcome, _ in junit_cases(junit):
+        status = words.get(outcome, "passed")
         rows.append(
             {
                 "test": case.get("name", ""),
