@@ -427,6 +427,8 @@ def test_trainer_logs_fidelity_when_a_probe_ran(train, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_wandb_offline_run_holds_the_fidelity_metrics(compose, tmp_path: Path) -> None:
+    import wandb
+
     from experiments.train import run
 
     out = tmp_path / "run"
@@ -441,6 +443,10 @@ def test_wandb_offline_run_holds_the_fidelity_metrics(compose, tmp_path: Path) -
         f"output_dir={out}",
     )
     run(cfg)
+    # finish() returns once the run is closed, not once W&B's service has written all of
+    # it to the .wandb file (under load the file was read without its history rows):
+    # tearing the service down waits for that.
+    wandb.teardown()
     logged = [
         (row["_step"], sorted(k for k in row if k.startswith("fidelity/")))
         for row in _wandb_history(out)
