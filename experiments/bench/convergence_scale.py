@@ -427,18 +427,6 @@ def _with_run_as(runs: pd.DataFrame) -> pd.DataFrame:
     return runs
 
 
-def _stand_in(source: Mapping[str, Any], strategy: str, **own: Any) -> dict[str, Any]:
-    """``source``'s run as a grid point of ``strategy``: marked, and without a measured time."""
-    return {
-        **source,
-        "strategy": strategy,
-        "run_as": source["strategy"],
-        "step_s": math.nan,
-        "seconds": math.nan,
-        **own,
-    }
-
-
 def with_same_step_stand_ins(runs: pd.DataFrame) -> pd.DataFrame:
     """The runs, plus stand-ins for a configuration whose runs are another's.
 
@@ -477,9 +465,11 @@ def with_same_step_stand_ins(runs: pd.DataFrame) -> pd.DataFrame:
             own = {k: mine[k].iloc[0] for k in PRICED if k in mine}
             have = set(map(tuple, points.get_group((model, p, x)).to_numpy().tolist()))
             for (m, seed), source in by[r].iterrows():
-                if (m, seed) not in have:
-                    point = {**source.to_dict(), "lr_multiplier": m, "seed": seed}
-                    added.append(_stand_in(point, x, **own))
+                if (m, seed) not in have:  # R's run, marked, without a measured time
+                    added.append(
+                        {**source.to_dict(), "lr_multiplier": m, "seed": seed, "strategy": x}
+                        | {"run_as": r, "step_s": math.nan, "seconds": math.nan, **own}
+                    )
     return pd.concat([runs, pd.DataFrame(added)], ignore_index=True) if added else runs
 
 
