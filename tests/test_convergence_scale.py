@@ -22,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
+import torch
 
 from experiments.bench import convergence_scale as cs
 from experiments.bench import pages, tables
@@ -445,12 +446,52 @@ def test_coverage_lists_each_multiplier_with_its_seeds_and_a_lone_multiplier_is_
     rows += [_row("d_kfac", 64, s, 0.5) for s in (1, 2)]
     rows += [_row("dp_kfac", 64, 0, 0.5)]
     runs = cs.choose_lr(pages.ok_rows(pd.DataFrame(rows), cs.TASK))
-    assert cs.coverage(runs)[1:] == [
+    assert cs.coverage(runs)[2:] == [
         "- mnist1d_mlp, P=64 (6 runs): d_kfac: x0.25 (seeds 0) x0.5 (seeds 0, 1, 2) x1 (seeds 0); "
         "dp_kfac: multipliers 0.5; seeds 0"
     ]
     edge = cs.cells_frame(runs).set_index("strategy")["lr_at_grid_edge"]
     assert not edge["d_kfac"] and edge["dp_kfac"]
+
+
+def test_a_grid_point_run_again_keeps_its_latest_run_and_the_page_counts_the_earlier() -> None:
+    """A rerun on another machine replaces the point's earlier run in the table (the
+    stand-ins compare bitwise, and two machines' runs are not bitwise equal); the machines
+    line counts runs per CPU and kernels, and rows from before the columns existed."""
+    old = _row("d_kfac", 4, 0, 0.5, time="2026-12-02T15:57:27", final_acc=0.935)
+    new = _row(
+        "d_kfac",
+        4,
+        0,
+        0.5,
+        time="2026-12-03T07:17:06",
+        final_acc=0.9357,
+        cpu="EPYC",
+        cpu_capability="AVX512",
+    )
+    kept = _row("d_kfac", 4, 1, 0.5, time="2026-12-02T16:48:52")
+    frame = pd.DataFrame([new, old, kept])  # the rerun merged first: time decides
+    latest = cs.latest_runs(frame)
+    assert sorted(latest["final_acc"]) == [0.9, 0.9357]
+    assert len(cs.latest_runs(latest)) == 2
+    lines = cs.coverage(cs.choose_lr(latest), superseded=len(frame) - len(latest))
+    assert lines[0].startswith(
+        "Grid points in this table: 2 runs (cells not listed were not "
+        "run; 1 earlier run(s) of a grid point that ran again"
+    )
+    assert lines[1].startswith(
+        "Machines: 1 on EPYC (AVX512 kernels); 1 from before the machine was recorded"
+    )
+
+
+def test_the_machine_columns_name_the_cpu_and_torchs_kernels() -> None:
+    """What tells two machines' bitwise-different runs apart is in every row."""
+    from experiments.bench.measure import machine
+
+    where = machine()
+    assert where["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert where["cpu"] and where["cpus"] == os.cpu_count()
+    assert where["torch"] == torch.__version__
 
 
 def test_multipliers_are_compared_on_the_seeds_they_all_ran() -> None:
@@ -515,7 +556,9 @@ def test_a_tiny_sweep_writes_the_table(tmp_path: Path) -> None:
     assert "so dp_kfac's runs stand for 1 more of d_kfac's grid points" in "\n".join(md)
     assert "Grid points in this table: 13 runs" in "\n".join(md)
     assert (results / "convergence_scale.png").exists()
-    assert (results / "raw" / "convergence_scale.csv").exists()
+    raw = pd.read_csv(results / "raw" / "convergence_scale.csv")
+    assert (raw["cpu_capability"] == torch.backends.cpu.get_cpu_capability()).all()
+    assert f"Machines: 13 on {raw['cpu'].iloc[0]} (" in "\n".join(md)
 
 
 def test_the_time_sentence_when_sgd_takes_fewer_steps() -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import statistics
 import tempfile
 import time
@@ -297,8 +296,8 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
     Raises:
         ExperimentError: a value the checks reject.
     """
-    import torch
 
+    from experiments.bench.measure import machine
     from experiments.train import run
 
     reason = skip_reason(cfg)
@@ -370,8 +369,7 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
         "replicas_identical": bool(train_cfg.trainer.check_replicas) and p > 1,
         "kfac_options": json.dumps(kfac, default=str),
         "threads": int(cfg.threads),
-        "cpus": os.cpu_count(),
-        "torch": torch.__version__,
+        **machine(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         **predicted,
         "error": "",
@@ -412,6 +410,37 @@ def choose_lr(runs: pd.DataFrame) -> pd.DataFrame:
         if not means.empty:
             runs.loc[cell.index, "chosen"] = cell["lr_multiplier"] == means.idxmax()
     return runs
+
+
+#: A grid point: one training run of the study.
+POINT = [*CELL, "lr_multiplier", "seed"]
+
+
+def latest_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """One run per grid point: the latest (by ``time``) where a point ran more than once.
+
+    A point is run again to bring a cell onto one machine: runs on two machines are
+    alike, not bitwise equal (:func:`experiments.bench.measure.machine`), and the
+    same-step stand-ins compare runs bitwise. The earlier run stays in the raw CSV,
+    and :func:`coverage` counts it.
+    """
+    order = runs.sort_values("time", kind="stable") if "time" in runs else runs
+    return order.drop_duplicates(POINT, keep="last").sort_index()
+
+
+def machines(runs: pd.DataFrame) -> str:
+    """Which machines the real runs came from, and what that allows (one line)."""
+    where = ["cpu", "cpu_capability"]
+    known = runs.dropna(subset=where) if set(where) <= set(runs) else runs[:0]
+    counts = known.groupby(where, sort=True).size() if len(known) else {}
+    parts = [f"{n} on {cpu} ({kernels} kernels)" for (cpu, kernels), n in counts.items()]
+    if unknown := len(runs) - len(known):
+        parts.append(f"{unknown} from before the machine was recorded (earlier VMs)")
+    return (
+        f"Machines: {'; '.join(parts)}. A run repeated on another machine is alike, not "
+        "bitwise equal (torch's CPU kernels differ by instruction set), so bitwise "
+        "comparisons are made between runs of one machine."
+    )
 
 
 #: What a stand-in keeps of its own configuration: the cost model prices its own step.
@@ -803,13 +832,24 @@ def _points(runs: pd.DataFrame) -> str:
     return " ".join(f"x{m:g} (seeds {s})" for m, s in seeds.items())
 
 
-def coverage(runs: pd.DataFrame) -> list[str]:
+def coverage(runs: pd.DataFrame, superseded: int = 0) -> list[str]:
     """What the table holds, per (model, P): each configuration's multipliers and seeds
     (configurations with the same points listed together), so a sweep run in parts (rows
-    merged with ``tables convergence_scale --rows A B``) shows which grid points it covers."""
+    merged with ``tables convergence_scale --rows A B``) shows which grid points it covers;
+    the machines the runs came from, and how many earlier runs of a point ran again
+    (``superseded``, left out by :func:`latest_runs`)."""
     runs = _with_run_as(runs)
     real = runs[runs["run_as"] == runs["strategy"]]
-    lines = [f"Grid points in this table: {len(real)} runs (cells not listed were not run)."]
+    again = (
+        f"; {superseded} earlier run(s) of a grid point that ran again are left out (the "
+        "latest is kept; all are in `results/raw/convergence_scale.csv`)"
+        if superseded
+        else ""
+    )
+    lines = [
+        f"Grid points in this table: {len(real)} runs (cells not listed were not run{again}).",
+        machines(real),
+    ]
     stand_ins = runs[runs["run_as"] != runs["strategy"]]
     twins = stand_ins.groupby(["model", "world_size", "strategy", "run_as"], sort=True)
     for (model, p, x, r), g in twins:
@@ -841,7 +881,9 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         return paths
     if "pred_chosen" in runs:  # empty in a CSV read back: NaN, which is truthy
         runs["pred_chosen"] = runs["pred_chosen"].fillna("")
-    runs = choose_lr(with_same_step_stand_ins(with_steps_to_target(runs)))
+    latest = latest_runs(runs)
+    superseded = len(runs) - len(latest)
+    runs = choose_lr(with_same_step_stand_ins(with_steps_to_target(latest)))
     grid = runs[_GRID].rename(columns={"val_mean": "val_acc_mean_over_seeds"})
     grid.to_csv(paths["csv"], index=False)
     cells = cells_frame(runs)
@@ -878,7 +920,7 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         "whatever else ran).",
         f"Targets: {targets}.",
         "",
-        *coverage(runs),
+        *coverage(runs, superseded),
     ]
     for model, g in cells.groupby("model", sort=False):
         md += ["", f"## {model}", "", to_markdown(_markdown_frame(g), _DIGITS)]

@@ -43,8 +43,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -55,7 +53,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.bench.aggregate import aggregate, kind_weights
-from experiments.bench.measure import step_kinds
+from experiments.bench.measure import machine, step_kinds
 from experiments.config import (
     CONF_DIR,
     TABLE_TASKS,
@@ -228,7 +226,6 @@ def job_spec(
 
 def _identity(spec: dict[str, Any], member: dict[str, Any]) -> dict[str, Any]:
     """Columns that say what was measured, where and when."""
-    import torch
 
     return {
         "task": spec["task"],
@@ -245,11 +242,8 @@ def _identity(spec: dict[str, Any], member: dict[str, Any]) -> dict[str, Any]:
         "seed": spec["seed"],
         "threads": spec["threads"],
         "isolate_comm": bool(spec.get("isolate_comm", False)),
-        "cpus": os.cpu_count(),
         "compute_method": member["view"]["compute_method"],
-        "torch": torch.__version__,
-        "host": socket.gethostname(),
-        "cpu": platform.processor() or platform.machine(),
+        **machine(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
