@@ -475,9 +475,10 @@ def test_a_grid_point_run_again_keeps_its_latest_run_and_the_page_counts_the_ear
     assert sorted(latest["final_acc"]) == [0.9, 0.9357]
     assert len(cs.latest_runs(latest)) == 2
     lines = cs.coverage(cs.choose_lr(latest), superseded=len(frame) - len(latest))
-    assert lines[0].startswith(
-        "Grid points in this table: 2 runs (cells not listed were not "
-        "run; 1 earlier run(s) of a grid point that ran again"
+    assert lines[0] == (
+        "Grid points in this table: 2 runs (cells not listed were not run). 1 earlier run(s) "
+        "of grid points that ran again are left out: a point keeps its latest run, and all "
+        "are in `results/raw/convergence_scale.csv`."
     )
     assert lines[1].startswith(
         "Machines: 1 on EPYC (AVX512 kernels); 1 from before the machine was recorded"

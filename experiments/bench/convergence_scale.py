@@ -841,13 +841,13 @@ def coverage(runs: pd.DataFrame, superseded: int = 0) -> list[str]:
     runs = _with_run_as(runs)
     real = runs[runs["run_as"] == runs["strategy"]]
     again = (
-        f"; {superseded} earlier run(s) of a grid point that ran again are left out (the "
-        "latest is kept; all are in `results/raw/convergence_scale.csv`)"
+        f" {superseded} earlier run(s) of grid points that ran again are left out: a point "
+        "keeps its latest run, and all are in `results/raw/convergence_scale.csv`."
         if superseded
         else ""
     )
     lines = [
-        f"Grid points in this table: {len(real)} runs (cells not listed were not run{again}).",
+        f"Grid points in this table: {len(real)} runs (cells not listed were not run).{again}",
         machines(real),
     ]
     stand_ins = runs[runs["run_as"] != runs["strategy"]]
