@@ -19,6 +19,8 @@ It sits below the preconditioner (which calls it) and beside the cost model
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -29,7 +31,7 @@ from dpkfac.costmodel.predict import resolve
 from dpkfac.curvature import KFACLayer
 from dpkfac.curvature.decomposition import Decomposition
 from dpkfac.options import KFACOptions
-from dpkfac.plan import Scheme, StrategyOptions
+from dpkfac.plan import LayerShape, Scheme, StrategyOptions
 from dpkfac.probes import start_up_hardware
 from dpkfac.strategies import Strategy, strategy_class
 from dpkfac.strategies.base import layer_shape
@@ -65,6 +67,45 @@ def build_strategy(
     )
 
 
+#: "auto" resolved in this process, by its inputs (their reprs). Ranks that are threads
+#: of one process (``launcher=threads``) resolve the same choice once instead of once
+#: per rank: at P=256 one resolution priced every candidate for about 16 s, and 256
+#: of them ran one after another before the first step. A process of its own per
+#: rank (torchrun) resolves once either way.
+_RESOLVED: dict[str, tuple[StrategyOptions, list[Candidate]]] = {}
+_RESOLVED_MAX = 64
+
+
+def _resolve_once(
+    strategy: Strategy,
+    shapes: Sequence[LayerShape],
+    *,
+    world_size: int,
+    kfac: KFACOptions,
+    overlap_installed: bool,
+) -> tuple[StrategyOptions, list[Candidate]]:
+    """``resolve`` for these inputs, computed once per process (copies handed out)."""
+    scheme = strategy.scheme
+    # ``lr`` is each rank's own callable (it reads that rank's optimizer), and the
+    # cost model never reads it; every other option is part of the key.
+    options = {f.name: getattr(kfac, f.name) for f in dataclasses.fields(kfac) if f.name != "lr"}
+    key = repr(
+        (scheme.name, strategy.options, list(shapes), world_size, options, overlap_installed)
+    )
+    if key not in _RESOLVED:
+        if len(_RESOLVED) >= _RESOLVED_MAX:
+            _RESOLVED.clear()
+        _RESOLVED[key] = resolve(
+            scheme,
+            strategy.options,
+            shapes=shapes,
+            world_size=world_size,
+            kfac=kfac,
+            allow=lambda c: overlap_installed or not scheme.traits(c).overlapped_precondition,
+        )
+    return copy.deepcopy(_RESOLVED[key])
+
+
 def finalise_placement(
     layers: Sequence[KFACLayer],
     strategy: Strategy,
@@ -96,14 +137,12 @@ def finalise_placement(
     ]
     choice = None
     if not strategy.configured:
-        scheme = strategy.scheme
-        chosen, choice = resolve(
-            scheme,
-            strategy.options,
-            shapes=shapes,
+        chosen, choice = _resolve_once(
+            strategy,
+            shapes,
             world_size=comm.size,
             kfac=kfac,
-            allow=lambda c: overlap_installed or not scheme.traits(c).overlapped_precondition,
+            overlap_installed=overlap_installed,
         )
         strategy.configure(chosen)
         log_choice(strategy.scheme, comm.size, chosen, choice)

@@ -581,3 +581,22 @@ def test_a_skipped_probe_counts_for_nothing_in_the_cosine() -> None:
     kinds = {"fc1": "Linear", "fc2": "Conv2d"}
     got = cs.fidelity_by_kind(probes, kinds)
     assert got["Linear"] == 0.5 and math.isnan(got["Conv2d"])
+
+
+def test_ranks_in_one_process_resolve_auto_once(tmp_path: Path, monkeypatch: Any) -> None:
+    """grouped_auto's choice is made once per process, not once per thread rank (at P=256
+    the 256 resolutions ran one after another for over an hour before the first step),
+    and every rank configures the same choice."""
+    from dpkfac import placement
+
+    calls = []
+    real = placement.resolve
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs["world_size"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(placement, "resolve", counted)
+    placement._RESOLVED.clear()
+    _trained(tmp_path, "grouped_auto", 4, steps=2)
+    assert calls == [4]
