@@ -509,6 +509,16 @@ def test_multipliers_are_compared_on_the_seeds_they_all_ran() -> None:
     assert runs["chosen"].sum() == 3  # every seed of the chosen multiplier
 
 
+def test_extra_seeds_overturn_the_seed_0_screening() -> None:
+    """SGD at CNN P=64: x0.5 wins on seed 0 and diverges in seeds 1 and 2; x0.25, run with
+    three seeds too, wins on their mean; x1's lone seed 0 is no finalist."""
+    rows = [_row("none", 64, 0, 1.0, final_val_acc=0.5)]
+    rows += [_row("none", 64, s, 0.5, final_val_acc=v) for s, v in enumerate((0.99, 0.1, 0.1))]
+    rows += [_row("none", 64, s, 0.25, final_val_acc=0.98) for s in range(3)]
+    runs = cs.choose_lr(pages.ok_rows(pd.DataFrame(rows), cs.TASK))
+    assert set(runs.loc[runs["chosen"], "lr_multiplier"]) == {0.25}
+
+
 # --------------------------------------------------------- end to end, tiny
 def test_a_tiny_sweep_writes_the_table(tmp_path: Path) -> None:
     """The real command at P in {1, 4}, 3 configurations, 2 learning rates, 1 seed, 400

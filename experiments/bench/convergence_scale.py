@@ -391,11 +391,13 @@ CELL = ["model", "strategy", "world_size"]
 def choose_lr(runs: pd.DataFrame) -> pd.DataFrame:
     """Every run with ``chosen``: its multiplier is its cell's best on validation accuracy.
 
-    Per (model, strategy config, P), the multiplier whose runs have the highest
-    mean final validation accuracy over the seeds every multiplier of the cell
-    ran (a grid run in parts holds more seeds at some multipliers: one lucky
-    seed must not beat three averaged ones), the first in grid order on a tie;
-    all seeds where the multipliers share none. The test accuracy plays no
+    Per (model, strategy config, P), among the multipliers run with the most
+    seeds (a grid run in parts screens every multiplier on seed 0 and adds seeds
+    at the best: one lucky seed must not beat three averaged ones, and the extra
+    seeds may overturn the screening, as when SGD's x0.5 at CNN P=64 trained in
+    seed 0 and diverged in seeds 1 and 2), the one with the highest mean final
+    validation accuracy over the seeds they share, the first in grid order on a
+    tie; all their seeds where they share none. The test accuracy plays no
     part. A cell without validation accuracy gets no choice (``chosen`` false
     everywhere) rather than one made on the test set.
     """
@@ -403,9 +405,12 @@ def choose_lr(runs: pd.DataFrame) -> pd.DataFrame:
     runs["val_mean"] = runs.groupby([*CELL, "lr_multiplier"])["final_val_acc"].transform("mean")
     runs["chosen"] = False
     for _, cell in runs.groupby(CELL, sort=False):
-        seeds = [set(g) for _, g in cell.groupby("lr_multiplier")["seed"]]
-        shared = set.intersection(*seeds)
-        judged = cell[cell["seed"].isin(shared)] if shared else cell
+        seeds = {m: set(g) for m, g in cell.groupby("lr_multiplier")["seed"]}
+        most = max(map(len, seeds.values()))
+        finalists = {m: s for m, s in seeds.items() if len(s) == most}
+        shared = set.intersection(*finalists.values())
+        judged = cell[cell["lr_multiplier"].isin(list(finalists))]
+        judged = judged[judged["seed"].isin(shared)] if shared else judged
         means = judged.groupby("lr_multiplier", sort=True)["final_val_acc"].mean().dropna()
         if not means.empty:
             runs.loc[cell.index, "chosen"] = cell["lr_multiplier"] == means.idxmax()
@@ -901,9 +906,9 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         f"learning-rate rule: {rules}, the multiplier chosen per (model,",
         "configuration, P) on the validation split's final accuracy (mean over seeds), never",
         "on the test set (every grid point is in `convergence_scale.csv`; `grid edge`: the",
-        "best multiplier is the grid's smallest or largest, or the only one run; multipliers",
-        "are compared on the seeds they all ran, extra seeds at one of them count in its",
-        "spread, not in the choice).",
+        "best multiplier is the grid's smallest or largest, or the only one run; the",
+        "multipliers run with the most seeds are compared on the seeds they share, so one",
+        "lucky seed cannot beat three, and extra seeds can overturn a seed-0 screening).",
         "Steps and epochs to target: the",
         "evaluation (one per epoch) from which the test accuracy stays at or above the target",
         "to the end of the run (not its first crossing, which noise decides where a run",
