@@ -595,8 +595,8 @@ def test_a_skipped_probe_counts_for_nothing_in_the_cosine() -> None:
 
 def test_ranks_in_one_process_resolve_auto_once(tmp_path: Path, monkeypatch: Any) -> None:
     """grouped_auto's choice is made once per process, not once per thread rank (at P=256
-    the 256 resolutions ran one after another for over an hour before the first step),
-    and every rank configures the same choice."""
+    the 256 resolutions ran one after another for over an hour before the first step);
+    the run's own end-of-run replica check fails it if the ranks configured differently."""
     from dpkfac import placement
 
     calls = []
