@@ -146,6 +146,7 @@ def test_the_plan_floor_holds_models_not_fits() -> None:
                     f"{path.relative_to(ROOT)} defines {node.name}"
                 )
 
+
 def _private_members() -> set[str]:
     """Names of the preconditioner's private attributes and methods."""
     tree = ast.parse((PACKAGE / "preconditioner.py").read_text())
