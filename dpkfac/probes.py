@@ -4,24 +4,25 @@ A strategy that places work by predicted time (spd_kfac's local-or-broadcast
 rule, grouped's "auto") needs a hardware model of the group it runs on; the
 preconditioner measures it here when its options ask for it
 (:meth:`dpkfac.plan.Scheme.measures_hardware`). spd_kfac's fusion rule needs
-an alpha-beta model of the all-reduce, measured here at the end of its
-profiling. The sizes of every probe are fixed on the plan floor
+an alpha-beta model of the all-reduce, measured and fitted here at the end of
+its profiling (:func:`fit_comm_model`: the plan floor holds the model, not the
+fit). The sizes of every probe are fixed on the plan floor
 (:mod:`dpkfac.plan.probes`), which books them as "setup" traffic, so the
 prediction and the run cannot disagree on them. Every function here is a
-collective: every rank of the communicator calls it.
+collective: every rank of the communicator calls it, except the pure fit.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
 
 from dpkfac.comm import Communicator
-from dpkfac.plan.fusion import CommModel, fit_comm_model
+from dpkfac.plan.fusion import CommModel
 from dpkfac.plan.hardware import Engine, Hardware, Link, Sample
 from dpkfac.plan.presets import PRESETS
 from dpkfac.plan.probes import (
@@ -33,6 +34,7 @@ from dpkfac.plan.probes import (
 
 __all__ = [
     "HardwareFit",
+    "fit_comm_model",
     "measure_comm_model",
     "measure_in_group",
     "median_time",
@@ -133,6 +135,39 @@ def start_up_hardware(comm: Communicator, fit: HardwareFit) -> Hardware:
     if not comm.active:
         return base
     return measure_in_group(comm, base, fit)
+
+
+def fit_comm_model(samples: Sequence[tuple[float, float]]) -> CommModel:
+    """Least-squares fit of ``seconds = alpha + beta * bytes``.
+
+    Measured timings are noisy, and a negative intercept or slope would make
+    the fusion rule nonsensical, so the fit is constrained to non-negative
+    parameters: if the unconstrained intercept is negative, the slope is
+    refit through the origin; if the slope is negative, alpha is the mean.
+
+    Args:
+        samples: ``(bytes, seconds)`` pairs, with at least two distinct sizes.
+
+    Returns:
+        The fitted model.
+    """
+    if len(samples) < 2:
+        raise ValueError("need at least two (bytes, seconds) samples")
+    xs = [float(x) for x, _ in samples]
+    ys = [float(y) for _, y in samples]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError("need at least two distinct message sizes")
+    beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    alpha = my - beta * mx
+    if beta < 0:
+        return CommModel(alpha=max(my, 0.0), beta=0.0)
+    if alpha < 0:
+        beta = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
+        return CommModel(alpha=0.0, beta=max(beta, 0.0))
+    return CommModel(alpha=alpha, beta=beta)
 
 
 def measure_comm_model(comm: Communicator) -> CommModel:

@@ -1,4 +1,5 @@
-"""Tests for dpkfac.plan.fusion: the alpha-beta model, SPD-KFAC's fusion rule, size caps."""
+"""Tests for dpkfac.plan.fusion (the alpha-beta model, SPD-KFAC's fusion rule, size caps) and
+the fit of the alpha-beta model to measured all-reduces (:func:`dpkfac.probes.fit_comm_model`)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import pytest
 from dpkfac.plan.fusion import (
     CommModel,
     bucket_schedule,
-    fit_comm_model,
     optimal_buckets,
     plan_buckets,
     simulate,
     size_cap_buckets,
 )
+from dpkfac.probes import fit_comm_model
 
 
 def separate(n: int) -> list[list[int]]:

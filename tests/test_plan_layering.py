@@ -134,6 +134,19 @@ def test_the_plan_floor_imports_the_standard_library_and_itself_only() -> None:
             )
 
 
+def test_the_plan_floor_holds_models_not_fits() -> None:
+    """Fitting measured samples lives beside the measurement (``dpkfac.probes``) or in the
+    cost model (``dpkfac.costmodel.fitting``); the plan floor only holds what was fitted."""
+    for path in (PACKAGE / "plan").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = node.name.lstrip("_")
+                assert not name.startswith(("fit", "calibrate", "nnls", "lstsq")), (
+                    f"{path.relative_to(ROOT)} defines {node.name}"
+                )
+
+
 def _private_members() -> set[str]:
     """Names of the preconditioner's private attributes and methods."""
     tree = ast.parse((PACKAGE / "preconditioner.py").read_text())

@@ -106,11 +106,8 @@ def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     for r in rows:
         # + 0.0: no "-0.0" from round-off
         cells = [f"{round(r[key] * scale, 1) + 0.0:.1f}" for _, key, scale in _COLUMNS]
-        lines.append(f"| {r['model']} | {_label(r)} | " + " | ".join(cells) + " |")
+        # The strategy, with what it chose (grouped's k and f) when it chose anything.
+        chosen = r.get("configuration")
+        label = f"{r['strategy']} ({chosen})" if chosen else r["strategy"]
+        lines.append(f"| {r['model']} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _label(row: Mapping[str, Any]) -> str:
-    """The row's strategy, with what it chose (grouped's k and f) when it chose anything."""
-    chosen = row.get("configuration")
-    return f"{row['strategy']} ({chosen})" if chosen else str(row["strategy"])

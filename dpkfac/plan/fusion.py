@@ -27,7 +27,6 @@ __all__ = [
     "bucket_schedule",
     "ddp_buckets",
     "ddp_first_cap",
-    "fit_comm_model",
     "optimal_buckets",
     "plan_buckets",
     "shard_rounds",
@@ -56,39 +55,6 @@ class CommModel:
     def time(self, nbytes: float) -> float:
         """Predicted seconds for one collective over ``nbytes`` bytes."""
         return self.alpha + self.beta * nbytes
-
-
-def fit_comm_model(samples: Sequence[tuple[float, float]]) -> CommModel:
-    """Least-squares fit of ``seconds = alpha + beta * bytes``.
-
-    Measured timings are noisy, and a negative intercept or slope would make
-    the fusion rule nonsensical, so the fit is constrained to non-negative
-    parameters: if the unconstrained intercept is negative, the slope is
-    refit through the origin; if the slope is negative, alpha is the mean.
-
-    Args:
-        samples: ``(bytes, seconds)`` pairs, with at least two distinct sizes.
-
-    Returns:
-        The fitted model.
-    """
-    if len(samples) < 2:
-        raise ValueError("need at least two (bytes, seconds) samples")
-    xs = [float(x) for x, _ in samples]
-    ys = [float(y) for _, y in samples]
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if sxx == 0:
-        raise ValueError("need at least two distinct message sizes")
-    beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-    alpha = my - beta * mx
-    if beta < 0:
-        return CommModel(alpha=max(my, 0.0), beta=0.0)
-    if alpha < 0:
-        beta = sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
-        return CommModel(alpha=0.0, beta=max(beta, 0.0))
-    return CommModel(alpha=alpha, beta=beta)
 
 
 def _check_inputs(ready_times: Sequence[float], sizes_bytes: Sequence[int]) -> None:

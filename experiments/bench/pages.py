@@ -79,6 +79,15 @@ def failures(df: pd.DataFrame) -> list[str]:
     ]
 
 
+def ratio_text(value: float, low: float, high: float, runs: int, unit: str = "") -> str:
+    """``1.19 (1.15–1.23)``: a ratio (then ``unit``) and its range over ``runs`` repeated runs
+    (if several)."""
+    if value != value:  # NaN
+        return "–"
+    spread = f" ({low:.2f}–{high:.2f})" if runs > 1 and low == low and low != high else ""
+    return f"{value:.2f}{unit}{spread}"
+
+
 def _fmt(value: Any, digits: int) -> str:
     if isinstance(value, float):
         if value != value:  # NaN

@@ -20,9 +20,8 @@ preconditioner's common options and the strategy's own.
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields, replace
 from typing import Any
 
@@ -39,6 +38,7 @@ from dpkfac.stats import COMM_CATEGORIES
 from dpkfac.strategies import canonical_name, strategy_options
 from experiments.bench.aggregate import SECOND_ORDER_CATEGORIES, SECOND_ORDER_COMM, kind_weights
 from experiments.bench.measure import OPTIMIZER
+from experiments.bench.workloads import json_value, row_model
 
 PREDICTED_P = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: The ``phase`` of the error rows that compare a whole step (measured less its barriers).
@@ -54,10 +54,6 @@ _KFAC_FIELDS = frozenset(f.name for f in fields(KFACOptions))
 _DTYPE_FIELDS = ("factor_dtype", "decomposition_dtype")
 
 
-def _json(value: Any) -> Any:
-    return json.loads(value) if isinstance(value, str) else value
-
-
 def row_shapes(row: Mapping[str, Any], *, paper: bool = False) -> tuple[ModelShapes, str]:
     """K-FAC shapes of a row's model (or of its paper-sized version) and its weight sharing.
 
@@ -67,7 +63,6 @@ def row_shapes(row: Mapping[str, Any], *, paper: bool = False) -> tuple[ModelSha
     import torch
 
     from dpkfac.costmodel import shapes_from_model
-    from experiments.bench.workloads import row_model
 
     def on(device: str) -> tuple[ModelShapes, str]:
         with torch.device(device):
@@ -100,7 +95,7 @@ def _kfac_split(
     """
     import torch
 
-    raw = _json(row.get("kfac_options"))
+    raw = json_value(row.get("kfac_options"))
     if raw is None:
         name, values = None, {}
     elif "strategy" not in raw:
@@ -121,7 +116,7 @@ def _kfac_split(
 
 
 def _least_wait(row: Mapping[str, Any]) -> dict[str, float] | None:
-    least = _json(row.get("least_wait"))
+    least = json_value(row.get("least_wait"))
     return least if isinstance(least, dict) and least else None
 
 
@@ -143,7 +138,7 @@ def measurement(
         shapes, model_sharing = row_shapes(row)
         weight_sharing = weight_sharing or model_sharing
     name, kfac, own = _kfac_split(row, weight_sharing)
-    plan = _json(row.get("fusion_plan"))
+    plan = json_value(row.get("fusion_plan"))
     # The hardware model the run measured at start-up (spd_kfac's placement).
     measured = row.get("measured_hardware")
     measured = measured if isinstance(measured, str) and measured.strip() else None
@@ -154,7 +149,7 @@ def measurement(
         world_size=int(row["world_size"]),
         kfac=kfac,
         options=strategy_options(name, own) if name is not None else None,
-        timings=tuple(_json(row.get("rank_timings")) or ()),
+        timings=tuple(json_value(row.get("rank_timings")) or ()),
         least_wait=_least_wait(row),
         forward_backward=float(row.get("fwd_bwd_s") or 0.0),
         cores=_cores(row),
@@ -165,17 +160,21 @@ def measurement(
     )
 
 
-def _measurements(rows: list[Mapping[str, Any]], *, paper: bool = False) -> list[Measurement]:
-    """Each row's :func:`measurement`, one build of each model's shapes (``paper``: at its
-    paper size)."""
-    shapes_of: dict[str, tuple[ModelShapes, str]] = {}
-    out = []
+def shapes_per_row(
+    rows: Iterable[Mapping[str, Any]], *, paper: bool = False
+) -> Iterator[tuple[ModelShapes, str]]:
+    """Each row's :func:`row_shapes`, built once per model (``paper``: at its paper size)."""
+    built: dict[str, tuple[ModelShapes, str]] = {}
     for r in rows:
-        if str(r["model"]) not in shapes_of:
-            shapes_of[str(r["model"])] = row_shapes(r, paper=paper)
-        shapes, sharing = shapes_of[str(r["model"])]
-        out.append(measurement(r, shapes=shapes, weight_sharing=sharing))
-    return out
+        if str(r["model"]) not in built:
+            built[str(r["model"])] = row_shapes(r, paper=paper)
+        yield built[str(r["model"])]
+
+
+def _measurements(rows: list[Mapping[str, Any]], *, paper: bool = False) -> list[Measurement]:
+    """Each row's :func:`measurement` (:func:`shapes_per_row`)."""
+    pairs = zip(rows, shapes_per_row(rows, paper=paper), strict=True)
+    return [measurement(r, shapes=s, weight_sharing=w) for r, (s, w) in pairs]
 
 
 def predict_row(
@@ -327,7 +326,7 @@ def byte_mismatches(row: Mapping[str, Any], prediction: Prediction) -> list[str]
 
 def measured_phases(row: Mapping[str, Any]) -> dict[str, float]:
     """Seconds per phase as the cost model defines them (busiest rank / least wait)."""
-    return fitting_lib.phases_from_timings(_json(row["rank_timings"]), _least_wait(row))
+    return fitting_lib.phases_from_timings(json_value(row["rank_timings"]), _least_wait(row))
 
 
 def _prediction_row(
@@ -471,7 +470,7 @@ def probe_links(row: Mapping[str, Any]) -> dict[str, Link]:
 
     Empty for rows without probes (single-rank jobs, rows that predate them).
     """
-    probes = _json(row.get("link_probes"))
+    probes = json_value(row.get("link_probes"))
     if not isinstance(probes, list) or not probes:
         return {}
     samples = [

@@ -652,7 +652,7 @@ def write_scale_sim(
 ) -> dict[str, Path]:
     """``<out>/scale_sim.csv`` (every row) and ``scale_sim.md`` (takeaway, both tables)."""
     from experiments.bench import takeaways
-    from experiments.bench.pages import to_markdown
+    from experiments.bench.pages import to_markdown, with_takeaway, write_page
 
     out.mkdir(parents=True, exist_ok=True)
     csv = out / "scale_sim.csv"
@@ -716,7 +716,5 @@ def write_scale_sim(
         }
     )
     md.append(to_markdown(show, {"P": 0, "ranks": 0, "process group s": 4}))
-    md = [md[0], "", *takeaways.scale_sim(df, startup), *md[1:]]
-    path = out / "scale_sim.md"
-    path.write_text("\n".join(md).rstrip() + "\n")
-    return {"csv": csv, "md": path}
+    md = with_takeaway(md, takeaways.scale_sim(df, startup))
+    return {"csv": csv, "md": write_page(out / "scale_sim.md", md)}

@@ -45,6 +45,7 @@ from experiments.bench.pages import (
     first_order,
     footer,
     ok_rows,
+    ratio_text,
     to_markdown,
     with_takeaway,
     write_page,
@@ -166,15 +167,6 @@ def with_spread(frame: pd.DataFrame, spread: pd.DataFrame, p_column: str) -> pd.
     return joined
 
 
-def ratio_text(value: float, low: float, high: float, runs: int) -> str:
-    """``1.19 (1.15–1.23)``: a ratio and its range over ``runs`` repeated runs (if several)."""
-    if value != value:  # NaN
-        return "–"
-    if runs < 2 or low != low or low == high:
-        return f"{value:.2f}"
-    return f"{value:.2f} ({low:.2f}–{high:.2f})"
-
-
 def _write(
     out: Path,
     name: str,
@@ -289,17 +281,11 @@ def predicted_process_memory(records: Sequence[dict[str, Any]]) -> list[float]:
     """
     from experiments.bench import predict
 
-    shapes_of: dict[str, tuple[Any, str]] = {}
-    out = []
-    for r in records:
-        if not isinstance(r.get("model_config"), str | dict):
-            out.append(float("nan"))
-            continue
-        model = str(r["model"])
-        if model not in shapes_of:
-            shapes_of[model] = predict.row_shapes(r)
-        shapes, sharing = shapes_of[model]
-        out.append(predict.row_process_memory(r, shapes, sharing)["process_bytes"] / MiB)
+    out = [float("nan")] * len(records)
+    known = [i for i, r in enumerate(records) if isinstance(r.get("model_config"), str | dict)]
+    rows = [records[i] for i in known]
+    for i, r, (shapes, sharing) in zip(known, rows, predict.shapes_per_row(rows), strict=True):
+        out[i] = predict.row_process_memory(r, shapes, sharing)["process_bytes"] / MiB
     return out
 
 

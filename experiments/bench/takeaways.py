@@ -21,6 +21,7 @@ import pandas as pd
 
 from dpkfac.plan.configs import BASELINES, REFERENCE
 from experiments.bench import convergence_scale
+from experiments.bench.pages import ratio_text
 from experiments.bench.predict import iteration_errors, phase_errors
 
 #: The README's headline block (:func:`headline`).
@@ -44,9 +45,7 @@ def _span(values: Sequence[float], digits: int = 2) -> str:
 def _with_runs(strategy: str, row: pd.Series) -> str:
     """``dp_kfac 1.19× (1.15–1.23)``: a config's ratio to SGD and its range over runs."""
     low, high = row.get("vs_sgd_min", math.nan), row.get("vs_sgd_max", math.nan)
-    runs = int(row.get("runs", 1) or 1)
-    spread = f" ({low:.2f}–{high:.2f})" if runs > 1 and low == low and low != high else ""
-    return f"{strategy} {row['vs_sgd']:.2f}×{spread}"
+    return f"{strategy} {ratio_text(row['vs_sgd'], low, high, int(row.get('runs', 1) or 1), '×')}"
 
 
 def _distinct(values: Iterable[Any], sep: str = ", ") -> str:

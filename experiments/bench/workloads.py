@@ -236,7 +236,8 @@ def build(model: Mapping[str, Any], batch: Mapping[str, Any], seed: int = 0) -> 
     )
 
 
-def _json(value: Any) -> Any:
+def json_value(value: Any) -> Any:
+    """A row's cell decoded: JSON text parsed, a value read back already decoded kept."""
     return json.loads(value) if isinstance(value, str) else value
 
 
@@ -258,7 +259,7 @@ def batch_target(target: str) -> str:
 
 def upgrade_batch(value: Any) -> Any:
     """A row's ``model_batch`` (JSON text or a mapping) with :func:`batch_target`'s name."""
-    batch = _json(value)
+    batch = json_value(value)
     if not isinstance(batch, Mapping) or "_target_" not in batch:
         return value
     target = batch_target(batch["_target_"])
@@ -278,13 +279,13 @@ def row_model(row: Mapping[str, Any], *, paper: bool = False, seed: int = 0) -> 
         paper: apply the row's ``model_paper`` overrides (the papers' sizes).
         seed: torch seed for the weights.
     """
-    model = dict(_json(row["model_config"]))
-    batch = dict(_json(upgrade_batch(row["model_batch"])))
+    model = dict(json_value(row["model_config"]))
+    batch = dict(json_value(upgrade_batch(row["model_batch"])))
     if paper:
-        overrides = _json(row.get("model_paper") or "{}") or {}
+        overrides = json_value(row.get("model_paper") or "{}") or {}
         model.update(overrides.get("model") or {})
         batch.update(overrides.get("batch") or {})
     bench = build(model, batch, seed=seed)
-    bench.skip_layers = list(_json(row.get("skip_layers") or "[]") or [])
+    bench.skip_layers = list(json_value(row.get("skip_layers") or "[]") or [])
     bench.weight_sharing = str(row.get("weight_sharing") or "expand")
     return bench
