@@ -750,22 +750,6 @@ def figure(curves: pd.DataFrame, cells: pd.DataFrame) -> Any:
     return fig
 
 
-#: Columns of the markdown's main table and their headers.
-_SHOWN = {
-    "strategy": "configuration",
-    "P": "P",
-    "global_batch": "global batch",
-    "lr": "lr (chosen on val)",
-    "seeds": "seeds",
-    "steps": "steps to target",
-    "epochs": "epochs to target",
-    "acc": "final test acc",
-    "replicas": "replicas bitwise",
-    "pred_iteration_ms": "pred. ms/step",
-    "pred_time_to_target_s": "pred. s to target",
-    "measured_ms_per_rank": "CPU ms/step/rank",
-    "measured_time_to_target_s": "CPU s to target",
-}
 #: Decimals of the markdown's numeric columns other than two.
 _DIGITS = {"pred. ms/step": 3, "CPU s to target": 1, "cosine Linear": 3, "cosine Conv2d": 3}
 #: Columns of ``convergence_scale.csv`` (``val_mean`` written as ``val_acc_mean_over_seeds``).
@@ -799,29 +783,35 @@ def _pm(mean: float, std: float, digits: int) -> str:
 
 
 def _markdown_frame(cells: pd.DataFrame) -> pd.DataFrame:
-    show = cells.copy()
-    show["strategy"] = [
-        r.strategy
-        + (f" ({'=' if r.stand_ins == r.seeds else 'with'} {r.run_as}'s runs)" if r.run_as else "")
-        for r in show.itertuples()
-    ]
-    show["lr"] = [
-        f"{r.lr:.4g} (x{r.lr_multiplier:g}{', grid edge' if r.lr_at_grid_edge else ''})"
-        for r in show.itertuples()
-    ]
-    show["steps"] = [
-        _pm(r.steps_to_target, r.steps_std, 0)
-        + (f" ({r.reached}/{r.seeds} reached)" if r.reached < r.seeds else "")
-        for r in show.itertuples()
-    ]
-    show["epochs"] = [_pm(r.epochs_to_target, r.epochs_std, 1) for r in show.itertuples()]
-    show["acc"] = [_pm(r.final_acc, r.final_acc_std, 4) for r in show.itertuples()]
-    show["replicas"] = [
-        "–" if v is None or v != v else ("yes" if v else "NO") for v in show["replicas_identical"]
-    ]
-    cosines = [c for c in show.columns if c.startswith("cosine_")]
-    columns = _SHOWN | {c: f"cosine {c.removeprefix('cosine_')}" for c in cosines}
-    return show[list(columns)].rename(columns=columns)
+    """The markdown's main table of one model's cells, under its headers."""
+    cosines = [c for c in cells.columns if c.startswith("cosine_")]
+    rows = []
+    for r in cells.itertuples():
+        kind = "=" if r.stand_ins == r.seeds else "with"
+        twin = f" ({kind} {r.run_as}'s runs)" if r.run_as else ""
+        edge = ", grid edge" if r.lr_at_grid_edge else ""
+        missed = f" ({r.reached}/{r.seeds} reached)" if r.reached < r.seeds else ""
+        same = r.replicas_identical
+        replicas = "–" if same is None or same != same else ("yes" if same else "NO")
+        rows.append(
+            {
+                "configuration": r.strategy + twin,
+                "P": r.P,
+                "global batch": r.global_batch,
+                "lr (chosen on val)": f"{r.lr:.4g} (x{r.lr_multiplier:g}{edge})",
+                "seeds": r.seeds,
+                "steps to target": _pm(r.steps_to_target, r.steps_std, 0) + missed,
+                "epochs to target": _pm(r.epochs_to_target, r.epochs_std, 1),
+                "final test acc": _pm(r.final_acc, r.final_acc_std, 4),
+                "replicas bitwise": replicas,
+                "pred. ms/step": r.pred_iteration_ms,
+                "pred. s to target": r.pred_time_to_target_s,
+                "CPU ms/step/rank": r.measured_ms_per_rank,
+                "CPU s to target": r.measured_time_to_target_s,
+                **{f"cosine {c.removeprefix('cosine_')}": getattr(r, c) for c in cosines},
+            }
+        )
+    return pd.DataFrame(rows)
 
 
 def _points(runs: pd.DataFrame) -> str:
