@@ -35,6 +35,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import takewhile
 from pathlib import Path
 from typing import Any
 
@@ -249,24 +250,18 @@ def reached(curve: Sequence[Mapping[str, Any]], target: float) -> tuple[float, f
     it is decided by evaluation noise, and a run that crosses once and falls back for
     six epochs has not reached it in any sense a user would time.
     """
-    hit = None
-    for point in reversed(curve):
-        if not float(point["test_acc"]) >= target:  # NaN (a diverged run) is below
-            break
-        hit = point
-    return (math.nan, math.nan) if hit is None else (float(hit["step"]), float(hit["epoch"]))
+    # NaN (a diverged run) is below the target.
+    held = list(takewhile(lambda point: float(point["test_acc"]) >= target, reversed(curve)))
+    hit = held[-1] if held else {"step": math.nan, "epoch": math.nan}
+    return float(hit["step"]), float(hit["epoch"])
 
 
 def with_steps_to_target(runs: pd.DataFrame) -> pd.DataFrame:
     """The runs with steps and epochs to target recomputed from each run's curve by
     :func:`reached`, so rows merged from older sweeps follow today's definition."""
-    runs = runs.copy()
-    hits = [
-        reached(json.loads(c), float(t)) for c, t in zip(runs["curve"], runs["target"], strict=True)
-    ]
-    runs["steps_to_target"] = [s for s, _ in hits]
-    runs["epochs_to_target"] = [e for _, e in hits]
-    return runs
+    curves = zip(runs["curve"], runs["target"], strict=True)
+    hits = pd.DataFrame([reached(json.loads(c), float(t)) for c, t in curves], index=runs.index)
+    return runs.assign(steps_to_target=hits[0], epochs_to_target=hits[1])
 
 
 def _records(path: Path) -> tuple[list[float], list[dict[str, Any]]]:
@@ -454,11 +449,7 @@ PRICED = ("pred_iteration_s", "pred_hardware", "pred_chosen")
 
 def _with_run_as(runs: pd.DataFrame) -> pd.DataFrame:
     """A copy of the runs whose ``run_as`` is filled (rows from before it existed are real)."""
-    runs = runs.copy()
-    if "run_as" not in runs:
-        runs["run_as"] = runs["strategy"]
-    runs["run_as"] = runs["run_as"].fillna(runs["strategy"])
-    return runs
+    return runs.assign(run_as=runs.get("run_as", runs["strategy"]).fillna(runs["strategy"]))
 
 
 def with_same_step_stand_ins(runs: pd.DataFrame) -> pd.DataFrame:
@@ -518,9 +509,8 @@ def cells_frame(runs: pd.DataFrame) -> pd.DataFrame:
 
     grids = runs.groupby(CELL, sort=False)["lr_multiplier"]
     rows = []
-    for key, cell in runs[runs["chosen"]].groupby(CELL, sort=False):
-        model, strategy, p = key
-        grid = sorted(grids.get_group(key).unique())
+    for (model, strategy, p), cell in runs[runs["chosen"]].groupby(CELL, sort=False):
+        grid = sorted(grids.get_group((model, strategy, p)).unique())
         m = float(cell["lr_multiplier"].iloc[0])
         hit = cell["steps_to_target"].astype(float).dropna().tolist()
         s_mean, s_std = _mean_std(hit)
