@@ -266,6 +266,7 @@ def takeaway(summary: Sequence[Mapping[str, Any]]) -> list[str]:
     means = [r["cosine_mean"] for r in summary]
     faithful = sum(m >= 0.99 for m in means)
     p = "/".join(dict.fromkeys(str(r["world_size"]) for r in summary))
+    low = [f"`{r['layer']}` ({r['run']})" for r in summary if r["cosine_mean"] < 0.9]
     return [
         f"**Takeaway.** At P={p}, the update an owner builds from its own batch's factors has a "
         f"mean cosine of {min(means):.3f}–{max(means):.3f} to the one built from all ranks' "
@@ -273,12 +274,7 @@ def takeaway(summary: Sequence[Mapping[str, Any]]) -> list[str]:
         f"{faithful} of them stay at 0.99 or above.",
         f"Local curvature costs most at {worst['run']}'s `{worst['layer']}` (mean cosine "
         f"{worst['cosine_mean']:.3f}, worst {worst['cosine_min']:.3f}, relative error "
-        f"{worst['rel_error_mean']:.2f}); below 0.9: "
-        + (
-            ", ".join(f"`{r['layer']}` ({r['run']})" for r in summary if r["cosine_mean"] < 0.9)
-            or "none"
-        )
-        + ".",
+        f"{worst['rel_error_mean']:.2f}); below 0.9: {', '.join(low) or 'none'}.",
     ]
 
 
