@@ -315,7 +315,6 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
     target = float(node.targets[str(node.experiment)])
     times, probes = _records(train_dir / RECORD)
     model, example = model_and_input(train_cfg)
-    per_kind = fidelity_by_kind(probes, layer_kinds(model))
     predicted = predicted_iteration(train_cfg, p, str(node.hardware), model, example)
     kfac = plain(train_cfg.strategy) if uses_preconditioner(train_cfg.strategy) else None
     base_lr, base_batch = base_lr_and_batch(node)
@@ -356,7 +355,7 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
         "curve": json.dumps(curve),
         "fidelity_every": int(node.fidelity_every) if kfac is not None else 0,
         "fidelity_probes": len(probes),
-        "fidelity_cosine": json.dumps(per_kind),
+        "fidelity_cosine": json.dumps(fidelity_by_kind(probes, layer_kinds(model))),
         # Median over logging intervals: an interval that held an evaluation is slower.
         "step_s": statistics.median(times) if times else math.nan,
         "seconds": seconds,
@@ -520,6 +519,7 @@ def cells_frame(runs: pd.DataFrame) -> pd.DataFrame:
         for value in cell["fidelity_cosine"]:
             for kind, c in (json.loads(value) if isinstance(value, str) and value else {}).items():
                 kinds.setdefault(kind, []).append(float(c))
+        replicas = bool(cell["replicas_identical"].astype(bool).all()) if p > 1 else None
         pred = float(cell["pred_iteration_s"].astype(float).mean())
         measured = (
             float(cell["step_s"].astype(float).median()) / p if p <= MEASURED_MAX_P else math.nan
@@ -549,9 +549,7 @@ def cells_frame(runs: pd.DataFrame) -> pd.DataFrame:
             "final_acc": a_mean,
             "final_acc_std": a_std,
             **{f"cosine_{k}": _mean_std(v)[0] for k, v in sorted(kinds.items())},
-            "replicas_identical": bool(cell["replicas_identical"].astype(bool).all())
-            if p > 1
-            else None,
+            "replicas_identical": replicas,
             "pred_hardware": str(cell["pred_hardware"].iloc[0]),
             "pred_iteration_ms": 1e3 * pred,
             "pred_time_to_target_s": s_mean * pred if len(hit) == len(cell) else math.nan,
@@ -836,8 +834,7 @@ def coverage(runs: pd.DataFrame, superseded: int = 0) -> list[str]:
         machines(real),
     ]
     stand_ins = runs[runs["run_as"] != runs["strategy"]]
-    twins = stand_ins.groupby(["model", "world_size", "strategy", "run_as"], sort=True)
-    for (model, p, x, r), g in twins:
+    for (model, p, x, r), g in stand_ins.groupby(["model", "world_size", "strategy", "run_as"]):
         own = real[(real["model"] == model) & (real["world_size"] == p) & (real["strategy"] == x)]
         lines.append(
             f"{model}, P={int(p)}: {x}'s runs ({_points(own)}) equal {r}'s at the same points "
