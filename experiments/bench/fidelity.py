@@ -205,7 +205,7 @@ def run_fidelity(
     out: Path = REPO / "results",
     timeout: float = 600.0,
 ) -> dict[str, Path]:
-    """Train the probed ``runs`` and write ``<out>/fidelity.{csv,png}``.
+    """Train the probed ``runs`` and write ``<out>/fidelity.{csv,png,md}``.
 
     Args:
         runs: Names of :data:`RUNS` to train, in order.
@@ -217,21 +217,14 @@ def run_fidelity(
         timeout: Seconds per run.
 
     Returns:
-        The files written: ``{"csv": ..., "png": ...}``.
+        The files written: ``{"csv": ..., "png": ..., "md": ...}``.
     """
+    shared = {"nproc": nproc, "every": every, "strategy": strategy, "timeout": timeout}
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="dpkfac-fidelity-") as tmp:
         for name in runs:
-            rows += train_run(
-                name,
-                RUNS[name],
-                nproc=nproc,
-                steps=int(steps[name]),
-                every=every,
-                strategy=strategy,
-                out=Path(tmp) / name,
-                timeout=timeout,
-            )
+            out_dir = Path(tmp) / name
+            rows += train_run(name, RUNS[name], steps=int(steps[name]), out=out_dir, **shared)
     paths = {"csv": out / "fidelity.csv", "png": out / "fidelity.png", "md": out / "fidelity.md"}
     write_csv(rows, paths["csv"])
     plot_and_summarise(rows, out)
