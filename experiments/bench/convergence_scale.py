@@ -64,8 +64,7 @@ class ScaleLogger(RecordingLogger):
 
     The trainer logs ``train/step_time_s`` (mean over a logging interval) and
     ``fidelity/<layer>/{cosine,rel_error}`` (at probe steps); nothing else is
-    kept. Takes and ignores the other arguments of the ``logger`` node, so it
-    replaces W&B with ``logger._target_=experiments.bench.convergence_scale.ScaleLogger``.
+    kept. It replaces W&B as ``logger._target_`` like the :class:`RecordingLogger` it extends.
     """
 
     record = RECORD
@@ -222,9 +221,8 @@ def predicted_iteration(
             if k not in ("fidelity_every", "fidelity_layers")
             and not (isinstance(v, dict) and "_target_" in v)
         }
-        for key in ("factor_update_steps", "inv_update_steps"):
-            common[key] = int(common.get(key) or 1)
-        kfac = KFACOptions(**common)
+        steps = {k: int(common.get(k) or 1) for k in ("factor_update_steps", "inv_update_steps")}
+        kfac = KFACOptions(**(common | steps))
     hw = PRESETS[hardware]
     prediction = predict(
         shapes, strategy=name, world_size=world_size, hardware=hw, kfac=kfac, options=values
