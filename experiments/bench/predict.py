@@ -445,8 +445,7 @@ def _held_out(
     if out is None or m.model not in out.models:
         return None
     hw = fitting_lib.hardware_for(m, out.models[m.model].hardware, out.regimes)
-    probed = probe_links(row)
-    if probed:
+    if probed := probe_links(row):
         hw = replace(hw, links={**hw.links, **probed})
     return fitting_lib.predict_measurement(m, hw).update
 
