@@ -175,23 +175,18 @@ def fake_forward_backward(model: nn.Module, inputs: Sequence[Any]) -> int:
 
 
 def fake_step(
-    model: nn.Module,
-    pre: dpkfac.KFACPreconditioner,
-    batch: int = 3,
-    side: int = 8,
-    *,
-    inputs: Sequence[Any] | None = None,
+    model: nn.Module, pre: dpkfac.KFACPreconditioner, *, inputs: Sequence[Any] | None = None
 ) -> int:
     """One training step on fake CUDA: forward, hooks driven as in backward, ``pre.step()``.
 
     ``inputs``: the forward pass's positional inputs (fake CUDA tensors); without
-    them, a batch of ``batch`` RGB images of ``side`` x ``side`` pixels.
+    them, a batch of three 8 x 8 RGB images.
 
     Returns:
         How many output-gradient hooks fired.
     """
     if inputs is None:
-        inputs = (torch.randn(batch, 3, side, side, device="cuda"),)
+        inputs = (torch.randn(3, 3, 8, 8, device="cuda"),)
     called = fake_forward_backward(model, inputs)
     pre.step()
     return called

@@ -72,7 +72,7 @@ def preconditioner_kwargs_of(name: str, hardware: str) -> dict[str, Any] | None:
     """
     from experiments.bench.measure import with_schedules
     from experiments.config import compose_config
-    from experiments.preconditioning import preconditioner_kwargs, to_dtype
+    from experiments.preconditioning import preconditioner_kwargs
 
     cfg = compose_config("benchmark", [f"strategy={name}"])
     kwargs = preconditioner_kwargs(cfg.strategy)
@@ -80,7 +80,7 @@ def preconditioner_kwargs_of(name: str, hardware: str) -> dict[str, Any] | None:
         return None
     if kwargs.get("hardware", "x") is None:
         kwargs["hardware"] = hardware
-    return {key: to_dtype(key, value) for key, value in with_schedules(kwargs).items()}
+    return with_schedules(kwargs)
 
 
 class Timer:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["LINK_PROBE_KINDS", "LINK_PROBE_NUMELS", "probe_links"]
+__all__ = ["LINK_PROBE_KINDS", "LINK_PROBE_NUMELS", "probe_links", "sync"]
 
 #: Collective kinds probed (those of the strategies the tables measure on gloo).
 LINK_PROBE_KINDS = ("allreduce", "broadcast")
@@ -44,6 +44,12 @@ LINK_PROBE_NUMELS = (16384, 524288, 4194304)
 LINK_PROBE_REPEATS = 7
 #: Bytes of scratch memory written before each probe (beyond this machine's caches).
 FLUSH_BYTES = 64 * 2**20
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (nothing to wait for off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _op(kind: str) -> Callable[[torch.Tensor], object]:
@@ -71,11 +77,6 @@ def probe_links(
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return []
     p = dist.get_world_size()
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     scratch = torch.zeros(FLUSH_BYTES // 4, device=device)
     out = []
     for kind in kinds:
@@ -85,11 +86,11 @@ def probe_links(
             for _ in range(repeats + 1):
                 buf = torch.ones(n, device=device)
                 scratch.add_(1.0)
-                sync()
+                sync(device)
                 dist.barrier()
                 start = time.perf_counter()
                 op(buf)
-                sync()
+                sync(device)
                 times.append(time.perf_counter() - start)
             least = torch.tensor(times[1:], dtype=torch.float64, device=device)
             dist.all_reduce(least, op=dist.ReduceOp.MIN)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from dpkfac.memory import cuda_peak_bytes, process_memory, reset_cuda_peak
-from experiments.bench.link_probe import probe_links
+from experiments.bench.link_probe import probe_links, sync
 
 #: The optimizer every strategy's steps use, as :data:`dpkfac.costmodel.OPTIMIZER_STATE`
 #: names it: what the predicted whole-process memory assumes (:class:`_Stepper`).
@@ -220,10 +220,6 @@ class _Stepper:
         comm = self.pre.comm if self.pre is not None else self.comm
         comm.isolate = bool(spec.get("isolate_comm", False))
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """The measured ``records`` with what the row records of the model and strategy."""
         strategy = getattr(self.pre, "strategy", None)
@@ -245,7 +241,7 @@ class _Stepper:
         """Run and time one training step; everything is read after a fresh reset."""
         if dist.is_initialized():
             dist.barrier()
-        self._sync()
+        sync(self.device)
         if self.pre is not None:
             self.pre.reset_stats()
         else:
@@ -256,17 +252,17 @@ class _Stepper:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.bench.loss(self.model, self.batch)
         loss.backward()
-        self._sync()
+        sync(self.device)
         t1 = time.perf_counter()
         # Phases timed inside the forward and backward hooks (factors, and with dp_kfac's
         # overlap also reductions, decompositions and preconditioning).
         in_fwd_bwd = self.pre.timings() if self.pre is not None else {}
         if self.pre is not None:
             self.pre.step()
-        self._sync()
+        sync(self.device)
         t2 = time.perf_counter()
         self.optimizer.step()
-        self._sync()
+        sync(self.device)
         t3 = time.perf_counter()
         if self.pre is not None:
             phases, comm = self.pre.timings(), self.pre.comm_stats()
@@ -311,13 +307,12 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
         benchmark itself) every rank's result, in rank order, on every rank.
     """
     torch.set_num_threads(int(spec.get("threads", 1)))
-    strategies = spec["strategies"]
     warmup = int(spec["warmup"])
     group = process_group(spec.get("device", "auto"), float(spec.get("timeout_s", 300)))
     with flushed_denormals(), group as (rank, size, device):
         # The links as this job's steps meet them, before any model is built.
         probes = probe_links(device) if spec.get("probe_links", True) else []
-        steppers = [_Stepper(spec, member, rank, device) for member in strategies]
+        steppers = [_Stepper(spec, member, rank, device) for member in spec["strategies"]]
         records: dict[str, list[dict[str, Any]]] = {s.name: [] for s in steppers}
         for index in range(warmup + int(spec["steps"])):
             for k in range(len(steppers)):
@@ -350,7 +345,6 @@ def process_record(
     activations and transient buffers the tally cannot.
     """
     out = process_memory(model, optimizer, pre).as_dict()
-    peak = cuda_peak_bytes(device)
-    if peak is not None:
+    if (peak := cuda_peak_bytes(device)) is not None:
         out["peak_cuda"] = peak
     return out

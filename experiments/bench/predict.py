@@ -39,6 +39,7 @@ from dpkfac.strategies import canonical_name, strategy_options
 from experiments.bench.aggregate import SECOND_ORDER_CATEGORIES, SECOND_ORDER_COMM, kind_weights
 from experiments.bench.measure import OPTIMIZER
 from experiments.bench.workloads import json_value, row_model
+from experiments.preconditioning import to_dtype
 
 PREDICTED_P = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: The ``phase`` of the error rows that compare a whole step (measured less its barriers).
@@ -51,7 +52,6 @@ PAPER_PRESET = "v100_ib100"
 #: The base of calibration: kinds the measurements do not cover come from here.
 BASE_PRESET = "cpu_gloo_local"
 _KFAC_FIELDS = frozenset(f.name for f in fields(KFACOptions))
-_DTYPE_FIELDS = ("factor_dtype", "decomposition_dtype")
 
 
 def row_shapes(row: Mapping[str, Any], *, paper: bool = False) -> tuple[ModelShapes, str]:
@@ -93,8 +93,6 @@ def _kfac_split(
     (``compute_method``, ``factor_update_steps``, ``inv_update_steps``) or the defaults;
     ``weight_sharing``, when given, is the model's and wins.
     """
-    import torch
-
     raw = json_value(row.get("kfac_options"))
     if raw is None:
         name, values = None, {}
@@ -103,10 +101,7 @@ def _kfac_split(
     else:
         values = {k: v for k, v in raw.items() if not k.startswith("_")}
         name = canonical_name(values.pop("strategy"))
-    common = {k: values.pop(k) for k in list(values) if k in _KFAC_FIELDS}
-    for key in _DTYPE_FIELDS:
-        if isinstance(common.get(key), str):
-            common[key] = getattr(torch, common[key].removeprefix("torch."))
+    common = {k: to_dtype(k, values.pop(k)) for k in list(values) if k in _KFAC_FIELDS}
     common.setdefault("compute_method", row.get("compute_method", "eigen"))
     common.setdefault("factor_update_steps", int(row.get("factor_update_steps", 1)))
     common.setdefault("inv_update_steps", int(row.get("inv_update_steps", 1)))
@@ -178,19 +173,10 @@ def _measurements(rows: list[Mapping[str, Any]], *, paper: bool = False) -> list
 
 
 def predict_row(
-    row: Mapping[str, Any],
-    hardware: Hardware,
-    *,
-    world_size: int | None = None,
-    shapes: ModelShapes | None = None,
-    weight_sharing: str | None = None,
-    replay_plan: bool = True,
+    row: Mapping[str, Any], hardware: Hardware, *, world_size: int | None = None
 ) -> Prediction:
-    """The cost model's prediction of a row's job (optionally at another P or shapes)."""
-    m = measurement(row, shapes=shapes, weight_sharing=weight_sharing)
-    return fitting_lib.predict_measurement(
-        m, hardware, world_size=world_size, replay_plan=replay_plan
-    )
+    """The cost model's prediction of a row's job (optionally at another P)."""
+    return fitting_lib.predict_measurement(measurement(row), hardware, world_size=world_size)
 
 
 def predicted_counts(row: Mapping[str, Any], prediction: Prediction) -> dict[str, dict[str, float]]:
@@ -459,8 +445,7 @@ def _held_out(
     if out is None or m.model not in out.models:
         return None
     hw = fitting_lib.hardware_for(m, out.models[m.model].hardware, out.regimes)
-    probed = probe_links(row)
-    if probed:
+    if probed := probe_links(row):
         hw = replace(hw, links={**hw.links, **probed})
     return fitting_lib.predict_measurement(m, hw).update
 
@@ -537,12 +522,6 @@ def error_summary(errors: pd.DataFrame) -> pd.DataFrame:
     """Median absolute error per phase and world size (the number the issue asks for)."""
     if errors.empty:
         return errors
-    e = errors.assign(
-        abs_error=errors["error_%"].abs(), abs_held_out=errors["held_out_error_%"].abs()
-    )
-    return (
-        e.groupby(["phase", "world_size"])[["abs_error", "abs_held_out"]]
-        .median()
-        .reset_index()
-        .rename(columns={"abs_error": "median |error| %", "abs_held_out": "held out %"})
-    )
+    names = {"error_%": "median |error| %", "held_out_error_%": "held out %"}
+    e = errors.assign(**{name: errors[col].abs() for col, name in names.items()})
+    return e.groupby(["phase", "world_size"])[list(names.values())].median().reset_index()

@@ -364,14 +364,13 @@ def run(
         out = Path(output_dir) if output_dir is not None else Path(cfg.paths.log_dir) / "adhoc"
         return convergence_scale.run_job(cfg, out)
     spec = job_spec(cfg, overrides, output_dir)
-    fn, make_rows = (
-        (run_rank, timing_rows) if spec["task"] == "timing" else (run_convergence, convergence_rows)
-    )
     names, size = "+".join(m["name"] for m in spec["strategies"]), spec["world_size"]
     if spec["task"] == "timing":
+        fn, make_rows = run_rank, timing_rows
         model, setting = spec["model"]["name"], spec["setting"]["name"]
         log.info("timing %s on %s, P=%s, %s setting", names, model, size, setting)
     else:
+        fn, make_rows = run_convergence, convergence_rows
         experiment = spec["train_config"]["name"]
         log.info("convergence: experiment=%s strategy=%s, P=%s", experiment, names, size)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks started by torchrun
@@ -448,9 +447,7 @@ def factor_kernels_task(cfg: DictConfig) -> dict[str, Path]:
     from experiments.bench.factor_kernels import run_factor_kernels
 
     node, out = cfg.factor_kernels, Path(str(cfg.results_dir))
-    return run_factor_kernels(
-        [int(t) for t in node.threads], int(node.batch), int(node.reps), out=out
-    )
+    return run_factor_kernels(node.threads, node.batch, node.reps, out=out)
 
 
 def write_rows(rows: list[dict[str, Any]], out_dir: Path, extra_csv: str | None = None) -> None:

@@ -61,6 +61,7 @@ from experiments.bench.fake_cuda import (
     fake_forward_backward,
     fake_mode,
     fake_process_group,
+    fake_step,
     on_fake_cuda,
 )
 
@@ -395,16 +396,11 @@ def resolve_ranks(spec: Sequence[int | str], world_size: int) -> list[int]:
 
 
 def kfac_strategies() -> list[str]:
-    """Every strategy config of ``conf/strategy`` that configures a preconditioner."""
-    from experiments.config import CONF_DIR, compose_config
-    from experiments.preconditioning import uses_preconditioner
+    """Every strategy config that configures a preconditioner, sorted (their one home,
+    :func:`dpkfac.plan.configs.kfac_configs`, is what ``conf/strategy`` must match)."""
+    from dpkfac.plan.configs import kfac_configs
 
-    names = sorted(p.stem for p in (Path(CONF_DIR) / "strategy").glob("*.yaml"))
-    return [
-        name
-        for name in names
-        if uses_preconditioner(compose_config("benchmark", [f"strategy={name}"]).strategy)
-    ]
+    return sorted(kfac_configs())
 
 
 def workload_configs(model: str, strategies: Sequence[str]) -> tuple[Any, dict[str, Any]]:
@@ -430,9 +426,7 @@ def strategy_config(cfg: Any, *, factor_method: str | None = None) -> StrategyCo
     """The strategy config of a composed benchmark config (schedules instantiated).
 
     ``factor_method``: the batch-factor kernel instead of the config's (None:
-    the config's). Bytes and memory do not depend on it; on fake tensors
-    "unfold" (one product per factor) simulates several times faster than
-    "auto" (one product per block of the triangle).
+    the config's; why "unfold" by default: see the module docstring).
     """
     from experiments.bench.measure import with_schedules
     from experiments.preconditioning import preconditioner_kwargs, strategy_name
@@ -448,17 +442,13 @@ def strategy_config(cfg: Any, *, factor_method: str | None = None) -> StrategyCo
 
 def workload_model(cfg: Any, *, paper: bool = True) -> FakeModel:
     """The fake model of a composed benchmark config's workload (its paper size with ``paper``)."""
-    from omegaconf import OmegaConf
-
     from experiments.bench.workloads import build
+    from experiments.config import plain
 
-    model = OmegaConf.to_container(cfg.model, resolve=True)
-    batch = OmegaConf.to_container(cfg.workload.batch, resolve=True)
-    assert isinstance(model, dict) and isinstance(batch, dict)
+    model, batch = plain(cfg.model), plain(cfg.workload.batch)
     label = str(cfg.workload.label)
     if paper:
-        sizes = OmegaConf.to_container(cfg.workload.get("paper") or {}, resolve=True)
-        assert isinstance(sizes, dict)
+        sizes = plain(cfg.workload.get("paper")) or {}
         model.update(sizes.get("model") or {})
         batch.update(sizes.get("batch") or {})
         if sizes:
@@ -602,9 +592,7 @@ def _warm_up(model: FakeModel) -> None:
     """One untimed single-process step, so fake-kernel caches do not count as start-up."""
     module = model.copy()
     with _quiet(), model.mode:
-        pre = dry_run_preconditioner(module)
-        fake_forward_backward(module, model.inputs)
-        pre.step()
+        fake_step(module, dry_run_preconditioner(module), inputs=model.inputs)
 
 
 # ----------------------------------------------------------------- the table
