@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Iterable, Sequence
+from itertools import cycle
 from pathlib import Path
 from typing import Any
 
@@ -94,10 +95,7 @@ def strategy_palette(names: list[str]) -> dict[str, str]:
     """
     used: set[str] = set()
     colors: dict[str, str] = {}
-    spare = [
-        *SPARE_COLORS,
-        *(mcolors.to_hex(c) for c in matplotlib.colormaps["tab20"].colors),
-    ]
+    spare = [*SPARE_COLORS, *(mcolors.to_hex(c) for c in matplotlib.colormaps["tab20"].colors)]
     heads = [n for n in names if (fam := _family(n)) is not None and fam[0] == n]
     for name in dict.fromkeys([*heads, *names]):
         fam = _family(name)
@@ -152,6 +150,14 @@ def _figure(rows: int, cols: int, size: tuple[float, float], **kwargs: Any) -> t
     return fig, fig.subplots(rows, cols, squeeze=False, **kwargs)
 
 
+def _stacked_bars(ax: Any, xs: range, bars: dict[str, list[float]], colors: Iterable[Any]) -> None:
+    """One bar per ``label: values`` at ``xs``, each stacked on the ones before it."""
+    bottom = [0.0] * len(xs)
+    for (label, values), color in zip(bars.items(), colors, strict=False):
+        ax.bar(xs, values, bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+
+
 def strategy_handles(strategies: Iterable[str], labels: Iterable[str] | None = None) -> list:
     """Legend entries of strategy configs: a thick line in each one's colour."""
     names = list(strategies)
@@ -200,16 +206,11 @@ def stacked_breakdown(wide: pd.DataFrame, parts: list[str]) -> Figure:
     cols = 2 if len(panels) in (2, 4) else min(len(panels), 3)
     rows = math.ceil(len(panels) / cols) if panels else 1
     fig, axes = _figure(rows, cols, (5.2 * cols, 3.8 * rows))
-    colors = matplotlib.colormaps["tab10"].colors
     for ax, ((setting, model), frame) in zip(axes.flat, panels, strict=False):
         frame = frame.set_index("strategy").loc[ordered(frame["strategy"])]
         xs = range(len(frame))
-        bottom = [0.0] * len(frame)
-        for k, part in enumerate(parts):
-            values = frame[f"{part}_ms"].fillna(0.0).tolist()
-            label = PART_LABELS.get(part, part)
-            ax.bar(xs, values, bottom=bottom, label=label, color=colors[k % len(colors)])
-            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        bars = {PART_LABELS.get(p, p): frame[f"{p}_ms"].fillna(0.0).tolist() for p in parts}
+        _stacked_bars(ax, xs, bars, cycle(matplotlib.colormaps["tab10"].colors))
         ax.set_xticks(xs, frame.index, rotation=30, ha="right")
         ax.set_ylabel("ms per iteration")
         ax.set_title(f"{model} ({setting}, P={int(frame['world_size'].iloc[0])})")
@@ -355,12 +356,7 @@ def accuracy_curves(curves: pd.DataFrame) -> Figure:
         sub = curves[curves["world_size"] == p]
         for strategy in ordered(sub["strategy"]):
             line = sub[sub["strategy"] == strategy].sort_values("epoch")
-            ax.plot(
-                line["epoch"],
-                line["test_acc"],
-                label=strategy,
-                **looks[strategy],
-            )
+            ax.plot(line["epoch"], line["test_acc"], label=strategy, **looks[strategy])
         ax.set_title(f"P={p}")
         ax.set_xlabel("epoch")
         ax.set_ylabel("test accuracy")
@@ -393,23 +389,17 @@ def ablation_bars(frame: pd.DataFrame) -> Figure:
         p = int(frame["pred_P"].iloc[0])
         sources.append(("pred_", f"predicted at P={p}\n(v100_ib100, paper-size model)"))
     fig, axes = _figure(len(sources), max(len(panels), 1), (4.6 * len(panels), 3.9 * len(sources)))
-    colors = matplotlib.colormaps["tab10"].colors
-    parts = [*ABLATION_PARTS.items(), ("rest", "forward/backward and other")]
+    colors = [*matplotlib.colormaps["tab10"].colors[: len(ABLATION_PARTS)], "lightgray"]
     for j, ((model, setting, p), g) in enumerate(panels):
         xs = range(len(g))
         for i, (prefix, title) in enumerate(sources):
             ax = axes[i][j]
-            bottom = [0.0] * len(g)
-            for k, (part, label) in enumerate(parts):
-                if part in ABLATION_PARTS:
-                    values = g[prefix + part].fillna(0.0).tolist()
-                    color = colors[k % len(colors)]
-                else:  # what the iteration has beyond the parts above (clipped at 0)
-                    total = g[prefix + "iteration_ms"].fillna(0.0).tolist()
-                    values = [max(t - b, 0.0) for t, b in zip(total, bottom, strict=True)]
-                    color = "lightgray"
-                ax.bar(xs, values, bottom=bottom, label=label, color=color)
-                bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+            bars = {h: g[prefix + c].fillna(0.0).tolist() for c, h in ABLATION_PARTS.items()}
+            # What the iteration has beyond the parts above (clipped at 0).
+            total = g[prefix + "iteration_ms"].fillna(0.0).tolist()
+            top = [sum(values) for values in zip(*bars.values(), strict=True)]
+            rest = [max(t - b, 0.0) for t, b in zip(total, top, strict=True)]
+            _stacked_bars(ax, xs, {**bars, "forward/backward and other": rest}, colors)
             ax.set_xticks(xs, g["strategy"], rotation=45, ha="right", fontsize=8)
             ax.set_ylabel("ms per iteration")
             ax.set_title(f"{model}, {setting}: {title.format(p=p)}", fontsize=9)
