@@ -212,15 +212,13 @@ def second_order_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     for (model, p, setting), group in df.groupby(["model", "world_size", "setting"], sort=False):
         by = {r["strategy"]: r for r in group.to_dict("records")}
         costs = {strategy: _costs(r) for strategy, r in by.items()}
-        sgd = next((r for r in by.values() if first_order(r)), None)
+        sgd_s = next((r["iteration_s"] for r in by.values() if first_order(r)), float("nan"))
         dp = costs.get(REFERENCE)
         for strategy in plots.ordered(list(by)):
             r = by[strategy]
             entry = {"model": model, "label": r["label"], "P": p, "setting": setting}
             entry.update(strategy=strategy, **costs[strategy])
-            entry["iteration_vs_sgd"] = (
-                r["iteration_s"] / sgd["iteration_s"] if sgd is not None else float("nan")
-            )
+            entry["iteration_vs_sgd"] = r["iteration_s"] / sgd_s
             entry.update({f"{key}/dp": _over(costs[strategy], dp, key) for key in RATIOS})
             long_rows.append(entry)
         if dp is None:
@@ -642,8 +640,9 @@ def write_convergence(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     """``results/convergence.*``: accuracy per epoch, final accuracy and smoke status."""
     curves, final = convergence_frames(df)
     md = ["# Convergence on scikit-learn digits (DigitsCNN, test accuracy)", ""]
-    summary = convergence_summary(final) if not final.empty else pd.DataFrame()
+    summary = pd.DataFrame()
     if not final.empty:
+        summary = convergence_summary(final)
         summary.to_csv(out / "convergence_final.csv", index=False)
         texts = [takeaways.accuracy(r.mean, r.std, 4) for r in summary.itertuples()]
         pivot = summary.assign(text=texts).pivot(
@@ -676,9 +675,8 @@ def write_convergence(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         md.append(to_markdown(matrix if not matrix.empty else cases, 1))
         counts = cases["status"].value_counts().to_dict()
         md += ["", "Cases: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))]
-    takeaway = takeaways.convergence(summary, final) if not final.empty else []
     figure = None if curves.empty else lambda: plots.accuracy_curves(curves)
-    return _write(out, "convergence", curves, md, df, takeaway, figure)
+    return _write(out, "convergence", curves, md, df, takeaways.convergence(summary, final), figure)
 
 
 # -------------------------------------------------------------------- common
