@@ -89,11 +89,9 @@ def ratio_text(value: float, low: float, high: float, runs: int, unit: str = "")
 
 
 def _fmt(value: Any, digits: int) -> str:
-    if isinstance(value, float):
-        if value != value:  # NaN
-            return "–"
-        return f"{value:.{digits}f}"
-    return str(value)
+    if not isinstance(value, float):
+        return str(value)
+    return "–" if value != value else f"{value:.{digits}f}"  # NaN: –
 
 
 def to_markdown(df: pd.DataFrame, digits: int | dict[str, int] = 2) -> str:
