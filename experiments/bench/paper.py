@@ -49,12 +49,9 @@ def described_rows(models: Sequence[str] = MODELS) -> list[dict[str, Any]]:
     from experiments.bench.run import compose_config, described_rows, job_spec
 
     rows = []
+    strategies = f"strategies=[{','.join((REFERENCE, *BASELINES))}]"
     for model in models:
-        overrides = [
-            f"model={model}",
-            "setting=paper",
-            f"strategies=[{','.join((REFERENCE, *BASELINES))}]",
-        ]
+        overrides = [f"model={model}", "setting=paper", strategies]
         rows += described_rows(job_spec(compose_config("benchmark", overrides), overrides))
     return rows
 

@@ -176,22 +176,20 @@ def ratio_bars(headline: pd.DataFrame) -> Figure:
     """Computation, communication and memory of each strategy relative to dp_kfac, per model."""
     metrics = [("compute", "computation"), ("comm", "communication"), ("memory", "memory")]
     strategies = [s for s in COMPARED if f"compute_{s}/dp" in headline.columns]
+    labels = [f"{s} / {REFERENCE}" for s in strategies]
     fig, grid = _figure(1, 3, (14, 3.8))
     axes = grid[0]
-    labels = headline["model"].tolist()
+    models = headline["model"].tolist()
     width = 0.8 / max(len(strategies), 1)
     for ax, (key, title) in zip(axes, metrics, strict=True):
-        for i, strategy in enumerate(strategies):
+        for i, (strategy, label) in enumerate(zip(strategies, labels, strict=True)):
             values = headline[f"{key}_{strategy}/dp"].tolist()
-            xs = [j + (i - (len(strategies) - 1) / 2) * width for j in range(len(labels))]
-            ax.bar(
-                xs, values, width, label=f"{strategy} / {REFERENCE}", color=strategy_color(strategy)
-            )
+            xs = [j + (i - (len(strategies) - 1) / 2) * width for j in range(len(models))]
+            ax.bar(xs, values, width, label=label, color=strategy_color(strategy))
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+        ax.set_xticks(range(len(models)), models, rotation=30, ha="right")
         ax.set_title(f"{title} (x {REFERENCE})")
-    handles = strategy_handles(strategies, [f"{s} / {REFERENCE}" for s in strategies])
-    _strategy_legend(fig, handles, title="cost relative to")
+    _strategy_legend(fig, strategy_handles(strategies, labels), title="cost relative to")
     fig.suptitle("Cost of one second-order update relative to DP-KFAC (>1: DP-KFAC is cheaper)")
     return fig
 
@@ -287,9 +285,8 @@ def scaling_lines(frame: pd.DataFrame) -> Figure:
             ax = axes[i][j]
             mine = sub[sub["source"].map(_here)] if row is None else sub[sub["source"] == row]
             for strategy in ordered(mine["strategy"]):
-                for source, line in mine[mine["strategy"] == strategy].groupby(
-                    "source", sort=False
-                ):
+                ours = mine[mine["strategy"] == strategy]
+                for source, line in ours.groupby("source", sort=False):
                     kind = source_kind(source)
                     kinds.append(kind)
                     line = line.sort_values("world_size")

@@ -360,11 +360,6 @@ def block_lines(path: Path, markers: tuple[str, str]) -> list[str]:
     return match.group(1).splitlines() if match else []
 
 
-def readme_block(readme: Path) -> list[str]:
-    """The headline lines the README holds now."""
-    return block_lines(readme, HEADLINE)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description="Rewrite the README's headline results and the default run's figures in "
