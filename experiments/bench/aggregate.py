@@ -132,8 +132,7 @@ def aggregate(
             continue
         value = sum(w * medians[kind][key] for kind, w in weights.items())
         row[key if key.startswith(("bytes_", "calls_", "wire_")) else f"{key}_s"] = value
-    for kind in per_step:
-        row[f"iteration_{kind}_s"] = medians[kind]["iteration"]
+    row.update({f"iteration_{kind}_s": m["iteration"] for kind, m in medians.items()})
     row.update(memory_peak)
     peaks = [
         rec["process_memory"]["peak_cuda"]

@@ -76,8 +76,7 @@ def load_rows(sources: Iterable[str | Path]) -> pd.DataFrame:
     for source in sources:
         path = Path(source)
         if path.is_dir():
-            found = [*path.rglob("rows.json"), *path.rglob("row.json")]
-            for p in sorted(found, key=_natural):
+            for p in sorted([*path.rglob("rows.json"), *path.rglob("row.json")], key=_natural):
                 records += _json_rows(p)
         elif path.suffix == ".json":
             records += _json_rows(path)
@@ -568,9 +567,8 @@ def write_ablation(df: pd.DataFrame, out: Path) -> dict[str, Path]:
             predicted_choice = g.get("pred_chosen", g["chosen"])
             chose = g["chosen"].astype(bool).any() or predicted_choice.astype(bool).any()
             head = ["strategy", "chosen"] if chose else ["strategy"]
-            show = g[[*head, *[c for c in _ABLATION_MEASURED if c in g]]].rename(
-                columns=_ABLATION_MEASURED
-            )
+            measured = [c for c in _ABLATION_MEASURED if c in g]
+            show = g[[*head, *measured]].rename(columns=_ABLATION_MEASURED)
             show["vs SGD"] = _spread_texts(g)
             if predicted_p is not None:
                 for column, header in _ABLATION_PREDICTED.items():
@@ -598,14 +596,13 @@ def convergence_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     df = ok_rows(df, "convergence")
     df = df.assign(seed=df["seed"].fillna(0).astype(int) if "seed" in df else 0)
     run = ["strategy", "world_size", "seed"]
-    curves_df = pd.DataFrame(
-        [
-            {**{k: r[k] for k in run}, **point}
-            for r in df.to_dict("records")
-            for point in json.loads(r["curve"])
-        ]
-    )
-    if not curves_df.empty:
+    points = [
+        {**{k: r[k] for k in run}, **point}
+        for r in df.to_dict("records")
+        for point in json.loads(r["curve"])
+    ]
+    curves_df = pd.DataFrame(points)
+    if points:
         curves_df = (
             curves_df.groupby(["strategy", "world_size", "epoch"], sort=False)
             .agg(
@@ -689,9 +686,7 @@ def write_table(name: str, rows: pd.DataFrame, results_dir: str | Path = "result
     (out / "raw").mkdir(parents=True, exist_ok=True)
     raw = out / "raw" / f"{name}.csv"
     rows.to_csv(raw, index=False)
-    paths = TABLES[name].write(rows, out)
-    paths["raw"] = raw
-    return paths
+    return {**TABLES[name].write(rows, out), "raw": raw}
 
 
 class TableCallback(Callback):
