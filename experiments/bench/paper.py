@@ -167,8 +167,7 @@ def write_paper(out: Path, rows: list[dict[str, Any]] | None = None) -> dict[str
 
     frame = paper_frame(rows)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"csv": out / "paper.csv", "md": out / "paper.md"}
-    frame.to_csv(paths["csv"], index=False)
+    frame.to_csv(out / "paper.csv", index=False)
     show = frame[["model", "setting"]].copy()
     for metric in METRICS:
         pairs = zip(frame[f"{metric}_x"], frame[f"{metric}_best"], strict=True)
@@ -203,5 +202,4 @@ def write_paper(out: Path, rows: list[dict[str, Any]] | None = None) -> dict[str
         "",
         to_markdown(frame[["model", *(c for c in frame if c.startswith("dp_"))]], 2),
     ]
-    write_page(paths["md"], md)
-    return paths
+    return {"csv": out / "paper.csv", "md": write_page(out / "paper.md", md)}

@@ -300,12 +300,11 @@ def scaling_lines(frame: pd.DataFrame) -> Figure:
                         **SOURCE_STYLES[kind],
                     )
             ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            ax.set(yscale="log", ylabel="ms per iteration")
             ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.yaxis.set_major_formatter(FuncFormatter(_plain))
             ax.yaxis.set_minor_formatter(FuncFormatter(_plain))
             ax.tick_params(axis="y", which="minor", labelsize=8)
-            ax.set_ylabel("ms per iteration")
             ax.grid(alpha=0.3, which="major")
             where = (
                 "this machine, measured and predicted" if row is None else f"predicted for {row}"
@@ -354,10 +353,7 @@ def accuracy_curves(curves: pd.DataFrame) -> Figure:
         for strategy in ordered(sub["strategy"]):
             line = sub[sub["strategy"] == strategy].sort_values("epoch")
             ax.plot(line["epoch"], line["test_acc"], label=strategy, **looks[strategy])
-        ax.set_title(f"P={p}")
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("test accuracy")
-        ax.set_ylim(0.5, 1.0)
+        ax.set(title=f"P={p}", xlabel="epoch", ylabel="test accuracy", ylim=(0.5, 1.0))
     _strategy_legend(fig, [Line2D([], [], label=s, **looks[s]) for s in strategies])
     return fig
 

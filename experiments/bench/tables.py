@@ -110,13 +110,12 @@ def upgrade_rows(df: pd.DataFrame) -> pd.DataFrame:
     untouched, so a table rewritten from old rows has the numbers it had.
     """
     renamed = {old: new for old, new in RENAMED_COLUMNS.items() if old in df.columns}
-    if renamed:
-        if any(new in df.columns for new in renamed.values()):  # old and new rows together
-            for old, new in renamed.items():
-                df[new] = df[new].where(df[new].notna(), df[old]) if new in df else df[old]
-            df = df.drop(columns=list(renamed))
-        else:
-            df = df.rename(columns=renamed)
+    if any(new in df.columns for new in renamed.values()):  # old and new rows together
+        for old, new in renamed.items():
+            df[new] = df[new].where(df[new].notna(), df[old]) if new in df else df[old]
+        df = df.drop(columns=list(renamed))
+    else:
+        df = df.rename(columns=renamed)
     if "model_batch" in df.columns:
         df["model_batch"] = [
             v if isinstance(v, float) else workloads.upgrade_batch(v) for v in df["model_batch"]
