@@ -177,11 +177,10 @@ def ratio_bars(headline: pd.DataFrame) -> Figure:
     metrics = [("compute", "computation"), ("comm", "communication"), ("memory", "memory")]
     strategies = [s for s in COMPARED if f"compute_{s}/dp" in headline.columns]
     labels = [f"{s} / {REFERENCE}" for s in strategies]
-    fig, grid = _figure(1, 3, (14, 3.8))
-    axes = grid[0]
+    fig, axes = _figure(1, 3, (14, 3.8))
     models = headline["model"].tolist()
     width = 0.8 / max(len(strategies), 1)
-    for ax, (key, title) in zip(axes, metrics, strict=True):
+    for ax, (key, title) in zip(axes[0], metrics, strict=True):
         for i, (strategy, label) in enumerate(zip(strategies, labels, strict=True)):
             values = headline[f"{key}_{strategy}/dp"].tolist()
             xs = [j + (i - (len(strategies) - 1) / 2) * width for j in range(len(models))]

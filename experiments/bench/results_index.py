@@ -114,12 +114,8 @@ def index(results: Path) -> list[str]:
     return lines
 
 
-def write(results: Path) -> Path:
-    """Write ``results/README.md``."""
-    return write_page(results / "README.md", index(results))
-
-
 if __name__ == "__main__":
     import sys
 
-    print(write(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results")))
+    results = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results")
+    print(write_page(results / "README.md", index(results)))

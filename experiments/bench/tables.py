@@ -705,8 +705,7 @@ class TableCallback(Callback):
         if rows.empty:
             log.error("no rows under %s; table %s not written", sweep_dir, self.table)
             return
-        results = Path(config.get("results_dir", "results"))
-        paths = write_table(self.table, rows, results)
+        paths = write_table(self.table, rows, config.get("results_dir", "results"))
         log.info("table %s: %s", self.table, ", ".join(str(p) for p in paths.values()))
         for line in failures(rows):
             log.warning("failed job: %s", line)
