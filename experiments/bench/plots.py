@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Iterable, Sequence
-from itertools import cycle
+from itertools import chain, count, cycle
 from pathlib import Path
 from typing import Any
 
@@ -100,12 +100,9 @@ def strategy_palette(names: list[str]) -> dict[str, str]:
     for name in dict.fromkeys([*heads, *names]):
         fam = _family(name)
         shades = fam[1] if fam is not None else ()
-        color = next((c for c in (*shades, *spare) if c not in used), None)
-        k = 0
-        while color is None or color in used:  # past every list: golden-ratio hues
-            hue = (0.13 + 0.618034 * k) % 1.0
-            color = mcolors.to_hex(mcolors.hsv_to_rgb((hue, 0.75, 0.8)))
-            k += 1
+        hues = ((0.13 + 0.618034 * k) % 1.0 for k in count())  # past every list: golden-ratio hues
+        extra = (mcolors.to_hex(mcolors.hsv_to_rgb((hue, 0.75, 0.8))) for hue in hues)
+        color = next(c for c in chain(shades, spare, extra) if c not in used)
         colors[name] = color
         used.add(color)
     return {name: colors[name] for name in names}

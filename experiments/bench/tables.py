@@ -338,9 +338,8 @@ def write_second_order_update(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         to_markdown(long.drop(columns=["label"]), {"P": 0}),
     ]
     figure = None if head.empty else lambda: plots.ratio_bars(head)
-    return _write(
-        out, "second_order_update", long, md, df, takeaways.second_order_update(head), figure
-    )
+    takeaway = takeaways.second_order_update(head)
+    return _write(out, "second_order_update", long, md, df, takeaway, figure)
 
 
 # ------------------------------------------------------------ time_breakdown
