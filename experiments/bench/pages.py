@@ -55,11 +55,7 @@ def median_runs(df: pd.DataFrame) -> pd.DataFrame:
     load, and each row's phases, link probes and step records are one run's.
     Jobs run once pass unchanged.
     """
-    if (
-        df.empty
-        or "seed" not in df
-        or df.groupby(JOB, dropna=False)["seed"].nunique(dropna=False).max() < 2
-    ):
+    if df.empty or "seed" not in df:
         return df
     seed = df["seed"].fillna(-1)
     keep = pd.Series(False, index=df.index)
