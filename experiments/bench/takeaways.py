@@ -219,8 +219,7 @@ def _predicted_line(practical: pd.DataFrame) -> str:
     p = int(practical["pred_P"].dropna().iloc[0])
     parts = []
     for model, group in practical.groupby("model", sort=False):
-        kfac = group[~group["first_order"].astype(bool)]
-        best = kfac.nsmallest(1, "pred_vs_sgd").iloc[0]
+        best = group[~group["first_order"].astype(bool)].nsmallest(1, "pred_vs_sgd").iloc[0]
         base = group[group["algorithm"].fillna("").isin(BASELINE_ALGORITHMS)]["pred_vs_sgd"]
         shown = {best["strategy"]: best["pred_vs_sgd"]}
         shown.setdefault(REFERENCE, group.set_index("strategy")["pred_vs_sgd"].get(REFERENCE))
