@@ -668,7 +668,7 @@ def test_the_readme_headline_is_generated_from_the_results() -> None:
     repo = Path(__file__).resolve().parents[1]
     expected = takeaways.headline(repo / "results")
     assert 3 <= len(expected) <= 7
-    assert takeaways.readme_block(repo / "README.md") == expected, (
+    assert takeaways.block_lines(repo / "README.md", takeaways.HEADLINE) == expected, (
         "README headline is stale: run python -m experiments.bench.takeaways"
     )
 

@@ -73,18 +73,15 @@ def _flatten(record: dict[str, Any]) -> dict[str, float]:
     }
     for cat in COMM_CATEGORIES:
         stats = record["comm"].get(cat, {})
-        flat[f"bytes_{cat}"] = stats.get("bytes", 0)
-        flat[f"calls_{cat}"] = stats.get("calls", 0)
-        flat[f"wire_{cat}"] = stats.get("wire_bytes", 0)
-    for key, value in record["memory"].items():
-        flat[f"mem_{key}"] = value
+        for column, key in (("bytes", "bytes"), ("calls", "calls"), ("wire", "wire_bytes")):
+            flat[f"{column}_{cat}"] = stats.get(key, 0)
+    flat.update({f"mem_{key}": value for key, value in record["memory"].items()})
     flat["mem_kfac"] = sum(record["memory"].values())
     # The whole process's tally (records written before it was measured have none).
     process = record.get("process_memory")
     if process:
         flat["mem_process"] = process["total"]
-        for key in PROCESS_PARTS:
-            flat[f"mem_process_{key}"] = process[key]
+        flat.update({f"mem_process_{key}": process[key] for key in PROCESS_PARTS})
         if "peak_cuda" in process:
             flat["mem_process_peak_cuda"] = process["peak_cuda"]
     return flat
@@ -135,8 +132,7 @@ def aggregate(
             continue
         value = sum(w * medians[kind][key] for kind, w in weights.items())
         row[key if key.startswith(("bytes_", "calls_", "wire_")) else f"{key}_s"] = value
-    for kind in per_step:
-        row[f"iteration_{kind}_s"] = medians[kind]["iteration"]
+    row.update({f"iteration_{kind}_s": m["iteration"] for kind, m in medians.items()})
     row.update(memory_peak)
     peaks = [
         rec["process_memory"]["peak_cuda"]

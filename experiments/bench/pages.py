@@ -55,11 +55,7 @@ def median_runs(df: pd.DataFrame) -> pd.DataFrame:
     load, and each row's phases, link probes and step records are one run's.
     Jobs run once pass unchanged.
     """
-    if (
-        df.empty
-        or "seed" not in df
-        or df.groupby(JOB, dropna=False)["seed"].nunique(dropna=False).max() < 2
-    ):
+    if df.empty or "seed" not in df:
         return df
     seed = df["seed"].fillna(-1)
     keep = pd.Series(False, index=df.index)
@@ -89,11 +85,9 @@ def ratio_text(value: float, low: float, high: float, runs: int, unit: str = "")
 
 
 def _fmt(value: Any, digits: int) -> str:
-    if isinstance(value, float):
-        if value != value:  # NaN
-            return "–"
-        return f"{value:.{digits}f}"
-    return str(value)
+    if not isinstance(value, float):
+        return str(value)
+    return "–" if value != value else f"{value:.{digits}f}"  # NaN: –
 
 
 def to_markdown(df: pd.DataFrame, digits: int | dict[str, int] = 2) -> str:

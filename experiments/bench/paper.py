@@ -33,11 +33,7 @@ MODELS = ("resnet50", "bert_large", "resnet110", "resnet32", "transformer")
 WORLD_SIZE = 64
 PRESET = "v100_ib100"
 #: The DP-KFAC paper's reported ranges ("how many times lower" than the best D-KFAC).
-PAPER = {
-    "computation": (1.55, 1.65),
-    "communication": (2.79, 3.15),
-    "memory": (1.14, 1.47),
-}
+PAPER = {"computation": (1.55, 1.65), "communication": (2.79, 3.15), "memory": (1.14, 1.47)}
 #: Metric -> (column of the prediction, the paper's range it is compared with or None).
 METRICS: dict[str, tuple[str, str | None]] = {
     "computation": ("compute_s", "computation"),
@@ -53,30 +49,23 @@ def described_rows(models: Sequence[str] = MODELS) -> list[dict[str, Any]]:
     from experiments.bench.run import compose_config, described_rows, job_spec
 
     rows = []
+    strategies = f"strategies=[{','.join((REFERENCE, *BASELINES))}]"
     for model in models:
-        overrides = [
-            f"model={model}",
-            "setting=paper",
-            f"strategies=[{','.join((REFERENCE, *BASELINES))}]",
-        ]
+        overrides = [f"model={model}", "setting=paper", strategies]
         rows += described_rows(job_spec(compose_config("benchmark", overrides), overrides))
     return rows
 
 
 #: A prediction's figures (:func:`experiments.bench.predict.paper_predictions`'s entry:
-#: amortised costs, process memory, the layer count), and the prediction itself.
-Figures = tuple[dict[str, float], Prediction]
+#: amortised costs, process memory, the layer count and the ``prediction`` itself).
+Figures = dict[str, Any]
 
 
 def _predictions(rows: list[dict[str, Any]]) -> dict[tuple[str, str], Figures]:
-    """(model, strategy) -> (its figures, the prediction itself), priced at P=WORLD_SIZE on
-    PRESET by :func:`~experiments.bench.predict.paper_predictions`, as every table prices
-    paper-size rows."""
+    """(model, strategy) -> its figures, priced at P=WORLD_SIZE on PRESET by
+    :func:`~experiments.bench.predict.paper_predictions`, as every table prices paper-size rows."""
     predicted = bench_predict.paper_predictions(rows, WORLD_SIZE, PRESET)
-    return {
-        (str(r["model"]), str(r["strategy"])): (p, p["prediction"])
-        for r, p in zip(rows, predicted, strict=True)
-    }
+    return {(str(r["model"]), str(r["strategy"])): p for r, p in zip(rows, predicted, strict=True)}
 
 
 def _position(value: float, paper: tuple[float, float]) -> str:
@@ -100,13 +89,10 @@ def _busiest(pred: Prediction) -> dict[str, float]:
 
 def _sentence(label: str, row: Mapping[str, Any], dp: Figures, best: dict[str, Figures]) -> str:
     """One sentence from the row's numbers: where each ratio falls, and the shares behind it."""
-    figures, pred = dp
-    computation_best, memory_best = best["computation"], best["process_memory"]
-    phases = _busiest(computation_best[1])
+    phases = _busiest(best["computation"]["prediction"])
     factors = phases["factor_compute"] / max(sum(phases.values()), 1e-30)
-    per_rank = [sum(_phases(r).values()) for r in pred.update.phases_per_rank]
+    per_rank = [sum(_phases(r).values()) for r in dp["prediction"].update.phases_per_rank]
     imbalance = max(per_rank) / (sum(per_rank) / len(per_rank))
-    time_best, bytes_best = best["comm_time"][0], best["comm_bytes"][0]
 
     def rate(f: Mapping[str, float]) -> float:  # GB/s of second-order traffic per rank
         return f["bytes_second_order"] / max(f["comm_s"], 1e-30) / 1e9
@@ -114,27 +100,27 @@ def _sentence(label: str, row: Mapping[str, Any], dp: Figures, best: dict[str, F
     def kfac_share(f: Mapping[str, float]) -> float:
         return f["kfac_bytes"] / f["process_bytes"]
 
-    process = figures["process_bytes"]
+    process = dp["process_bytes"]
     return (
         f"{label}: computation {row['computation_x']:.2f}× is "
         f"{_position(row['computation_x'], PAPER['computation'])} the paper's "
         f"{_range(PAPER['computation'])}: {row['computation_best']} builds every layer's factors "
         f"on every rank ({factors:.0%} of its busiest rank's K-FAC time) while dp_kfac's "
-        f"busiest rank carries {imbalance:.1f}× the mean rank's work ({figures['layers']} layers "
+        f"busiest rank carries {imbalance:.1f}× the mean rank's work ({dp['layers']} layers "
         f"on {WORLD_SIZE} ranks); communication is {row['comm_time_x']:.2f}× in time "
         f"({_position(row['comm_time_x'], PAPER['communication'])} the paper's "
         f"{_range(PAPER['communication'])}, whose measure is not known here) but "
         f"{row['comm_bytes_x']:.2f}× in bytes, as the preset's links move dp_kfac's broadcasts "
-        f"at {rate(figures):.1f} GB/s against {rate(time_best):.1f} GB/s for "
+        f"at {rate(dp):.1f} GB/s against {rate(best['comm_time']):.1f} GB/s for "
         f"{row['comm_time_best']}'s collectives ({row['comm_bytes_best']} sends the fewest "
-        f"bytes, {bytes_best['bytes_second_order'] / 1e6:.0f} MB); whole-process memory is "
+        f"bytes, {best['comm_bytes']['bytes_second_order'] / 1e6:.0f} MB); whole-process memory is "
         f"{row['process_memory_x']:.2f}× ({_position(row['process_memory_x'], PAPER['memory'])} "
         f"the paper's {_range(PAPER['memory'])}) against {row['kfac_memory_x']:.2f}× for K-FAC "
-        f"state alone, which is {kfac_share(figures):.0%} of dp_kfac's predicted process and "
-        f"{kfac_share(memory_best[0]):.0%} of {row['process_memory_best']}'s, the rest being "
-        f"parameters, gradients, momentum and buffers "
-        f"({figures['model_state_bytes'] / process:.0%} of dp_kfac's) and activations "
-        f"({figures['activation_bytes'] / process:.0%}, a lower-bound estimate)."
+        f"state alone, which is {kfac_share(dp):.0%} of dp_kfac's predicted process and "
+        f"{kfac_share(best['process_memory']):.0%} of {row['process_memory_best']}'s, the rest "
+        f"being parameters, gradients, momentum and buffers "
+        f"({dp['model_state_bytes'] / process:.0%} of dp_kfac's) and activations "
+        f"({dp['activation_bytes'] / process:.0%}, a lower-bound estimate)."
     )
 
 
@@ -159,17 +145,17 @@ def paper_frame(rows: list[dict[str, Any]] | None = None) -> pd.DataFrame:
         best: dict[str, Figures] = {}
         for metric, (column, _) in METRICS.items():
             present = [b for b in BASELINES if (model, b) in predicted]
-            name = min(present, key=lambda b: predicted[(model, b)][0][column])
+            name = min(present, key=lambda b: predicted[(model, b)][column])
             best[metric] = predicted[(model, name)]
             entry[f"{metric}_best"] = name
-            entry[f"{metric}_x"] = best[metric][0][column] / dp[0][column]
+            entry[f"{metric}_x"] = best[metric][column] / dp[column]
         entry.update({f"paper_{key}": _range(paper) for key, paper in PAPER.items()})
-        entry["dp_compute_ms"] = 1e3 * dp[0]["compute_s"]
-        entry["dp_comm_ms"] = 1e3 * dp[0]["comm_s"]
-        entry["dp_comm_MB"] = dp[0]["bytes_second_order"] / 1e6
-        entry["dp_process_GiB"] = dp[0]["process_bytes"] / 2**30
-        entry["dp_activations_GiB"] = dp[0]["activation_bytes"] / 2**30
-        entry["dp_kfac_GiB"] = dp[0]["kfac_bytes"] / 2**30
+        entry["dp_compute_ms"] = 1e3 * dp["compute_s"]
+        entry["dp_comm_ms"] = 1e3 * dp["comm_s"]
+        entry["dp_comm_MB"] = dp["bytes_second_order"] / 1e6
+        entry["dp_process_GiB"] = dp["process_bytes"] / 2**30
+        entry["dp_activations_GiB"] = dp["activation_bytes"] / 2**30
+        entry["dp_kfac_GiB"] = dp["kfac_bytes"] / 2**30
         entry["explanation"] = _sentence(str(first["label"]).split(" (")[0], entry, dp, best)
         out.append(entry)
     return pd.DataFrame(out)
@@ -181,8 +167,7 @@ def write_paper(out: Path, rows: list[dict[str, Any]] | None = None) -> dict[str
 
     frame = paper_frame(rows)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"csv": out / "paper.csv", "md": out / "paper.md"}
-    frame.to_csv(paths["csv"], index=False)
+    frame.to_csv(out / "paper.csv", index=False)
     show = frame[["model", "setting"]].copy()
     for metric in METRICS:
         pairs = zip(frame[f"{metric}_x"], frame[f"{metric}_best"], strict=True)
@@ -217,5 +202,4 @@ def write_paper(out: Path, rows: list[dict[str, Any]] | None = None) -> dict[str
         "",
         to_markdown(frame[["model", *(c for c in frame if c.startswith("dp_"))]], 2),
     ]
-    write_page(paths["md"], md)
-    return paths
+    return {"csv": out / "paper.csv", "md": write_page(out / "paper.md", md)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Iterable, Sequence
+from itertools import chain, count, cycle
 from pathlib import Path
 from typing import Any
 
@@ -94,20 +95,14 @@ def strategy_palette(names: list[str]) -> dict[str, str]:
     """
     used: set[str] = set()
     colors: dict[str, str] = {}
-    spare = [
-        *SPARE_COLORS,
-        *(mcolors.to_hex(c) for c in matplotlib.colormaps["tab20"].colors),
-    ]
+    spare = [*SPARE_COLORS, *(mcolors.to_hex(c) for c in matplotlib.colormaps["tab20"].colors)]
     heads = [n for n in names if (fam := _family(n)) is not None and fam[0] == n]
     for name in dict.fromkeys([*heads, *names]):
         fam = _family(name)
         shades = fam[1] if fam is not None else ()
-        color = next((c for c in (*shades, *spare) if c not in used), None)
-        k = 0
-        while color is None or color in used:  # past every list: golden-ratio hues
-            hue = (0.13 + 0.618034 * k) % 1.0
-            color = mcolors.to_hex(mcolors.hsv_to_rgb((hue, 0.75, 0.8)))
-            k += 1
+        hues = ((0.13 + 0.618034 * k) % 1.0 for k in count())  # past every list: golden-ratio hues
+        extra = (mcolors.to_hex(mcolors.hsv_to_rgb((hue, 0.75, 0.8))) for hue in hues)
+        color = next(c for c in chain(shades, spare, extra) if c not in used)
         colors[name] = color
         used.add(color)
     return {name: colors[name] for name in names}
@@ -152,6 +147,14 @@ def _figure(rows: int, cols: int, size: tuple[float, float], **kwargs: Any) -> t
     return fig, fig.subplots(rows, cols, squeeze=False, **kwargs)
 
 
+def _stacked_bars(ax: Any, xs: range, bars: dict[str, list[float]], colors: Iterable[Any]) -> None:
+    """One bar per ``label: values`` at ``xs``, each stacked on the ones before it."""
+    bottom = [0.0] * len(xs)
+    for (label, values), color in zip(bars.items(), colors, strict=False):
+        ax.bar(xs, values, bottom=bottom, label=label, color=color)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+
+
 def strategy_handles(strategies: Iterable[str], labels: Iterable[str] | None = None) -> list:
     """Legend entries of strategy configs: a thick line in each one's colour."""
     names = list(strategies)
@@ -170,22 +173,19 @@ def ratio_bars(headline: pd.DataFrame) -> Figure:
     """Computation, communication and memory of each strategy relative to dp_kfac, per model."""
     metrics = [("compute", "computation"), ("comm", "communication"), ("memory", "memory")]
     strategies = [s for s in COMPARED if f"compute_{s}/dp" in headline.columns]
-    fig, grid = _figure(1, 3, (14, 3.8))
-    axes = grid[0]
-    labels = headline["model"].tolist()
+    labels = [f"{s} / {REFERENCE}" for s in strategies]
+    fig, axes = _figure(1, 3, (14, 3.8))
+    models = headline["model"].tolist()
     width = 0.8 / max(len(strategies), 1)
-    for ax, (key, title) in zip(axes, metrics, strict=True):
-        for i, strategy in enumerate(strategies):
+    for ax, (key, title) in zip(axes[0], metrics, strict=True):
+        for i, (strategy, label) in enumerate(zip(strategies, labels, strict=True)):
             values = headline[f"{key}_{strategy}/dp"].tolist()
-            xs = [j + (i - (len(strategies) - 1) / 2) * width for j in range(len(labels))]
-            ax.bar(
-                xs, values, width, label=f"{strategy} / {REFERENCE}", color=strategy_color(strategy)
-            )
+            xs = [j + (i - (len(strategies) - 1) / 2) * width for j in range(len(models))]
+            ax.bar(xs, values, width, label=label, color=strategy_color(strategy))
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+        ax.set_xticks(range(len(models)), models, rotation=30, ha="right")
         ax.set_title(f"{title} (x {REFERENCE})")
-    handles = strategy_handles(strategies, [f"{s} / {REFERENCE}" for s in strategies])
-    _strategy_legend(fig, handles, title="cost relative to")
+    _strategy_legend(fig, strategy_handles(strategies, labels), title="cost relative to")
     fig.suptitle("Cost of one second-order update relative to DP-KFAC (>1: DP-KFAC is cheaper)")
     return fig
 
@@ -200,16 +200,11 @@ def stacked_breakdown(wide: pd.DataFrame, parts: list[str]) -> Figure:
     cols = 2 if len(panels) in (2, 4) else min(len(panels), 3)
     rows = math.ceil(len(panels) / cols) if panels else 1
     fig, axes = _figure(rows, cols, (5.2 * cols, 3.8 * rows))
-    colors = matplotlib.colormaps["tab10"].colors
     for ax, ((setting, model), frame) in zip(axes.flat, panels, strict=False):
         frame = frame.set_index("strategy").loc[ordered(frame["strategy"])]
         xs = range(len(frame))
-        bottom = [0.0] * len(frame)
-        for k, part in enumerate(parts):
-            values = frame[f"{part}_ms"].fillna(0.0).tolist()
-            label = PART_LABELS.get(part, part)
-            ax.bar(xs, values, bottom=bottom, label=label, color=colors[k % len(colors)])
-            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        bars = {PART_LABELS.get(p, p): frame[f"{p}_ms"].fillna(0.0).tolist() for p in parts}
+        _stacked_bars(ax, xs, bars, cycle(matplotlib.colormaps["tab10"].colors))
         ax.set_xticks(xs, frame.index, rotation=30, ha="right")
         ax.set_ylabel("ms per iteration")
         ax.set_title(f"{model} ({setting}, P={int(frame['world_size'].iloc[0])})")
@@ -286,9 +281,8 @@ def scaling_lines(frame: pd.DataFrame) -> Figure:
             ax = axes[i][j]
             mine = sub[sub["source"].map(_here)] if row is None else sub[sub["source"] == row]
             for strategy in ordered(mine["strategy"]):
-                for source, line in mine[mine["strategy"] == strategy].groupby(
-                    "source", sort=False
-                ):
+                ours = mine[mine["strategy"] == strategy]
+                for source, line in ours.groupby("source", sort=False):
                     kind = source_kind(source)
                     kinds.append(kind)
                     line = line.sort_values("world_size")
@@ -302,12 +296,11 @@ def scaling_lines(frame: pd.DataFrame) -> Figure:
                         **SOURCE_STYLES[kind],
                     )
             ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            ax.set(yscale="log", ylabel="ms per iteration")
             ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.yaxis.set_major_formatter(FuncFormatter(_plain))
             ax.yaxis.set_minor_formatter(FuncFormatter(_plain))
             ax.tick_params(axis="y", which="minor", labelsize=8)
-            ax.set_ylabel("ms per iteration")
             ax.grid(alpha=0.3, which="major")
             where = (
                 "this machine, measured and predicted" if row is None else f"predicted for {row}"
@@ -355,16 +348,8 @@ def accuracy_curves(curves: pd.DataFrame) -> Figure:
         sub = curves[curves["world_size"] == p]
         for strategy in ordered(sub["strategy"]):
             line = sub[sub["strategy"] == strategy].sort_values("epoch")
-            ax.plot(
-                line["epoch"],
-                line["test_acc"],
-                label=strategy,
-                **looks[strategy],
-            )
-        ax.set_title(f"P={p}")
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("test accuracy")
-        ax.set_ylim(0.5, 1.0)
+            ax.plot(line["epoch"], line["test_acc"], label=strategy, **looks[strategy])
+        ax.set(title=f"P={p}", xlabel="epoch", ylabel="test accuracy", ylim=(0.5, 1.0))
     _strategy_legend(fig, [Line2D([], [], label=s, **looks[s]) for s in strategies])
     return fig
 
@@ -393,23 +378,17 @@ def ablation_bars(frame: pd.DataFrame) -> Figure:
         p = int(frame["pred_P"].iloc[0])
         sources.append(("pred_", f"predicted at P={p}\n(v100_ib100, paper-size model)"))
     fig, axes = _figure(len(sources), max(len(panels), 1), (4.6 * len(panels), 3.9 * len(sources)))
-    colors = matplotlib.colormaps["tab10"].colors
-    parts = [*ABLATION_PARTS.items(), ("rest", "forward/backward and other")]
+    colors = [*matplotlib.colormaps["tab10"].colors[: len(ABLATION_PARTS)], "lightgray"]
     for j, ((model, setting, p), g) in enumerate(panels):
         xs = range(len(g))
         for i, (prefix, title) in enumerate(sources):
             ax = axes[i][j]
-            bottom = [0.0] * len(g)
-            for k, (part, label) in enumerate(parts):
-                if part in ABLATION_PARTS:
-                    values = g[prefix + part].fillna(0.0).tolist()
-                    color = colors[k % len(colors)]
-                else:  # what the iteration has beyond the parts above (clipped at 0)
-                    total = g[prefix + "iteration_ms"].fillna(0.0).tolist()
-                    values = [max(t - b, 0.0) for t, b in zip(total, bottom, strict=True)]
-                    color = "lightgray"
-                ax.bar(xs, values, bottom=bottom, label=label, color=color)
-                bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+            bars = {h: g[prefix + c].fillna(0.0).tolist() for c, h in ABLATION_PARTS.items()}
+            # What the iteration has beyond the parts above (clipped at 0).
+            total = g[prefix + "iteration_ms"].fillna(0.0).tolist()
+            top = [sum(values) for values in zip(*bars.values(), strict=True)]
+            rest = [max(t - b, 0.0) for t, b in zip(total, top, strict=True)]
+            _stacked_bars(ax, xs, {**bars, "forward/backward and other": rest}, colors)
             ax.set_xticks(xs, g["strategy"], rotation=45, ha="right", fontsize=8)
             ax.set_ylabel("ms per iteration")
             ax.set_title(f"{model}, {setting}: {title.format(p=p)}", fontsize=9)

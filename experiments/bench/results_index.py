@@ -35,8 +35,7 @@ def _runs(raw: pd.DataFrame) -> str:
         return "1" if not raw.empty else "–"
     # A job is one grid point but its seed (a convergence_scale job also has a multiplier).
     job = [c for c in ("model", "setting", "world_size", "strategy", "lr_multiplier") if c in raw]
-    per_job = raw.groupby(job, dropna=False)["seed"]
-    counts = per_job.nunique(dropna=False)
+    counts = raw.groupby(job, dropna=False)["seed"].nunique(dropna=False)
     lo, hi = int(counts.min()), int(counts.max())
     return str(lo) if lo == hi else f"{lo}–{hi}"
 
@@ -115,12 +114,8 @@ def index(results: Path) -> list[str]:
     return lines
 
 
-def write(results: Path) -> Path:
-    """Write ``results/README.md``."""
-    return write_page(results / "README.md", index(results))
-
-
 if __name__ == "__main__":
     import sys
 
-    print(write(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results")))
+    results = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("results")
+    print(write_page(results / "README.md", index(results)))

@@ -38,17 +38,11 @@ def smoke_cases(junit: Path) -> pd.DataFrame:
     if not junit.exists():
         return pd.DataFrame()
     words = {"failure": "failed", "error": "error", "skipped": "skipped"}
-    rows = []
-    for case, outcome, _ in junit_cases(junit):
-        status = words.get(outcome, "passed")
-        rows.append(
-            {
-                "test": case.get("name", ""),
-                "status": status,
-                "seconds": float(case.get("time", "nan")),
-            }
-        )
-    return pd.DataFrame(rows)
+    rows = [
+        (case.get("name", ""), words.get(outcome, "passed"), float(case.get("time", "nan")))
+        for case, outcome, _ in junit_cases(junit)
+    ]
+    return pd.DataFrame(rows, columns=["test", "status", "seconds"])
 
 
 def smoke_matrix(cases: pd.DataFrame) -> pd.DataFrame:

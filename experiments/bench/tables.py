@@ -76,8 +76,7 @@ def load_rows(sources: Iterable[str | Path]) -> pd.DataFrame:
     for source in sources:
         path = Path(source)
         if path.is_dir():
-            found = [*path.rglob("rows.json"), *path.rglob("row.json")]
-            for p in sorted(found, key=_natural):
+            for p in sorted([*path.rglob("rows.json"), *path.rglob("row.json")], key=_natural):
                 records += _json_rows(p)
         elif path.suffix == ".json":
             records += _json_rows(path)
@@ -111,13 +110,12 @@ def upgrade_rows(df: pd.DataFrame) -> pd.DataFrame:
     untouched, so a table rewritten from old rows has the numbers it had.
     """
     renamed = {old: new for old, new in RENAMED_COLUMNS.items() if old in df.columns}
-    if renamed:
-        if any(new in df.columns for new in renamed.values()):  # old and new rows together
-            for old, new in renamed.items():
-                df[new] = df[new].where(df[new].notna(), df[old]) if new in df else df[old]
-            df = df.drop(columns=list(renamed))
-        else:
-            df = df.rename(columns=renamed)
+    if any(new in df.columns for new in renamed.values()):  # old and new rows together
+        for old, new in renamed.items():
+            df[new] = df[new].where(df[new].notna(), df[old]) if new in df else df[old]
+        df = df.drop(columns=list(renamed))
+    else:
+        df = df.rename(columns=renamed)
     if "model_batch" in df.columns:
         df["model_batch"] = [
             v if isinstance(v, float) else workloads.upgrade_batch(v) for v in df["model_batch"]
@@ -212,15 +210,13 @@ def second_order_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     for (model, p, setting), group in df.groupby(["model", "world_size", "setting"], sort=False):
         by = {r["strategy"]: r for r in group.to_dict("records")}
         costs = {strategy: _costs(r) for strategy, r in by.items()}
-        sgd = next((r for r in by.values() if first_order(r)), None)
+        sgd_s = next((r["iteration_s"] for r in by.values() if first_order(r)), float("nan"))
         dp = costs.get(REFERENCE)
         for strategy in plots.ordered(list(by)):
             r = by[strategy]
             entry = {"model": model, "label": r["label"], "P": p, "setting": setting}
             entry.update(strategy=strategy, **costs[strategy])
-            entry["iteration_vs_sgd"] = (
-                r["iteration_s"] / sgd["iteration_s"] if sgd is not None else float("nan")
-            )
+            entry["iteration_vs_sgd"] = r["iteration_s"] / sgd_s
             entry.update({f"{key}/dp": _over(costs[strategy], dp, key) for key in RATIOS})
             long_rows.append(entry)
         if dp is None:
@@ -342,9 +338,8 @@ def write_second_order_update(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         to_markdown(long.drop(columns=["label"]), {"P": 0}),
     ]
     figure = None if head.empty else lambda: plots.ratio_bars(head)
-    return _write(
-        out, "second_order_update", long, md, df, takeaways.second_order_update(head), figure
-    )
+    takeaway = takeaways.second_order_update(head)
+    return _write(out, "second_order_update", long, md, df, takeaway, figure)
 
 
 # ------------------------------------------------------------ time_breakdown
@@ -570,9 +565,8 @@ def write_ablation(df: pd.DataFrame, out: Path) -> dict[str, Path]:
             predicted_choice = g.get("pred_chosen", g["chosen"])
             chose = g["chosen"].astype(bool).any() or predicted_choice.astype(bool).any()
             head = ["strategy", "chosen"] if chose else ["strategy"]
-            show = g[[*head, *[c for c in _ABLATION_MEASURED if c in g]]].rename(
-                columns=_ABLATION_MEASURED
-            )
+            measured = [c for c in _ABLATION_MEASURED if c in g]
+            show = g[[*head, *measured]].rename(columns=_ABLATION_MEASURED)
             show["vs SGD"] = _spread_texts(g)
             if predicted_p is not None:
                 for column, header in _ABLATION_PREDICTED.items():
@@ -600,14 +594,13 @@ def convergence_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     df = ok_rows(df, "convergence")
     df = df.assign(seed=df["seed"].fillna(0).astype(int) if "seed" in df else 0)
     run = ["strategy", "world_size", "seed"]
-    curves_df = pd.DataFrame(
-        [
-            {**{k: r[k] for k in run}, **point}
-            for r in df.to_dict("records")
-            for point in json.loads(r["curve"])
-        ]
-    )
-    if not curves_df.empty:
+    points = [
+        {**{k: r[k] for k in run}, **point}
+        for r in df.to_dict("records")
+        for point in json.loads(r["curve"])
+    ]
+    curves_df = pd.DataFrame(points)
+    if points:
         curves_df = (
             curves_df.groupby(["strategy", "world_size", "epoch"], sort=False)
             .agg(
@@ -642,8 +635,9 @@ def write_convergence(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     """``results/convergence.*``: accuracy per epoch, final accuracy and smoke status."""
     curves, final = convergence_frames(df)
     md = ["# Convergence on scikit-learn digits (DigitsCNN, test accuracy)", ""]
-    summary = convergence_summary(final) if not final.empty else pd.DataFrame()
+    summary = pd.DataFrame()
     if not final.empty:
+        summary = convergence_summary(final)
         summary.to_csv(out / "convergence_final.csv", index=False)
         texts = [takeaways.accuracy(r.mean, r.std, 4) for r in summary.itertuples()]
         pivot = summary.assign(text=texts).pivot(
@@ -676,9 +670,8 @@ def write_convergence(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         md.append(to_markdown(matrix if not matrix.empty else cases, 1))
         counts = cases["status"].value_counts().to_dict()
         md += ["", "Cases: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))]
-    takeaway = takeaways.convergence(summary, final) if not final.empty else []
     figure = None if curves.empty else lambda: plots.accuracy_curves(curves)
-    return _write(out, "convergence", curves, md, df, takeaway, figure)
+    return _write(out, "convergence", curves, md, df, takeaways.convergence(summary, final), figure)
 
 
 # -------------------------------------------------------------------- common
@@ -691,9 +684,7 @@ def write_table(name: str, rows: pd.DataFrame, results_dir: str | Path = "result
     (out / "raw").mkdir(parents=True, exist_ok=True)
     raw = out / "raw" / f"{name}.csv"
     rows.to_csv(raw, index=False)
-    paths = TABLES[name].write(rows, out)
-    paths["raw"] = raw
-    return paths
+    return {**TABLES[name].write(rows, out), "raw": raw}
 
 
 class TableCallback(Callback):
@@ -713,8 +704,7 @@ class TableCallback(Callback):
         if rows.empty:
             log.error("no rows under %s; table %s not written", sweep_dir, self.table)
             return
-        results = Path(config.get("results_dir", "results"))
-        paths = write_table(self.table, rows, results)
+        paths = write_table(self.table, rows, config.get("results_dir", "results"))
         log.info("table %s: %s", self.table, ", ".join(str(p) for p in paths.values()))
         for line in failures(rows):
             log.warning("failed job: %s", line)

@@ -219,8 +219,7 @@ def _predicted_line(practical: pd.DataFrame) -> str:
     p = int(practical["pred_P"].dropna().iloc[0])
     parts = []
     for model, group in practical.groupby("model", sort=False):
-        kfac = group[~group["first_order"].astype(bool)]
-        best = kfac.nsmallest(1, "pred_vs_sgd").iloc[0]
+        best = group[~group["first_order"].astype(bool)].nsmallest(1, "pred_vs_sgd").iloc[0]
         base = group[group["algorithm"].fillna("").isin(BASELINE_ALGORITHMS)]["pred_vs_sgd"]
         shown = {best["strategy"]: best["pred_vs_sgd"]}
         shown.setdefault(REFERENCE, group.set_index("strategy")["pred_vs_sgd"].get(REFERENCE))
@@ -358,11 +357,6 @@ def block_lines(path: Path, markers: tuple[str, str]) -> list[str]:
     begin, end = markers
     match = re.search(re.escape(begin) + r"\n(.*?)\n" + re.escape(end), path.read_text(), re.S)
     return match.group(1).splitlines() if match else []
-
-
-def readme_block(readme: Path) -> list[str]:
-    """The headline lines the README holds now."""
-    return block_lines(readme, HEADLINE)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
