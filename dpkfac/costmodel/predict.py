@@ -35,7 +35,7 @@ from dpkfac.costmodel.timing import (
 )
 from dpkfac.options import KFACOptions, Schedule, StrategyOptions
 from dpkfac.plan import Plan, Scheme, Traits, scheme_of, scheme_options
-from dpkfac.plan.assignment import LayerShape, Placement
+from dpkfac.plan.assignment import LayerShape
 from dpkfac.plan.fusion import CommModel
 from dpkfac.plan.hardware import Hardware, Sample
 from dpkfac.plan.presets import PRESETS, hardware_option
@@ -54,7 +54,6 @@ class Prediction:
         steps: (factor update?, decomposition?) -> :class:`StepPrediction`.
         memory: ``memory_usage()`` of every rank.
         setup: one-time collectives (placement agreement, fusion planning).
-        placement: owners and decomposers (None without K-FAC).
         plan: the run's plan: placement, roles and groups (None without K-FAC).
         fusion_buckets: the fusion buckets of (layer, "A"/"G") keys of pipelined factor traffic.
         sgd_grad_comm: seconds of plain data parallelism's gradient all-reduce.
@@ -70,7 +69,6 @@ class Prediction:
     steps: dict[tuple[bool, bool], StepPrediction]
     memory: list[dict[str, int]]
     setup: list[tr.Collective]
-    placement: Placement | None
     plan: Plan | None
     fusion_buckets: list[list[Key]] | None
     sgd_grad_comm: float
@@ -458,7 +456,6 @@ def predict(
         steps=steps,
         memory=memory,
         setup=setup if active else [],
-        placement=None if roles is None else roles.placement,
         plan=roles,
         fusion_buckets=plan,
         sgd_grad_comm=sgd_grad_comm,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from dpkfac.comm import triangle_numel
 from dpkfac.costmodel.shapes import ModelShapes
-from dpkfac.plan.assignment import LayerShape, Placement
+from dpkfac.plan.assignment import LayerShape
 from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap, shard_rounds, size_cap_buckets
 from dpkfac.plan.hardware import (
     landing_bytes,
@@ -39,7 +39,6 @@ from dpkfac.stats import COMM_CATEGORIES
 __all__ = [
     "Collective",
     "OverlapBucket",
-    "Placement",
     "bucket_bytes",
     "comm_counts",
     "ddp_bucket_params",
@@ -134,12 +133,9 @@ def sharded_collectives(
 ) -> list[Collective]:
     """A reduce-scatter or all-gather of owner-contiguous shards of ``sizes[r]`` bytes, round
     by round (:func:`dpkfac.plan.fusion.shard_rounds`); shards of different sizes, unpadded."""
-    return [
-        Collective(
-            category, kind, sum(sizes[r][i] for r, idx in enumerate(rnd) for i in idx), len(sizes)
-        )
-        for rnd in shard_rounds(sizes, cap_bytes)
-    ]
+    rounds = shard_rounds(sizes, cap_bytes)
+    nbytes = [sum(sizes[r][i] for r, idx in enumerate(rnd) for i in idx) for rnd in rounds]
+    return [Collective(category, kind, n, len(sizes)) for n in nbytes]
 
 
 def grad_collectives(
@@ -196,16 +192,8 @@ def ddp_collectives(
     buckets: Sequence[Sequence[tuple[int, int]]], world_size: int, *, itemsize: int
 ) -> list[Collective]:
     """DDP's gradient averaging: one all-reduce per bucket of :func:`ddp_bucket_params`."""
-    return [
-        Collective(
-            "grad_allreduce",
-            "allreduce",
-            sum(n for _, n in b) * itemsize,
-            world_size,
-            in_place=True,
-        )
-        for b in buckets
-    ]
+    nbytes = [sum(n for _, n in b) * itemsize for b in buckets]
+    return [Collective("grad_allreduce", "allreduce", n, world_size, in_place=True) for n in nbytes]
 
 
 def precond_collectives(
