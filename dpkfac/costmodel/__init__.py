@@ -37,66 +37,36 @@ the runtime executes.
 
 from __future__ import annotations
 
-from dpkfac.costmodel.auto import Candidate
-from dpkfac.costmodel.balance import Balance, balance_rows, format_balance
+from dpkfac.costmodel.balance import balance_rows
 from dpkfac.costmodel.calibration import calibrate_local
-from dpkfac.costmodel.fitting import (
-    Fit,
-    Measurement,
-    ModelFit,
-    Regime,
-    calibrate,
-    calibrate_measurements,
-    fit,
-    nnls,
-    predict_measurement,
-)
-from dpkfac.costmodel.memory import (
-    OPTIMIZER_STATE,
-    activation_bytes,
-    predict_process_memory,
-    process_memory_of,
-)
+from dpkfac.costmodel.fitting import Measurement, Regime, calibrate, fit, nnls, predict_measurement
+from dpkfac.costmodel.memory import OPTIMIZER_STATE, predict_process_memory
 from dpkfac.costmodel.predict import Prediction, StepPrediction, predict, predict_sgd, resolve
-from dpkfac.costmodel.shapes import ModelShapes, as_model_shapes, shapes_from_model
-from dpkfac.costmodel.table import VARIANTS, format_table, predicted_table
+from dpkfac.costmodel.shapes import ModelShapes, shapes_from_model
+from dpkfac.costmodel.table import format_table, predicted_table
 from dpkfac.costmodel.timing import owner_seconds, seconds_cost
-from dpkfac.costmodel.traffic import Collective, Placement, comm_counts
 from dpkfac.costmodel.zoo import PAPER_MODELS, bert_qa, resnet50, transformer
-from dpkfac.plan.hardware import Engine, Hardware, Link, Sample, Work, scaled, wire_bytes
+from dpkfac.plan.hardware import Engine, Hardware, Link, Sample, scaled
 from dpkfac.plan.presets import PRESETS
 
 __all__ = [
     "OPTIMIZER_STATE",
     "PAPER_MODELS",
     "PRESETS",
-    "VARIANTS",
-    "Balance",
-    "Candidate",
-    "Collective",
     "Engine",
-    "Fit",
     "Hardware",
     "Link",
     "Measurement",
-    "ModelFit",
     "ModelShapes",
-    "Placement",
     "Prediction",
     "Regime",
     "Sample",
     "StepPrediction",
-    "Work",
-    "activation_bytes",
-    "as_model_shapes",
     "balance_rows",
     "bert_qa",
     "calibrate",
     "calibrate_local",
-    "calibrate_measurements",
-    "comm_counts",
     "fit",
-    "format_balance",
     "format_table",
     "nnls",
     "owner_seconds",
@@ -105,12 +75,10 @@ __all__ = [
     "predict_process_memory",
     "predict_sgd",
     "predicted_table",
-    "process_memory_of",
     "resnet50",
     "resolve",
     "scaled",
     "seconds_cost",
     "shapes_from_model",
     "transformer",
-    "wire_bytes",
 ]

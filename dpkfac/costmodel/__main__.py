@@ -110,11 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         hw = calibrate_local(args.world_size if args.world_size <= 8 else 2, args.threads)
         print(hw.to_json(args.out))
         return
-    chosen = (
-        _names(args.models, list(ZOO), "model")
-        if args.models
-        else ["resnet50", "bert_large", "transformer"]
-    )
+    chosen = _names(args.models or "resnet50,bert_large,transformer", list(ZOO), "model")
     if args.command == "balance":
         print(
             f"DP-KFAC layer placement at P = {args.world_size}: busiest rank's `{args.cost}` "
@@ -139,10 +135,9 @@ def main(argv: list[str] | None = None) -> None:
         "(factors and decompositions every step; busiest rank)\n"
     )
     for name, (shapes, kfac) in PAPER_MODELS.items():
-        s = shapes[0]
         print(
             f"- {name}: {len(shapes)} K-FAC layers, {shapes.num_params / 1e6:.1f}M parameters, "
-            f"local batch {s.batch_size}, compute_method={kfac.compute_method}, "
+            f"local batch {shapes[0].batch_size}, compute_method={kfac.compute_method}, "
             f"kl_clip={kfac.kl_clip}, weight_sharing={kfac.weight_sharing}"
         )
     print()

@@ -412,12 +412,10 @@ def shared_core_links(measurements: Iterable[Measurement], hardware: Hardware) -
     Kinds its runs do not cover fall back to ``hardware``'s links slowed by
     the core share. Empty without runs whose ranks shared cores.
     """
-    by_size: dict[int, list[Measurement]] = {}
-    for m in measurements:
-        if core_share(m) < 1.0:
-            by_size.setdefault(m.world_size, []).append(m)
+    shared = [m for m in measurements if core_share(m) < 1.0]
     out: dict[int, Regime] = {}
-    for p, mine in by_size.items():
+    for p in dict.fromkeys(m.world_size for m in shared):
+        mine = [m for m in shared if m.world_size == p]
         samples = [s for m in mine for s in phase_samples(m, hardware)[1]]
         if not samples:
             continue
@@ -539,12 +537,10 @@ def fit(measurements: Iterable[Measurement], base: Hardware, name: str = "calibr
     """
     ms = list(measurements)
     hardware = calibrate_measurements(ms, base, name)
-    by_model: dict[str, list[Measurement]] = {}
-    for m in ms:
-        by_model.setdefault(m.model, []).append(m)
+    by_model = {m.model: tuple(r for r in ms if r.model == m.model) for m in ms}
     models = {  # in order of first appearance
-        model: ModelFit(with_forward_backward(hardware, mine), tuple(mine))
-        for model, mine in by_model.items()
+        model: ModelFit(with_forward_backward(hardware, runs), runs)
+        for model, runs in by_model.items()
     }
     overlap, regimes = fit_overlap(models.values(), shared_core_links(ms, hardware))
     if overlap is not None:

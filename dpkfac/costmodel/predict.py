@@ -35,7 +35,7 @@ from dpkfac.costmodel.timing import (
 )
 from dpkfac.options import KFACOptions, Schedule, StrategyOptions
 from dpkfac.plan import Plan, Scheme, Traits, scheme_of, scheme_options
-from dpkfac.plan.assignment import LayerShape, Placement
+from dpkfac.plan.assignment import LayerShape
 from dpkfac.plan.fusion import CommModel
 from dpkfac.plan.hardware import Hardware, Sample
 from dpkfac.plan.presets import PRESETS, hardware_option
@@ -54,7 +54,6 @@ class Prediction:
         steps: (factor update?, decomposition?) -> :class:`StepPrediction`.
         memory: ``memory_usage()`` of every rank.
         setup: one-time collectives (placement agreement, fusion planning).
-        placement: owners and decomposers (None without K-FAC).
         plan: the run's plan: placement, roles and groups (None without K-FAC).
         fusion_buckets: the fusion buckets of (layer, "A"/"G") keys of pipelined factor traffic.
         sgd_grad_comm: seconds of plain data parallelism's gradient all-reduce.
@@ -70,7 +69,6 @@ class Prediction:
     steps: dict[tuple[bool, bool], StepPrediction]
     memory: list[dict[str, int]]
     setup: list[tr.Collective]
-    placement: Placement | None
     plan: Plan | None
     fusion_buckets: list[list[Key]] | None
     sgd_grad_comm: float
@@ -78,16 +76,6 @@ class Prediction:
     options: StrategyOptions | None = None
     traits: Traits | None = None
     ddp: bool = False
-
-    @property
-    def factor_update_steps(self) -> int:
-        """Factor update interval the per-step averages assume."""
-        return _interval("factor_update_steps", self.kfac.factor_update_steps)
-
-    @property
-    def inv_update_steps(self) -> int:
-        """Decomposition interval the per-step averages assume."""
-        return _interval("inv_update_steps", self.kfac.inv_update_steps)
 
     @property
     def overlapped_phases(self) -> tuple[str, ...]:
@@ -146,7 +134,8 @@ class Prediction:
         return self.update.iteration
 
     def _average(self, value: Callable[[StepPrediction], float]) -> float:
-        f, i = self.factor_update_steps, self.inv_update_steps
+        f = _interval("factor_update_steps", self.kfac.factor_update_steps)
+        i = _interval("inv_update_steps", self.kfac.inv_update_steps)
         cycle = math.lcm(f, i)
         n_f, n_i = cycle // f, cycle // i
         return (
@@ -194,14 +183,11 @@ class Prediction:
         forward/backward (:attr:`overlapped_phases`) is left out.
         """
         out = []
-        step = self.update
         for phase in (*COMPUTE_PHASES, *COMM_PHASES):
-            if phase in self.overlapped_phases:
-                continue
             ranks = range(self.world_size) if phase in COMPUTE_PHASES else [0]
             for r in ranks:
-                work = step.work[r].get(phase)
-                if not work:
+                work = self.update.work[r].get(phase)
+                if not work or phase in self.overlapped_phases:
                     continue
                 if phase in COMPUTE_PHASES:
                     seconds = timings[r][phase]
@@ -322,10 +308,7 @@ def predict(
         name = scheme.name
         given = scheme_options(name, options)
         # Placed by the step's batch, k micro-batches of the shapes' batch, as at run time.
-        k = kfac.accumulation_steps
-        step_shapes = (
-            [replace(s, batch_size=s.batch_size * k) for s in model] if k > 1 else list(model)
-        )
+        step_shapes = [replace(s, batch_size=s.batch_size * kfac.accumulation_steps) for s in model]
         # What the run would fill in at start-up (a measured hardware model, "auto").
         opts, _ = resolve(scheme, given, shapes=list(shapes), world_size=p, kfac=kfac, hardware=hw)
         roles = scheme.plan(
@@ -360,6 +343,8 @@ def predict(
     setup: list[tr.Collective] = []
     no_colls: list[list[tr.Collective]] = [[] for _ in range(p)]
     updates, factor_colls, decomp_colls = no_colls, no_colls, no_colls
+    kinds = ("factors_bytes", "decompositions_bytes", "buffers_bytes")
+    memory = [dict.fromkeys(kinds, 0) for _ in range(p)]
     if roles is not None and traits is not None and opts is not None:
         kl_clip = kfac.kl_clip is not None
         if traits.overlapped_precondition and active:
@@ -422,6 +407,16 @@ def predict(
                 model, roles, r, compute_method=method, itemsize=di, cap_bytes=cap
             ),
         )
+        memory = tr.memory_per_rank(
+            model,
+            roles,
+            compute_method=method,
+            factor_itemsize=fi,
+            decomposition_itemsize=di,
+            accumulation_steps=kfac.accumulation_steps,
+            # Under DDP the layers fold bucket by bucket, as DDP hands them over.
+            fold_groups=[b.layers for b in overlap] if overlap is not None and ddp else None,
+        )
     # Lazy synchronisation sends the running factors before each decomposition
     # instead of the batch factors of each factor update.
     lazy = traits is not None and traits.lazy_factor_sync
@@ -454,20 +449,6 @@ def predict(
             overlap=overlap,
             optimizer_bytes=optimizer_bytes,
         )
-    memory = (
-        tr.memory_per_rank(
-            model,
-            roles,
-            compute_method=method,
-            factor_itemsize=fi,
-            decomposition_itemsize=di,
-            accumulation_steps=kfac.accumulation_steps,
-            # Under DDP the layers fold bucket by bucket, as DDP hands them over.
-            fold_groups=[b.layers for b in overlap] if overlap is not None and ddp else None,
-        )
-        if roles is not None
-        else [{"factors_bytes": 0, "decompositions_bytes": 0, "buffers_bytes": 0} for _ in range(p)]
-    )
     return Prediction(
         strategy=name,
         world_size=p,
@@ -475,7 +456,6 @@ def predict(
         steps=steps,
         memory=memory,
         setup=setup if active else [],
-        placement=None if roles is None else roles.placement,
         plan=roles,
         fusion_buckets=plan,
         sgd_grad_comm=sgd_grad_comm,

@@ -222,7 +222,7 @@ def shapes_from_model(
             n, t = 1, 1
         else:
             n, t = x.shape[0], math.prod(x.shape[1:-1])
-        seen[name] = (int(n), int(t))
+        seen[name] = (int(n) if batch_size is None else batch_size, int(t))
         new_input = 0 if id(x) in counted else x.numel() // n
         saved[name] = (int(new_input), int(output.numel() // n))
         counted[id(x)], counted[id(output)] = x, output
@@ -260,8 +260,6 @@ def shapes_from_model(
 
     def layer(name: str, helper: Any) -> LayerShape:
         n, t = seen.get(name, (1, 1))
-        if name in seen and batch_size is not None:
-            n = batch_size
         kind = "conv2d" if isinstance(helper.module, torch.nn.Conv2d) else "linear"
         return LayerShape(name, kind, helper.a_dim, helper.g_dim, t, n)
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from dpkfac.costmodel import traffic as tr
 from dpkfac.costmodel.shapes import ModelShapes
@@ -336,19 +337,15 @@ def seconds_cost(hw: Hardware, kfac: KFACOptions | None = None, itemsize: int = 
     factor_every, decomp_every = kfac.factor_update_steps, kfac.inv_update_steps
     if not (isinstance(factor_every, int) and isinstance(decomp_every, int)):
         raise ValueError("seconds_cost needs int update intervals, not schedules")
-
-    def cost(shape: LayerShape) -> float:
-        return owner_seconds(
-            shape,
-            hw,
-            factor_every=factor_every,
-            decomp_every=decomp_every,
-            compute_method=kfac.compute_method,
-            weight_sharing=kfac.weight_sharing,
-            itemsize=itemsize,
-        )
-
-    return cost
+    return partial(
+        owner_seconds,
+        hw=hw,
+        factor_every=factor_every,
+        decomp_every=decomp_every,
+        compute_method=kfac.compute_method,
+        weight_sharing=kfac.weight_sharing,
+        itemsize=itemsize,
+    )
 
 
 def _ready_times(
@@ -378,11 +375,9 @@ def _overlap_backward(
     p: int,
     seconds: list[dict[str, float]],
     buckets: Sequence[tr.OverlapBucket],
-    *,
-    factors: bool,
+    ends: Sequence[float],
+    backward_end: float,
     compute_method: str,
-    weight_sharing: str,
-    itemsize: int,
 ) -> None:
     """Hide gradient and update traffic behind the backward pass (``overlapped_precondition``).
 
@@ -396,12 +391,11 @@ def _overlap_backward(
     past the end of that compute is exposed, to the extent the hardware
     overlaps (:func:`exposed`); the rest is serial. The collectives, hence
     the bytes, are unchanged: only the ``grad_comm`` and ``precond_comm``
-    waits shrink (by the same factor on every rank).
+    waits shrink (by the same factor on every rank). ``ends``, ``backward_end``: :func:`timeline`'s.
     """
     serial = seconds[0]["grad_comm"] + seconds[0]["precond_comm"]
     if serial <= 0.0 or not buckets:
         return
-    _, ends, backward_end = timeline(model, hw, weight_sharing, itemsize, factors)
     ready = _ready_times([b.params for b in buckets], ends)
     owners = [group[0] for group in plan.preconditioners]
 
@@ -505,20 +499,9 @@ def step_prediction(
         unpack = hw.time({"unpack": work[0]["factor_comm"].get("unpack", (0.0, 0.0))}, p)
         for t in seconds:
             t["factor_comm"] = hidden + (1.0 - hw.overlap) * (t["factor_comm"] - unpack) + unpack
-    if traits is not None and traits.overlapped_precondition and overlap:
-        assert plan is not None, "the overlapped mode is K-FAC's"
-        _overlap_backward(
-            model,
-            plan,
-            hw,
-            p,
-            seconds,
-            overlap,
-            factors=factor,
-            compute_method=compute_method,
-            weight_sharing=weight_sharing,
-            itemsize=factor_itemsize,
-        )
+    if plan is not None and plan.traits.overlapped_precondition and overlap:
+        _, ends, backward_end = timeline(model, hw, weight_sharing, factor_itemsize, factor)
+        _overlap_backward(model, plan, hw, p, seconds, overlap, ends, backward_end, compute_method)
     ddp_wait = 0.0
     if ddp and p > 1:
         ddp_wait, _ = ddp_comm(

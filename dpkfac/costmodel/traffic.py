@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from dpkfac.comm import triangle_numel
 from dpkfac.costmodel.shapes import ModelShapes
-from dpkfac.plan.assignment import LayerShape, Placement
+from dpkfac.plan.assignment import LayerShape
 from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap, shard_rounds, size_cap_buckets
 from dpkfac.plan.hardware import (
     landing_bytes,
@@ -39,7 +39,6 @@ from dpkfac.stats import COMM_CATEGORIES
 __all__ = [
     "Collective",
     "OverlapBucket",
-    "Placement",
     "bucket_bytes",
     "comm_counts",
     "ddp_bucket_params",
@@ -109,22 +108,23 @@ def _broadcasts(category: str, sent: Sequence[Sequence[int]], cap: int | None) -
 
 def _update_exchange(
     model: ModelShapes,
+    plan: Plan,
     senders: Sequence[Sequence[int]],
-    *,
     itemsize: int,
     cap_bytes: int,
     kl_clip: bool,
-    gathered: bool,
+    backend: str,
 ) -> list[Collective]:
     """The exchange of the updates of ``senders[i]``'s layers: all-gather rounds of the owners'
-    shards, or per sender a capped broadcast. Each update matrix travels with its two KL
-    scalars when the clip is on."""
+    shards (under the owner reduction, where the ``backend`` gathers uneven shards), or per
+    sender a capped broadcast. Each update matrix travels with its two KL scalars when the
+    clip is on."""
 
     def numels(s: LayerShape) -> tuple[int, ...]:
         return (s.g_dim * s.a_dim, 2) if kl_clip else (s.g_dim * s.a_dim,)
 
     sent = [[n * itemsize for i in layers for n in numels(model[i])] for layers in senders]
-    if gathered:
+    if plan.traits.owner_grad_reduction and uneven_all_gather(backend):
         return sharded_collectives("precond_broadcast", "all_gather", sent, cap_bytes)
     return _broadcasts("precond_broadcast", sent, cap_bytes)
 
@@ -134,12 +134,9 @@ def sharded_collectives(
 ) -> list[Collective]:
     """A reduce-scatter or all-gather of owner-contiguous shards of ``sizes[r]`` bytes, round
     by round (:func:`dpkfac.plan.fusion.shard_rounds`); shards of different sizes, unpadded."""
-    return [
-        Collective(
-            category, kind, sum(sizes[r][i] for r, idx in enumerate(rnd) for i in idx), len(sizes)
-        )
-        for rnd in shard_rounds(sizes, cap_bytes)
-    ]
+    rounds = shard_rounds(sizes, cap_bytes)
+    nbytes = [sum(sizes[r][i] for r, idx in enumerate(rnd) for i in idx) for rnd in rounds]
+    return [Collective(category, kind, n, len(sizes)) for n in nbytes]
 
 
 def grad_collectives(
@@ -196,16 +193,8 @@ def ddp_collectives(
     buckets: Sequence[Sequence[tuple[int, int]]], world_size: int, *, itemsize: int
 ) -> list[Collective]:
     """DDP's gradient averaging: one all-reduce per bucket of :func:`ddp_bucket_params`."""
-    return [
-        Collective(
-            "grad_allreduce",
-            "allreduce",
-            sum(n for _, n in b) * itemsize,
-            world_size,
-            in_place=True,
-        )
-        for b in buckets
-    ]
+    nbytes = [sum(n for _, n in b) * itemsize for b in buckets]
+    return [Collective("grad_allreduce", "allreduce", n, world_size, in_place=True) for n in nbytes]
 
 
 def precond_collectives(
@@ -227,14 +216,8 @@ def precond_collectives(
     group = plan.update_group(rank)
     if group is None:
         return []
-    return _update_exchange(
-        model,
-        [[i for i in range(len(model)) if plan.sends_update(src, i)] for src in group],
-        itemsize=itemsize,
-        cap_bytes=cap_bytes,
-        kl_clip=kl_clip,
-        gathered=plan.traits.owner_grad_reduction and uneven_all_gather(backend),
-    )
+    senders = [[i for i in range(len(model)) if plan.sends_update(src, i)] for src in group]
+    return _update_exchange(model, plan, senders, itemsize, cap_bytes, kl_clip, backend)
 
 
 def factor_keys(model: ModelShapes) -> list[Key]:
@@ -447,12 +430,11 @@ def overlap_buckets(
     the updates are all-gathered per round where the ``backend`` gathers uneven shards.
     """
     p = plan.world_size
-    owner_reduction = plan.traits.owner_grad_reduction
 
     def reduction(held: Sequence[tuple[int, int]]) -> tuple[Collective, ...]:
         """One bucket's gradient collectives, as ``OverlapEngine._reduce`` launches them."""
         cat = "grad_allreduce"
-        if not owner_reduction:
+        if not plan.traits.owner_grad_reduction:
             return (Collective(cat, "allreduce", sum(n for _, n in held) * itemsize, p),)
         shards = [
             [n * itemsize for layer, n in held if layer >= 0 and owner_of[layer] == r]
@@ -475,14 +457,8 @@ def overlap_buckets(
     out = []
     for b, held in enumerate(buckets):
         layers = tuple(i for i in range(len(model)) if last.get(i) == b)
-        updates = _update_exchange(
-            model,
-            [[i for i in layers if owner_of[i] == owner] for owner in range(p)],
-            itemsize=itemsize,
-            cap_bytes=cap_bytes,
-            kl_clip=kl_clip,
-            gathered=owner_reduction and uneven_all_gather(backend),
-        )
+        senders = [[i for i in layers if owner_of[i] == owner] for owner in range(p)]
+        updates = _update_exchange(model, plan, senders, itemsize, cap_bytes, kl_clip, backend)
         out.append(OverlapBucket(held, reduction(held), layers, tuple(updates)))
     return out
 

@@ -187,6 +187,7 @@ def cifar_resnet(
 
 _EXPAND = KFACOptions(compute_method="eigen", kl_clip=0.001, weight_sharing="expand")
 _BERT = KFACOptions(compute_method="eigen", kl_clip=None, weight_sharing="reduce")
+_TRANSFORMER = KFACOptions(compute_method="inverse", kl_clip=0.001, weight_sharing="reduce")
 
 #: The papers' models at their per-rank batches, with the preconditioner options
 #: of their ``conf/experiment`` presets (what :func:`~dpkfac.costmodel.predict`
@@ -196,10 +197,7 @@ ZOO: dict[str, tuple[ModelShapes, KFACOptions]] = {
     "resnet50": (resnet50(batch_size=32), _EXPAND),
     "bert_base": (bert_qa(batch_size=4, hidden=768, layers=12, intermediate=3072), _BERT),
     "bert_large": (bert_qa(batch_size=4), _BERT),
-    "transformer": (
-        transformer(batch_size=128),
-        KFACOptions(compute_method="inverse", kl_clip=0.001, weight_sharing="reduce"),
-    ),
+    "transformer": (transformer(batch_size=128), _TRANSFORMER),
 }
 
 #: The 64-GPU table's models (the DP-KFAC paper's), labelled as the paper does.
