@@ -43,7 +43,7 @@ import pandas as pd
 from omegaconf import DictConfig
 
 from experiments.bench.fidelity import RecordingLogger
-from experiments.config import ExperimentError, first_line, plain
+from experiments.config import plain
 from experiments.preconditioning import strategy_name, uses_preconditioner
 
 log = logging.getLogger(__name__)
@@ -127,41 +127,26 @@ def skip_reason(cfg: DictConfig) -> str | None:
 
 
 def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
-    """The training config of this job: the preset plus only what the study fixes (strategy,
-    per-rank batch, :func:`learning_rate`, P threads, the fidelity probe, :class:`ScaleLogger`,
-    no resuming, the replica check on), then ``convergence_scale.overrides``."""
-    from hydra.errors import HydraException
-
-    from experiments.config import compose_config, validate
+    """The training config of this job (:func:`experiments.bench.convergence.training_config`)
+    with what the study fixes: per-rank batch, :func:`learning_rate`, P threads on the CPU,
+    the fidelity probe, :class:`ScaleLogger`, no checkpoints, the replica check on."""
+    from experiments.bench import convergence
+    from experiments.config import validate
 
     node, p = cfg.convergence_scale, int(cfg.world_size)
-    overrides = [
-        f"experiment={node.experiment}",
-        f"strategy={strategy_name(cfg.strategy)}",
+    train_cfg = convergence.training_config(
+        cfg,
+        output_dir,
         "launcher=threads",
         f"launcher.world_size={p}",
         f"data.batch_size={int(node.batch_size)}",
         f"optimizer.lr={learning_rate(node, p)!r}",
         "trainer.scale_lr=false",
-        "logger=none",
         f"logger._target_={ScaleLogger.__module__}.{ScaleLogger.__name__}",
-        "trainer.progress_bar=false",
         "trainer.check_replicas=true",
         "trainer.checkpoint_every_steps=null",
-        "trainer.resume=null",
         "trainer.device=cpu",
-        f"trainer.dist_timeout_s={cfg.timeout_s}",
-        f"trainer.threads={int(cfg.threads)}",
-        f"seed={int(cfg.seed)}",
-        f"output_dir={output_dir}",
-        *node.overrides,
-    ]
-    try:
-        train_cfg = compose_config("config", overrides)
-    except HydraException as err:
-        raise ExperimentError(
-            f"cannot compose the {TASK} training config: {first_line(err)}"
-        ) from None
+    )
     if uses_preconditioner(train_cfg.strategy):
         train_cfg.strategy.fidelity_every = int(node.fidelity_every)
         if "hardware" in train_cfg.strategy and train_cfg.strategy.hardware is None:

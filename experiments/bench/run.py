@@ -146,39 +146,6 @@ def _member(cfg: DictConfig) -> dict[str, Any]:
     return {"name": strategy_name(node), "kfac": kwargs, "view": view}
 
 
-def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
-    """The training config a convergence job runs: the preset, this job's strategy, its ranks.
-
-    ``experiment=<convergence.experiment> strategy=<this job's strategy config>``
-    with the preset's own values; only what belongs to the job (seed, device,
-    timeout, threads per rank, output folder, no tracker or progress bar, never resuming an earlier
-    job's checkpoints in the same folder) and ``convergence.overrides`` are added.
-    """
-    from hydra.errors import HydraException
-
-    name = strategy_name(cfg.strategy)
-    overrides = [
-        f"experiment={cfg.convergence.experiment}",
-        f"strategy={name}",
-        "logger=none",
-        "trainer.progress_bar=false",
-        f"seed={cfg.seed}",
-        f"trainer.device={cfg.device}",
-        f"trainer.dist_timeout_s={cfg.timeout_s}",
-        f"trainer.threads={cfg.threads}",
-        f"output_dir={output_dir}",
-        "trainer.resume=null",
-        *cfg.convergence.overrides,
-    ]
-    try:
-        train_cfg = compose_config("config", overrides)
-    except HydraException as err:
-        first = first_line(err)
-        raise ExperimentError(f"cannot compose the convergence training config: {first}") from None
-    validate(train_cfg)
-    return train_cfg
-
-
 def job_spec(
     cfg: DictConfig, overrides: Sequence[str] = (), output_dir: str | Path | None = None
 ) -> dict[str, Any]:
@@ -218,8 +185,11 @@ def job_spec(
     spec["steps"] = max(-(-int(cfg.steps) // cycle), 1) * cycle
     spec["factor_update_steps"], spec["inv_update_steps"] = intervals
     if spec["task"] == "convergence":
+        from experiments.bench.convergence import training_config
+
         out = Path(output_dir) if output_dir is not None else Path(cfg.paths.log_dir) / "adhoc"
-        train_cfg = training_config(cfg, out / "train")
+        train_cfg = training_config(cfg, out / "train", f"trainer.device={cfg.device}")
+        validate(train_cfg)
         spec["train_config"] = OmegaConf.to_container(train_cfg, resolve=True)
     return spec
 
