@@ -487,7 +487,7 @@ def cells_frame(runs: pd.DataFrame) -> pd.DataFrame:
     of ``seeds``) and their min and max (the seed spread the takeaway uses); the time per
     step predicted, and measured at small P (the in-process step of all P ranks / P).
     """
-    from experiments.bench.plots import ordered
+    from experiments.bench.plots import in_order
 
     grids = runs.groupby(CELL, sort=False)["lr_multiplier"]
     rows = []
@@ -544,9 +544,7 @@ def cells_frame(runs: pd.DataFrame) -> pd.DataFrame:
     frame = pd.DataFrame(rows)
     if frame.empty:
         return frame
-    rank = frame["strategy"].map({s: i for i, s in enumerate(ordered(list(frame["strategy"])))})
-    order = frame.assign(_o=rank).sort_values(["model", "P", "_o"], kind="stable").index
-    return frame.loc[order].reset_index(drop=True)
+    return in_order(frame, ["model", "P", "strategy"])
 
 
 def _within(dp: pd.Series, d: pd.Series) -> bool | None:

@@ -127,6 +127,14 @@ def ordered(strategies: pd.Series | list[str]) -> list[str]:
     return known + sorted(s for s in present if s not in STRATEGY_ORDER)
 
 
+def in_order(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    """``frame`` sorted by ``by``, its strategies in the papers' order (:func:`ordered`)."""
+    order = {s: i for i, s in enumerate(ordered(frame["strategy"]))}
+    return frame.sort_values(
+        by, key=lambda c: c.map(order).fillna(c) if c.name == "strategy" else c
+    ).reset_index(drop=True)
+
+
 def save(fig: Figure, path: Path) -> Path:
     """Write ``fig`` as a PNG and release it."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -356,7 +356,7 @@ def breakdown_frame(df: pd.DataFrame) -> pd.DataFrame:
         return wide
     wide["vs_sgd"] = _over_sgd(wide, ["model", "setting", "world_size"], "iteration_ms")
     wide = with_spread(wide, vs_sgd_spread(df), "world_size")
-    return _in_order(wide, ["setting", "model", "world_size", "strategy"])
+    return plots.in_order(wide, ["setting", "model", "world_size", "strategy"])
 
 
 def _over_sgd(frame: pd.DataFrame, group: list[str], column: str) -> pd.Series:
@@ -364,14 +364,6 @@ def _over_sgd(frame: pd.DataFrame, group: list[str], column: str) -> pd.Series:
     sgd = frame[frame["first_order"]].drop_duplicates(group).set_index(group)[column]
     keys = zip(*(frame[c] for c in group), strict=True)
     return frame[column] / pd.Series([sgd.get(k, float("nan")) for k in keys], index=frame.index)
-
-
-def _in_order(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
-    """``frame`` sorted by ``by``, its strategies in the papers' order (:func:`plots.ordered`)."""
-    order = {s: i for i, s in enumerate(plots.ordered(frame["strategy"]))}
-    return frame.sort_values(
-        by, key=lambda c: c.map(order).fillna(c) if c.name == "strategy" else c
-    ).reset_index(drop=True)
 
 
 def write_time_breakdown(df: pd.DataFrame, out: Path) -> dict[str, Path]:
@@ -622,7 +614,7 @@ def convergence_frames(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         "seconds",
         "replicas_identical",
     ]
-    return curves_df, _in_order(df[[*run, *outcome]], run)
+    return curves_df, plots.in_order(df[[*run, *outcome]], run)
 
 
 def convergence_summary(final: pd.DataFrame) -> pd.DataFrame:
