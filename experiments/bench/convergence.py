@@ -4,9 +4,9 @@ The paper's convergence claims (DP-KFAC reaches the accuracy of D-KFAC and
 SGD) are checked on the one real data set that needs no download:
 scikit-learn's 8x8 digits. Nothing is re-implemented here: the benchmark
 composes the training config of the ``digits_cnn`` preset with the job's
-strategy config (:func:`training_config`, the preset's
-own learning rate, damping, schedule and epochs), and every rank the launcher
-starts calls :func:`experiments.train.run` on it, exactly as under
+strategy config (:func:`training_config`, the preset's own learning rate,
+damping, schedule and epochs), and every rank the launcher starts calls
+:func:`experiments.train.run` on it, exactly as under
 ``torchrun -m experiments.train``. The per-epoch test accuracy comes from the
 ``metrics.json`` the trainer writes (its evaluation history).
 """
