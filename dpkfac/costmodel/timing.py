@@ -375,6 +375,7 @@ def _overlap_backward(
     p: int,
     seconds: list[dict[str, float]],
     buckets: Sequence[tr.OverlapBucket],
+    *,
     ends: Sequence[float],
     backward_end: float,
     compute_method: str,
@@ -501,7 +502,17 @@ def step_prediction(
             t["factor_comm"] = hidden + (1.0 - hw.overlap) * (t["factor_comm"] - unpack) + unpack
     if plan is not None and plan.traits.overlapped_precondition and overlap:
         _, ends, backward_end = timeline(model, hw, weight_sharing, factor_itemsize, factor)
-        _overlap_backward(model, plan, hw, p, seconds, overlap, ends, backward_end, compute_method)
+        _overlap_backward(
+            model,
+            plan,
+            hw,
+            p,
+            seconds,
+            overlap,
+            ends=ends,
+            backward_end=backward_end,
+            compute_method=compute_method,
+        )
     ddp_wait = 0.0
     if ddp and p > 1:
         ddp_wait, _ = ddp_comm(

@@ -110,6 +110,7 @@ def _update_exchange(
     model: ModelShapes,
     plan: Plan,
     senders: Sequence[Sequence[int]],
+    *,
     itemsize: int,
     cap_bytes: int,
     kl_clip: bool,
@@ -217,7 +218,15 @@ def precond_collectives(
     if group is None:
         return []
     senders = [[i for i in range(len(model)) if plan.sends_update(src, i)] for src in group]
-    return _update_exchange(model, plan, senders, itemsize, cap_bytes, kl_clip, backend)
+    return _update_exchange(
+        model,
+        plan,
+        senders,
+        itemsize=itemsize,
+        cap_bytes=cap_bytes,
+        kl_clip=kl_clip,
+        backend=backend,
+    )
 
 
 def factor_keys(model: ModelShapes) -> list[Key]:
@@ -458,7 +467,15 @@ def overlap_buckets(
     for b, held in enumerate(buckets):
         layers = tuple(i for i in range(len(model)) if last.get(i) == b)
         senders = [[i for i in layers if owner_of[i] == owner] for owner in range(p)]
-        updates = _update_exchange(model, plan, senders, itemsize, cap_bytes, kl_clip, backend)
+        updates = _update_exchange(
+            model,
+            plan,
+            senders,
+            itemsize=itemsize,
+            cap_bytes=cap_bytes,
+            kl_clip=kl_clip,
+            backend=backend,
+        )
         out.append(OverlapBucket(held, reduction(held), layers, tuple(updates)))
     return out
 
