@@ -90,6 +90,7 @@ _TRAINING: Checks = {
     "trainer.max_epochs": (_positive_int, "a positive integer"),
     "trainer.max_steps": (_optional(_positive_int), "a positive integer or null"),
     "trainer.eval_every_epochs": (_positive_int, "a positive integer"),
+    "trainer.eval_every_steps": (_optional(_positive_int), "a positive integer or null"),
     "trainer.log_every_steps": (_positive_int, "a positive integer"),
     "trainer.checkpoint_every_steps": (_optional(_positive_int), "a positive integer or null"),
     "trainer.keep_checkpoints": (_positive_int, "a positive integer"),
@@ -657,8 +658,12 @@ def _check_convergence_scale(node: DictConfig) -> None:
         raise bad("hardware", f"one of {sorted(PRESETS)}")
     targets = node.get("targets")
     target = targets.get(node.experiment) if isinstance(targets, DictConfig) else None
-    if not (_is_number(target) and 0 < target <= 1):
-        raise bad("targets", f"a test accuracy in (0, 1] for {node.experiment}")
+    pair = list(target) if isinstance(target, ListConfig) else [target, target]
+    if not (len(pair) == 2 and all(_is_number(t) for t in pair) and 0 < pair[0] <= pair[1] <= 1):
+        raise bad("targets", f"a test accuracy in (0, 1], or [low, high], for {node.experiment}")
+    for key in ("damping", "evals_per_epoch"):
+        if not (node.get(key) is None or _positive(node.get(key))):
+            raise bad(key, "null or a positive number")
     seeds_at = node.get("seeds_at")
     if (seeds_at is not None and not isinstance(seeds_at, DictConfig)) or not all(
         _positive_int(k) and _positive_int(v) for k, v in (seeds_at or {}).items()
@@ -678,13 +683,13 @@ def _check_convergence_scale(node: DictConfig) -> None:
     ):
         raise bad("same_step", f"null or a mapping between two different configs of {kfac}")
     check = node.get("same_step_check")
-    if (same or node.get("one_rank_kfac")) and not (
+    if check is not None and not (
         isinstance(check, DictConfig)
         and _is_number(check.get("lr_multiplier"))
         and _is_int(check.get("seed"))
         and check.get("seed") >= 0
     ):
-        raise bad("same_step_check", "{lr_multiplier: a number, seed: a seed}")
+        raise bad("same_step_check", "null or {lr_multiplier: a number, seed: a seed}")
     if not isinstance(node.get("overrides"), ListConfig):
         raise bad("overrides", "a list of training overrides")
 

@@ -419,7 +419,8 @@ class Trainer:
                     done = self.step >= self.total_steps
                     epoch_end = self.step % self.steps_per_epoch == 0
                     epochs_done = self.step // self.steps_per_epoch
-                    if done or (epoch_end and epochs_done % self.settings.eval_every_epochs == 0):
+                    by_epoch = epoch_end and epochs_done % self.settings.eval_every_epochs == 0
+                    if done or by_epoch or self._due(self.settings.get("eval_every_steps")):
                         train_loss = float(self.env.mean(eval_loss_sum / eval_count))
                         final = self._evaluate(train_loss, time.perf_counter() - started_at)
                         eval_loss_sum.zero_()

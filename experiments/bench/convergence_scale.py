@@ -97,6 +97,17 @@ def learning_rate(node: DictConfig | Mapping[str, Any], world_size: int) -> floa
     return base_lr * global_batch / base_batch * float(node["lr_multiplier"])
 
 
+def targets_of(node: DictConfig | Mapping[str, Any], experiment: str) -> tuple[float, float]:
+    """The experiment's two targets, fixed in the config before any run: one every method
+    reaches at every P (steps to it are the study's measure) and one near the best final
+    accuracy (a single value: both the same)."""
+    value = plain(node["targets"][experiment])
+    pair = [float(v) for v in (value if isinstance(value, list) else [value, value])]
+    if len(pair) != 2 or not 0 < pair[0] <= pair[1] <= 1:
+        raise ValueError(f"convergence_scale.targets.{experiment} must be [low, high]: {value}")
+    return pair[0], pair[1]
+
+
 def skip_reason(cfg: DictConfig) -> str | None:
     """Why this grid point is not run (None: run it). A Hydra sweep is a full product; the
     preset keeps fewer seeds at large P (``seeds_at``: P -> seeds), stops an experiment
@@ -111,7 +122,7 @@ def skip_reason(cfg: DictConfig) -> str | None:
     twin = one_rank if p == 1 else (node.get("same_step") or {}).get(strategy)
     check = node.get("same_step_check")
     point = (float(node.lr_multiplier), int(cfg.seed))
-    if twin and twin != strategy and point != (float(check.lr_multiplier), int(check.seed)):
+    if check is not None and twin and twin != strategy and point != (float(check.lr_multiplier), int(check.seed)):
         return (
             f"{strategy} computes {twin}'s step{' on one rank' if p == 1 else ''}: it trains at "
             f"x{check.lr_multiplier} seed {check.seed} only, and {twin}'s runs stand in where "
@@ -126,14 +137,19 @@ def skip_reason(cfg: DictConfig) -> str | None:
     return None
 
 
-def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
+def training_config(
+    cfg: DictConfig, output_dir: Path, eval_every_steps: int | None = None
+) -> DictConfig:
     """The training config of this job (:func:`experiments.bench.convergence.training_config`)
-    with what the study fixes: per-rank batch, :func:`learning_rate`, P threads on the CPU,
-    the fidelity probe, :class:`ScaleLogger`, no checkpoints, the replica check on."""
+    with what the study fixes: per-rank batch, :func:`learning_rate`, the damping
+    (``convergence_scale.damping``; null: the preset's), evaluations every
+    ``eval_every_steps`` steps besides every epoch, P threads on the CPU, the fidelity probe,
+    :class:`ScaleLogger`, no checkpoints, the replica check on."""
     from experiments.bench import convergence
     from experiments.config import validate
 
     node, p = cfg.convergence_scale, int(cfg.world_size)
+    every = [] if eval_every_steps is None else [f"trainer.eval_every_steps={eval_every_steps}"]
     train_cfg = convergence.training_config(
         cfg,
         output_dir,
@@ -146,18 +162,22 @@ def training_config(cfg: DictConfig, output_dir: Path) -> DictConfig:
         "trainer.check_replicas=true",
         "trainer.checkpoint_every_steps=null",
         "trainer.device=cpu",
+        *every,
     )
     if uses_preconditioner(train_cfg.strategy):
         train_cfg.strategy.fidelity_every = int(node.fidelity_every)
+        if node.get("damping") is not None:
+            train_cfg.strategy.damping = float(node.damping)
         if "hardware" in train_cfg.strategy and train_cfg.strategy.hardware is None:
             train_cfg.strategy.hardware = str(node.hardware)
     validate(train_cfg)
     return train_cfg
 
 
-def model_and_input(train_cfg: DictConfig) -> tuple[Any, Any]:
-    """The job's model (as training builds it) and one input of its data, from its data
-    module set up on one rank: only it knows the model's arguments and the input's shape."""
+def model_and_input(train_cfg: DictConfig) -> tuple[Any, Any, int]:
+    """The job's model (as training builds it), one input of its data and the optimizer
+    steps of an epoch at the job's P, from its data module set up on one rank: only it
+    knows the model's arguments, the input's shape and the training split's size."""
     import torch
     from hydra.utils import instantiate
 
@@ -168,7 +188,9 @@ def model_and_input(train_cfg: DictConfig) -> tuple[Any, Any]:
         env = DistEnv(0, 1, 0, torch.device("cpu"))
         data.setup(env, Path(scratch))
         x = next(iter(data.eval_loader(env)))[0][:1]
-        return instantiate(train_cfg.model, **data.model_kwargs()), x
+        p = int(train_cfg.launcher.world_size)
+        steps = data.steps_per_epoch(DistEnv(0, p, 0, torch.device("cpu")))
+        return instantiate(train_cfg.model, **data.model_kwargs()), x, steps
 
 
 def predicted_iteration(
@@ -285,7 +307,10 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
     node, p, seed = cfg.convergence_scale, int(cfg.world_size), int(cfg.seed)
     strategy = strategy_name(cfg.strategy)
     train_dir = output_dir / "train"
-    train_cfg = training_config(cfg, train_dir)  # its trainer.threads sets the pool
+    model, example, steps_per_epoch = model_and_input(training_config(cfg, train_dir))
+    evals = node.get("evals_per_epoch")
+    every = max(1, steps_per_epoch // int(evals)) if evals else None
+    train_cfg = training_config(cfg, train_dir, every)  # its trainer.threads sets the pool
     lr = float(train_cfg.optimizer.lr)
     log.info(
         f"{TASK}: {node.experiment} {strategy} P={p} lr {lr:.4g} (x{node.lr_multiplier}) "
@@ -295,9 +320,8 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
     result = run(train_cfg)
     seconds = time.perf_counter() - started
     history = json.loads((train_dir / "metrics.json").read_text())["history"]
-    target = float(node.targets[str(node.experiment)])
+    target, high = targets_of(node, str(node.experiment))
     times, probes = _records(train_dir / RECORD)
-    model, example = model_and_input(train_cfg)
     predicted = predicted_iteration(train_cfg, p, str(node.hardware), model, example)
     kfac = plain(train_cfg.strategy) if uses_preconditioner(train_cfg.strategy) else None
     base_lr, base_batch = base_lr_and_batch(node)
@@ -326,8 +350,11 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
         "global_batch": batch * p,
         "lr_multiplier": float(node.lr_multiplier),
         "lr": lr,
+        "damping": float(train_cfg.strategy.damping) if kfac is not None else math.nan,
+        "eval_every_steps": every or 0,
         "lr_rule": f"lr = {base_lr} x (batch {batch} x P / {base_batch}) x multiplier",
         "target": target,
+        "target_high": high,
         "steps_per_epoch": round(result["steps"] / result["epochs"]) if result["epochs"] else 0,
         "steps": int(result["steps"]),
         "epochs": float(result["epochs"]),
