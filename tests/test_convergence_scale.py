@@ -15,8 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import pytest
 import torch
 
 from experiments.bench import convergence_scale as cs
-from experiments.bench import pages, tables
+from experiments.bench import tables
 from experiments.bench.run import compose_config
 from experiments.config import ExperimentError, validate_benchmark
 
@@ -43,23 +42,27 @@ def test_the_preset_composes_and_validates() -> None:
     assert cfg.task == "convergence_scale" and cfg.table_name == "convergence_scale"
     node = cfg.convergence_scale
     assert node.batch_size == 16 and node.hardware == "v100_ib100"
-    assert dict(node.seeds_at) == {256: 1}
-    # The documented way to run every seed at P=256 (conf/benchmark.yaml):
-    assert "'convergence_scale.seeds_at={256:3}'" in (ROOT / "conf" / "benchmark.yaml").read_text()
-    wide = _compose("convergence_scale.seeds_at={256:3}", "world_size=256", "seed=2")
-    assert dict(wide.convergence_scale.seeds_at) == {256: 3} and cs.skip_reason(wide) is None
-    assert cs.skip_reason(_compose("world_size=256", "seed=2")) == "P=256 runs seeds 0..0"
-    assert set(node.targets) == {"mnist1d_mlp", "mnist1d_cnn", "digits_cnn"}
+    assert node.evals_per_epoch == 20 and node.damping is None
+    # Two targets per experiment, fixed before the runs; the verdict's margins too.
+    assert {m: list(t) for m, t in node.targets.items()} == {
+        "mnist1d_mlp": [0.85, 0.95],
+        "mnist1d_cnn": [0.95, 0.98],
+        "digits_cnn": [0.95, 0.97],
+    }
+    assert list(node.verdict.steps_ratio) == [0.8, 1.25] and node.verdict.final_acc == 0.01
     assert dict(node.max_world_size) == {"digits_cnn": 16}
     assert list(node.overrides) == ["data.val_fraction=0.1"]  # lr chosen on validation
-    preset = (ROOT / "conf" / "table" / "convergence_scale.yaml").read_text()
-    for sweep in (
-        "strategy: none,dp_kfac,d_kfac,kaisa_mem_opt,grouped_auto",
-        "world_size: 1,4,16,64,256",
-        "convergence_scale.experiment: mnist1d_mlp,mnist1d_cnn,digits_cnn",
-        "seed: 0,1,2",
-    ):
-        assert sweep in preset, sweep
+    assert list(node.study.strategies) == [
+        "none",
+        "dp_kfac",
+        "d_kfac",
+        "kaisa_mem_opt",
+        "grouped_auto",
+    ]
+    assert list(node.study.world_sizes) == [64, 4, 16, 256, 1]  # tuned sizes first
+    assert list(node.tuning.damping) == [0.001, 0.003, 0.01, 0.03]
+    assert dict(node.tuning.paired) == {"mnist1d_mlp": [16, 64, 256], "mnist1d_cnn": [16, 64, 256]}
+    assert node.tuning.paired_seeds >= 8 and node.tuning.final_seeds >= 3
 
 
 @pytest.mark.parametrize(
@@ -72,14 +75,14 @@ def test_the_preset_composes_and_validates() -> None:
         ("convergence_scale.fidelity_every=-2", "convergence_scale.fidelity_every=-2"),
         ("convergence_scale.experiment=cifar10_resnet32", "convergence_scale.targets="),
         ("convergence_scale.targets.mnist1d_mlp=1.5", "convergence_scale.targets="),
-        ("convergence_scale.seeds_at={256:0}", "convergence_scale.seeds_at="),
+        ("convergence_scale.targets.mnist1d_mlp=[0.95,0.9]", "convergence_scale.targets="),
+        ("convergence_scale.damping=-0.01", "convergence_scale.damping=-0.01"),
+        ("convergence_scale.evals_per_epoch=0", "convergence_scale.evals_per_epoch=0"),
         ("convergence_scale.max_world_size={digits_cnn:0}", "convergence_scale.max_world_size="),
         ("convergence_scale.one_rank_kfac=none", "convergence_scale.one_rank_kfac='none'"),
         ("convergence_scale.one_rank_kfac=dp-kfac", "convergence_scale.one_rank_kfac='dp-kfac'"),
         ("+convergence_scale.same_step.kaisa=d_kfac", "convergence_scale.same_step="),
         ("convergence_scale.same_step.kaisa_mem_opt=kaisa_mem_opt", "convergence_scale.same_step="),
-        ("convergence_scale.same_step_check=null", "convergence_scale.same_step_check=None"),
-        ("convergence_scale.same_step_check.seed=-1", "convergence_scale.same_step_check="),
     ],
 )
 def test_bad_values_are_named(override: str, named: str) -> None:
@@ -96,19 +99,12 @@ def test_learning_rate_rule_and_skips() -> None:
     assert cs.base_lr_and_batch(own) == (0.02, 32)
     assert cs.learning_rate(own, 4) == pytest.approx(0.02 * 64 / 32 * 0.5)
     assert cs.skip_reason(_compose("world_size=64", "convergence_scale.experiment=digits_cnn"))
-    assert cs.skip_reason(_compose("world_size=256", "seed=0")) is None
-    assert "seeds 0..0" in str(cs.skip_reason(_compose("world_size=256", "seed=1")))
-    assert cs.skip_reason(_compose("world_size=64", "seed=2")) is None
+    assert cs.skip_reason(_compose("world_size=256", "seed=5")) is None
     limited = _compose("world_size=64", "+convergence_scale.max_world_size.mnist1d_mlp=16")
     assert "up to P=16" in str(cs.skip_reason(limited))
-    # A configuration that computes another's step trains at its check point only (P > 1).
-    twin = ("strategy=kaisa_mem_opt", "world_size=16")
-    check = ("convergence_scale.lr_multiplier=0.5", "seed=0")
-    assert cs.skip_reason(_compose(*twin, *check)) is None
-    assert "d_kfac's step" in str(cs.skip_reason(_compose(*twin, check[0], "seed=1")))
-    assert "x0.5 seed 0 only" in str(cs.skip_reason(_compose(*twin, "seed=0")))  # x1
-    assert cs.skip_reason(_compose(*twin, "seed=1", "convergence_scale.same_step=null")) is None
-    assert cs.skip_reason(_compose("strategy=d_kfac", "world_size=16", "seed=1")) is None
+    assert cs.targets_of({"targets": {"m": 0.9}}, "m") == (0.9, 0.9)
+    with pytest.raises(ValueError, match="low, high"):
+        cs.targets_of({"targets": {"m": [0.9, 0.8]}}, "m")
 
 
 def test_the_job_trains_what_the_study_fixes_and_prices_it(tmp_path: Path) -> None:
@@ -117,12 +113,22 @@ def test_the_job_trains_what_the_study_fixes_and_prices_it(tmp_path: Path) -> No
     cfg = _compose(
         "strategy=grouped_auto", "world_size=64", "convergence_scale.lr_multiplier=0.5", fake
     )
-    train = cs.training_config(cfg, tmp_path)
+    train = cs.training_config(cfg, tmp_path, eval_every_steps=3)
+    assert train.trainer.eval_every_steps == 3
     assert train.launcher.name == "threads" and train.launcher.world_size == 64
     assert train.data.batch_size == 16 and train.optimizer.lr == pytest.approx(0.05 * 16 * 0.5)
     assert not train.trainer.scale_lr and train.trainer.check_replicas
     assert train.strategy.fidelity_every == 20 and train.strategy.hardware == "v100_ib100"
-    model, x = cs.model_and_input(train)
+    model, x, steps_per_epoch = cs.model_and_input(train)
+    # 400 generated samples, 320 of them training: 320 // 64 ranks // 16 per rank = 0 steps,
+    # and at P=2, 10 (what sets the evaluation interval).
+    assert steps_per_epoch == 0
+    two = cs.training_config(_compose("strategy=dp_kfac", "world_size=2", fake), tmp_path)
+    assert cs.model_and_input(two)[2] == 10
+    damped = cs.training_config(
+        _compose("strategy=dp_kfac", "convergence_scale.damping=0.003", fake), tmp_path
+    )
+    assert damped.strategy.damping == 0.003
     grouped = cs.predicted_iteration(train, 64, "v100_ib100", model, x)
     assert grouped["pred_iteration_s"] > 0 and "factor_group_size=" in grouped["pred_chosen"]
     sgd_train = cs.training_config(_compose("strategy=none", "world_size=64", fake), tmp_path)
@@ -133,9 +139,7 @@ def test_the_job_trains_what_the_study_fixes_and_prices_it(tmp_path: Path) -> No
 
 
 def _sweep_strategies() -> list[str]:
-    preset = (ROOT / "conf" / "table" / "convergence_scale.yaml").read_text()
-    line = next(x for x in preset.splitlines() if x.strip().startswith("strategy:"))
-    return line.split(":", 1)[1].strip().split(",")
+    return list(_compose().convergence_scale.study.strategies)
 
 
 def _trained(tmp_path: Path, strategy: str, p: int, steps: int = 12) -> dict[str, Any]:
@@ -172,28 +176,27 @@ def _assert_same_step(reference: dict[str, Any], state: dict[str, Any], name: st
 def test_at_one_rank_every_kfac_configuration_trains_the_same_parameters(
     tmp_path: Path,
 ) -> None:
-    """What lets the sweep train one K-FAC configuration at P=1 for all (``one_rank_kfac``):
-    each of the sweep's K-FAC configurations, trained 12 steps by the job's own training
-    config on one rank, ends with bitwise the same parameters, optimizer state and
-    history as dp_kfac; and the others' P=1 jobs are skipped, SGD's and dp_kfac's not."""
+    """What lets the protocol run every other K-FAC configuration once at P=1
+    (``one_rank_kfac``, a same-step check): each of the study's K-FAC configurations,
+    trained 12 steps by the job's own training config on one rank, ends with bitwise the
+    same parameters, optimizer state and history as dp_kfac."""
+    from experiments.bench.tuning import Planner, Protocol
+
     states = {}
-    check = ("world_size=1", "convergence_scale.lr_multiplier=0.5", "seed=0")
     for strategy in _sweep_strategies():
-        skipped = cs.skip_reason(_compose(f"strategy={strategy}", "world_size=1"))  # x1
-        assert (skipped is None) == (strategy in ("none", "dp_kfac")), (strategy, skipped)
-        assert cs.skip_reason(_compose(f"strategy={strategy}", *check)) is None
         if strategy != "none":
             states[strategy] = _trained(tmp_path, strategy, 1)
     reference = states.pop("dp_kfac")
     assert len(states) >= 3
     for strategy, state in states.items():
         _assert_same_step(reference, state, strategy)
-    assert cs.skip_reason(_compose("strategy=d_kfac", "world_size=4")) is None
-    every = _compose("strategy=d_kfac", "world_size=1", "convergence_scale.one_rank_kfac=null")
-    assert cs.skip_reason(every) is None
-    assert "d_kfac computes dp_kfac's step on one rank" in str(
-        cs.skip_reason(_compose("strategy=d_kfac", "world_size=1"))
+    node = _compose().convergence_scale
+    planner = Planner(
+        Protocol(), {}, same_step=dict(node.same_step), one_rank_kfac=node.one_rank_kfac
     )
+    assert all(planner.twin(s, 1) == "dp_kfac" for s in states)
+    assert planner.twin("dp_kfac", 1) is None and planner.twin("none", 1) is None
+    assert planner.twin("d_kfac", 4) is None and planner.twin("kaisa_mem_opt", 4) == "d_kfac"
 
 
 def test_at_four_ranks_each_same_step_configuration_trains_its_twins_parameters(
@@ -215,82 +218,249 @@ def test_at_four_ranks_each_same_step_configuration_trains_its_twins_parameters(
 
 
 # ------------------------------------------------------------------- writer
-def _curve(spe: int, steps: float, epochs: int = 20) -> str:
-    """A run that stays below the target (0.85) until ``steps``, above it after."""
-    return json.dumps(
-        [
-            {"step": spe * e, "epoch": float(e), "test_acc": acc, "val_acc": acc}
-            for e in range(1, epochs + 1)
-            for acc in [0.9 if spe * e >= steps else 0.8]
-        ]
-    )
+#: The study the writer tests plan: one model, P in {4, 16}, SGD and the paired pair.
+_STUDY = [
+    "convergence_scale.study.experiments=[mnist1d_mlp]",
+    "convergence_scale.study.world_sizes=[4,16]",
+    "convergence_scale.study.strategies=[none,dp_kfac,d_kfac]",
+    "convergence_scale.tuning.damping_at=[4]",
+    "convergence_scale.tuning.paired={mnist1d_mlp:[16]}",
+    "convergence_scale.tuning.paired_seeds=4",
+]
 
 
-def _reach(rows: pd.DataFrame, where: pd.Series, epochs: float) -> None:
-    """The runs at ``where`` reach the target after ``epochs`` epochs (NaN: never)."""
-    for i in rows.index[where]:
-        spe = int(rows.at[i, "steps_per_epoch"])
-        rows.at[i, "steps_to_target"] = epochs * spe
-        rows.at[i, "epochs_to_target"] = epochs
-        rows.at[i, "curve"] = _curve(spe, epochs * spe)
-
-
-def _row(strategy: str, p: int, seed: int, m: float, **values: Any) -> dict[str, Any]:
-    spe = 5000 // p
-    steps = values.pop("steps_to_target", 4 * spe)
-    curve = _curve(spe, steps)
-    row = {
+def _row(point: Any, val: float, steps: float, pred_s: float, spe: int = 100) -> dict[str, Any]:
+    """A finished run: its test accuracy climbs to ``val`` and crosses 0.85 at ``steps``."""
+    every = max(1, spe // 20)
+    curve = [
+        {
+            "step": k * every,
+            "epoch": k * every / spe,
+            "test_acc": val if k * every >= steps else 0.8,
+            "val_acc": val if k * every >= steps else 0.8,
+            "train_loss": 0.3,
+        }
+        for k in range(1, 20 * 20 + 1)
+    ]
+    return {
         "task": "convergence_scale",
-        "model": "mnist1d_mlp",
+        "model": point.model,
         "label": "MLP",
-        "strategy": strategy,
-        "world_size": p,
-        "seed": seed,
+        "strategy": point.strategy,
+        "world_size": point.world_size,
+        "seed": point.seed,
         "batch_size": 16,
-        "global_batch": 16 * p,
-        "lr_multiplier": m,
-        "lr": 0.0125 * p * m,
-        "lr_rule": "lr = 0.05 x (batch 16 x P / 64) x multiplier",
+        "global_batch": 16 * point.world_size,
+        "lr_multiplier": point.lr_multiplier,
+        "damping": point.damping,
+        "lr": 0.0125 * point.world_size * point.lr_multiplier,
         "target": 0.85,
+        "target_high": 0.95,
         "steps_per_epoch": spe,
+        "eval_every_steps": every,
         "steps": 20 * spe,
         "epochs": 20.0,
-        "final_acc": 0.9,
-        "final_val_acc": 0.9,
-        "steps_to_target": steps,
-        "epochs_to_target": steps / spe if steps == steps else math.nan,
-        "curve": curve,
-        "fidelity_cosine": json.dumps({} if strategy == "none" else {"Linear": 0.9}),
-        "step_s": 0.004 * p,
+        "final_acc": val,
+        "final_val_acc": val,
+        "curve": json.dumps(curve),
+        "fidelity_cosine": "{}",
+        "step_s": 0.01,
         "seconds": 10.0,
-        "replicas_identical": p > 1,
-        "pred_iteration_s": 0.001 if strategy == "none" else 0.0015,
+        "replicas_identical": True,
+        "pred_iteration_s": pred_s,
         "pred_hardware": "v100_ib100",
         "pred_chosen": "",
+        "cpu": "CPU X",
+        "cpu_capability": "AVX2",
+        "cpus": 2,
+        "time": f"2026-01-01T00:00:{point.seed:02d}",
+        "stage": point.stage,
         "error": "",
     }
-    row.update(values)
-    return row
 
 
-def _rows() -> pd.DataFrame:
-    """d_kfac reaches the target in 4 epochs (one seed in 3 at P=16); dp_kfac keeps up to
-    P=4, is two epochs late at P=16. SGD needs 6 epochs. The multiplier 2 has the best
-    test accuracy everywhere but the worse validation accuracy: it must never be chosen."""
-    rows = []
-    for p in (1, 4, 16):
-        spe = 5000 // p
-        for seed in (0, 1):
-            for m in (0.5, 2.0):
-                bad = {"final_val_acc": 0.5, "final_acc": 0.99} if m == 2.0 else {}
-                d_steps = (3 if (p == 16 and seed == 1) else 4) * spe
-                dp_steps = (6 if p == 16 else 4) * spe
-                rows += [
-                    _row("d_kfac", p, seed, m, steps_to_target=d_steps, **bad),
-                    _row("dp_kfac", p, seed, m, steps_to_target=dp_steps, **bad),
-                    _row("none", p, seed, m, steps_to_target=6 * spe, **bad),
-                ]
-    return pd.DataFrame(rows)
+def _study_rows(dp_steps: Callable[[int], float]) -> pd.DataFrame:
+    """Rows of the whole (small) study, made by driving the protocol to its end: the best
+    learning rate is x2 for SGD and x1 for K-FAC, the best damping 0.003; K-FAC's steps
+    to target are 600 at P=4 and 300 at P=16 (dp_kfac's: ``dp_steps(seed)`` at P=16),
+    SGD's twice as many, each K-FAC step 1.5x SGD's price."""
+    from experiments.bench.tuning import pending, plan_study
+
+    node = cs.study_node(_STUDY)
+    rows: list[dict[str, Any]] = []
+    for _ in range(40):
+        _, plans = plan_study(node, rows)
+        todo = pending(plans)
+        if not todo:
+            return pd.DataFrame(rows)
+        for pt in todo:
+            best = 2.0 if pt.strategy == "none" else 1.0
+            val = 0.96 - 0.02 * math.log2(pt.lr_multiplier / best) ** 2 + 0.0001 * pt.seed
+            if pt.damping == pt.damping:
+                val -= 0.01 * math.log10(pt.damping / 0.003) ** 2
+            steps = 600 if pt.world_size == 4 else 300
+            if pt.strategy == "dp_kfac" and pt.world_size == 16:
+                steps = dp_steps(pt.seed)
+            if pt.strategy == "none":
+                steps *= 2
+            rows.append(_row(pt, val, steps, 0.001 if pt.strategy == "none" else 0.0015))
+    raise AssertionError("the protocol did not finish")
+
+
+def test_the_page_answers_first_from_the_protocols_choices(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Synthetic rows of a finished study: the page's first lines are the paired verdict and
+    the time to target against SGD, every figure recomputed from the rows."""
+    monkeypatch.setattr(cs, "study_node", lambda overrides=(): _compose_node(_STUDY))
+    rows = _study_rows(lambda seed: 300 + 5 * seed)  # within 2% of d_kfac's 300
+    paths = tables.write_table("convergence_scale", rows, tmp_path)
+    cells = pd.read_csv(paths["cells"]).set_index(["strategy", "P"])
+    assert (
+        cells.loc[("none", 4), "lr_multiplier"],
+        cells.loc[("dp_kfac", 4), "lr_multiplier"],
+    ) == (2.0, 1.0)
+    assert cells.loc[("dp_kfac", 4), "damping"] == 0.003  # tuned at P=4 ...
+    assert cells.loc[("dp_kfac", 16), "damping"] == 0.003  # ... and used at P=16
+    dp16 = cells.loc[("dp_kfac", 16)]
+    assert dp16["seeds"] == 4 and dp16["pairs"] == 4
+    assert dp16["steps_ratio"] == pytest.approx((300 + 7.5) / 300, abs=0.01)
+    assert dp16["steps_verdict"] == "equivalent" and dp16["acc_verdict"] == "equivalent"
+    # Time to target: half SGD's steps at 1.5x its step price -> 0.75x its time; break-even 2x.
+    assert cells.loc[("d_kfac", 4), "break_even"] == pytest.approx(2.0)
+    assert cells.loc[("d_kfac", 4), "time_ratio_vs_sgd"] == pytest.approx(0.75)
+    md = paths["md"].read_text().split("\n")
+    answer = md[2 : md.index("![convergence_scale](convergence_scale.png)")]
+    assert 1 <= len([x for x in answer if x]) <= 5
+    assert answer[0].startswith("**mnist1d_mlp, dp_kfac against d_kfac**")
+    assert "P=16: steps equivalent (1.02×" in answer[0]
+    assert "dp_kfac beats SGD" in answer[1] and "break-even 2.00×" in answer[1]
+    for line in md:
+        if line.startswith("| configuration"):
+            assert line.count("|") - 1 <= 8  # at most 8 columns
+    decisions = pd.read_csv(paths["decisions"])
+    assert set(decisions["stage"]) >= {"lr", "damping", "final"}
+    assert decisions["reason"].notna().all()
+    runs = pd.read_csv(paths["csv"])
+    assert len(runs) == len(rows) and set(runs["stage"]) >= {
+        "lr",
+        "damping",
+        "final",
+        "paired seeds",
+    }
+    assert paths["png"].exists()
+    line = cs.headline(pd.read_csv(paths["cells"]))
+    assert line is not None and "steps equivalent" in line
+
+
+def _compose_node(overrides: list[str]) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.to_container(_compose(*overrides).convergence_scale, resolve=True)
+    assert isinstance(node, dict)
+    return node
+
+
+def test_a_late_dp_kfac_is_worse_and_a_noisy_one_inconclusive(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(cs, "study_node", lambda overrides=(): _compose_node(_STUDY))
+    late = tables.write_table(
+        "convergence_scale", _study_rows(lambda seed: 450 + seed), tmp_path / "a"
+    )
+    dp16 = pd.read_csv(late["cells"]).set_index(["strategy", "P"]).loc[("dp_kfac", 16)]
+    assert dp16["steps_verdict"] == "worse" and dp16["steps_ratio_low"] > 1.25
+    noisy = tables.write_table(
+        "convergence_scale", _study_rows(lambda seed: [200, 420, 260, 380][seed]), tmp_path / "b"
+    )
+    dp16 = pd.read_csv(noisy["cells"]).set_index(["strategy", "P"]).loc[("dp_kfac", 16)]
+    assert dp16["steps_verdict"] == "inconclusive"
+
+
+def test_a_page_before_any_choice_says_so(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr(cs, "study_node", lambda overrides=(): _compose_node(_STUDY))
+    rows = _study_rows(lambda seed: 300).iloc[:2]  # two screening runs only
+    paths = tables.write_table("convergence_scale", rows, tmp_path)
+    md = paths["md"].read_text()
+    assert "No answer yet" in md.split("\n")[2]
+    assert "in progress" in md
+    empty = tables.write_table("convergence_scale", rows.iloc[:0], tmp_path / "none")
+    assert "No run of the tuning protocol yet" in empty["md"].read_text()
+
+
+def test_the_driver_runs_the_protocol_to_its_end(tmp_path: Path) -> None:
+    """``python -m experiments.bench.tune`` in-process on 400 generated samples, one epoch:
+    a reduced protocol at P=2 for SGD and dp_kfac; every run is appended as it ends, and
+    a second driver on the same rows finds nothing left to do."""
+    from experiments.bench import tune
+
+    rows = tmp_path / "rows.csv"
+    args = [
+        "--rows",
+        str(rows),
+        "--workdir",
+        str(tmp_path / "work"),
+        "convergence_scale.study.experiments=[mnist1d_mlp]",
+        "convergence_scale.study.world_sizes=[2]",
+        "convergence_scale.study.strategies=[none,dp_kfac]",
+        "convergence_scale.tuning.damping_at=[2]",
+        "convergence_scale.tuning.damping=[0.01,0.03]",
+        "convergence_scale.tuning.max_points=3",
+        "convergence_scale.tuning.finalists=1",
+        "convergence_scale.tuning.final_seeds=2",
+        "convergence_scale.tuning.paired={}",
+        "convergence_scale.tuning.chance=0.0",
+        "convergence_scale.tuning.chance_margin=0.0",
+        "convergence_scale.evals_per_epoch=4",
+        'convergence_scale.overrides=["data.fake=true","trainer.max_epochs=1","data.val_fraction=0.1"]',
+        "convergence_scale.fidelity_every=0",
+    ]
+    assert tune.main(args) == 0
+    done = pd.read_csv(rows)
+    assert (done["error"].isna() | (done["error"] == "")).all()
+    assert set(done["strategy"]) == {"none", "dp_kfac"}
+    assert done.loc[done["strategy"] == "none", "damping"].isna().all()
+    kfac = done[done["strategy"] == "dp_kfac"]
+    assert set(kfac["damping"]) >= {0.01, 0.03}  # damping searched
+    assert (done["eval_every_steps"] >= 1).all() and set(done["stage"]) >= {"lr", "final"}
+    for _, g in done.groupby("strategy"):
+        assert set(g["seed"]) == {0, 1}  # the finalist ran its seeds
+    before = len(done)
+    assert tune.main([*args, "--max-runs", "1"]) == 0
+    assert len(pd.read_csv(rows)) == before  # nothing left
+
+
+def test_a_seed_gives_every_method_the_same_model_and_data(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """What pairs the seeds: with one seed, SGD, dp_kfac and d_kfac start from the same
+    parameters and see the same batches on every rank, bitwise (recorded at the training
+    step itself, P=2 threads)."""
+    from experiments import trainer
+    from experiments.train import run
+
+    seen: dict[str, dict[int, list[torch.Tensor]]] = {}
+    real = trainer.Trainer.train_step
+
+    def recording(self: Any, batches: list[Any]) -> Any:
+        mine = seen[current].setdefault(self.env.rank, [])
+        if not mine:
+            mine += [p.detach().clone() for p in self.model.parameters()]
+        mine += [t.clone() for b in batches for t in b]
+        return real(self, batches)
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", recording)
+    for current in ("none", "dp_kfac", "d_kfac"):
+        seen[current] = {}
+        overrides = 'convergence_scale.overrides=["data.fake=true","trainer.max_steps=3"]'
+        cfg = _compose(f"strategy={current}", "world_size=2", "seed=7", overrides)
+        run(cs.training_config(cfg, tmp_path / current))
+    for rank in (0, 1):
+        reference = seen["none"][rank]
+        assert len(reference) > 4
+        for other in ("dp_kfac", "d_kfac"):
+            assert all(torch.equal(a, b) for a, b in zip(reference, seen[other][rank], strict=True))
+    assert not torch.equal(seen["none"][0][-1], seen["none"][1][-1])  # ranks see their own shards
 
 
 def test_the_target_counts_as_reached_once_the_run_stays_above_it() -> None:
@@ -305,184 +475,12 @@ def test_the_target_counts_as_reached_once_the_run_stays_above_it() -> None:
     assert all(math.isnan(x) for x in cs.reached([], 0.95))
     # The writer recomputes every row from its curve: a stored figure from an older rule
     # (the first crossing, epoch 2 here) does not survive.
-    row = pd.DataFrame([_row("dp_kfac", 4, 0, 1.0, steps_to_target=2 * 1250, target=0.95)])
-    row["curve"] = json.dumps(curve)
+    row = pd.DataFrame(
+        [{"curve": json.dumps(curve), "target": 0.95, "target_high": 0.96, "steps_to_target": 20.0}]
+    )
     fixed = cs.with_steps_to_target(row)
     assert (fixed.at[0, "steps_to_target"], fixed.at[0, "epochs_to_target"]) == (60.0, 6.0)
-
-
-def test_the_writer_chooses_on_validation_and_states_the_claim(tmp_path: Path) -> None:
-    paths = tables.write_table("convergence_scale", _rows(), tmp_path)
-    grid = pd.read_csv(paths["csv"])
-    assert len(grid) == 3 * 3 * 2 * 2  # every grid point, chosen or not
-    assert set(grid.loc[grid["chosen"], "lr_multiplier"]) == {0.5}  # val, never test
-    cells = pd.read_csv(paths["cells"])
-    assert len(cells) == 9 and set(cells["lr_multiplier"]) == {0.5}
-    d16 = cells[(cells["strategy"] == "d_kfac") & (cells["P"] == 16)].iloc[0]
-    assert (d16["steps_min"], d16["steps_max"]) == (3 * 312, 4 * 312)
-    assert d16["steps_to_target"] == pytest.approx(3.5 * 312)
-    dp4 = cells[(cells["strategy"] == "dp_kfac") & (cells["P"] == 4)].iloc[0]
-    assert dp4["pred_time_to_target_s"] == pytest.approx(4 * 1250 * 0.0015)
-    assert dp4["measured_ms_per_rank"] == pytest.approx(4.0)  # in-process step / P
-    assert math.isnan(d16["measured_ms_per_rank"])  # P > 4: not reported
-    assert dp4["cosine_Linear"] == pytest.approx(0.9)
-    md = paths["md"].read_text().split("\n")
-    assert md[0].startswith("# ") and md[2].startswith("**Takeaway (mnist1d_mlp).**")
-    assert "leave d_kfac's seed spread (± one evaluation) from P=16" in md[2]
-    assert "Time to target (mnist1d_mlp)" in md[3]
-    # SGD 6 epochs; dp_kfac 4 (6 at P=16) at 1.5x SGD's predicted seconds per step.
-    assert "P=4: 1.50x fewer steps, each 1.50x dearer, neither wins (1.00x SGD's" in md[3]
-    assert "P=16: 1.00x fewer steps, each 1.50x dearer, cheaper steps win (1.50x" in md[3]
-    assert paths["png"].exists()
-    text = paths["md"].read_text()
-    assert "Grid points in this table: 36 runs" in text
-    assert "lr = 0.05 x (batch 16 x P / 64) x multiplier (mnist1d_mlp)" in text  # per model
-    line = cs.headline(cells)
-    assert line is not None and line.startswith("- **Convergence as P grows**")
-    assert "mnist1d_mlp at P=16 (global batch 256, 2 seed(s)): dp_kfac 1872 steps, " in line
-    assert "d_kfac 1092 steps to 0.85" in line
-    assert (
-        "- mnist1d_mlp, P=16 (12 runs): d_kfac, dp_kfac, none: multipliers 0.5, 2; seeds 0, 1"
-        in text
-    )
-
-
-def test_same_step_stand_ins_fill_only_where_the_runs_are_bitwise_equal() -> None:
-    """A configuration whose runs equal another's (kaisa_mem_opt and d_kfac at P=16, d_kfac
-    and dp_kfac at P=1) takes the other's runs for its missing points, priced as its own
-    step; one whose run differs (grouped_auto here) keeps its own; SGD and a configuration
-    with as many points as its match get none; applying it twice adds nothing."""
-    rows = [
-        _row(s, 16, seed, m) for s in ("d_kfac", "dp_kfac") for seed in (0, 1) for m in (0.5, 1)
-    ]
-    for r in rows:  # every run a different curve
-        r["final_acc"] = hash((r["strategy"], r["seed"], r["lr_multiplier"])) % 1000 / 1000
-    twin = {**rows[0], "strategy": "kaisa_mem_opt", "pred_iteration_s": 0.002}
-    other = {**rows[4], "strategy": "grouped_auto", "final_val_acc": 0.5}  # differs
-    sgd = [_row("none", 16, 0, 0.5), _row("none", 16, 1, 0.5)]
-    one_rank = [_row("dp_kfac", 1, 0, 0.5), _row("dp_kfac", 1, 1, 0.5), _row("d_kfac", 1, 0, 0.5)]
-    frame = pd.DataFrame([*rows, twin, other, *sgd, *one_rank])
-    out = cs.with_same_step_stand_ins(frame)
-    added = out.iloc[len(frame) :]
-    one = added[added["world_size"] == 1]
-    assert list(zip(one["strategy"], one["run_as"], one["seed"], strict=True)) == [
-        ("d_kfac", "dp_kfac", 1)
-    ]
-    added = added[added["world_size"] == 16]
-    assert set(added["strategy"]) == {"kaisa_mem_opt"} and set(added["run_as"]) == {"d_kfac"}
-    assert len(added) == 3
-    d = frame[(frame["strategy"] == "d_kfac") & (frame["world_size"] == 16)]
-    d = d.set_index(["lr_multiplier", "seed"])
-    for r in added.itertuples():
-        assert r.final_acc == d.loc[(r.lr_multiplier, r.seed), "final_acc"]
-        assert r.pred_iteration_s == 0.002 and math.isnan(r.step_s)  # its own price, no time
-    assert len(cs.with_same_step_stand_ins(out)) == len(out)
-    cells = cs.cells_frame(cs.choose_lr(out)).set_index(["strategy", "P"])
-    kaisa = cells.loc[("kaisa_mem_opt", 16)]
-    assert (kaisa["run_as"], kaisa["pred_iteration_ms"]) == ("d_kfac", pytest.approx(2.0))
-    assert (
-        cells.loc[("grouped_auto", 16), "run_as"],
-        cells.loc[("grouped_auto", 16), "seeds"],
-    ) == (
-        "",
-        1,
-    )
-    lines = cs.coverage(out)
-    assert any("kaisa_mem_opt's runs (multipliers 0.5; seeds 0) equal d_kfac's" in x for x in lines)
-    assert any("stand for 3 more of kaisa_mem_opt's grid points" in x for x in lines)
-    shown = cs._markdown_frame(cells.reset_index())
-    assert "kaisa_mem_opt (with d_kfac's runs)" in set(shown["configuration"])
-
-
-def test_a_failed_job_is_listed_not_dropped(tmp_path: Path) -> None:
-    failed = {
-        "task": "convergence_scale",
-        "model": "mnist1d_mlp",
-        "label": "MLP",
-        "strategy": "grouped_auto",
-        "world_size": 64,
-        "setting": "paper",
-        "error": "RankFailed: rank 3 raised",
-    }
-    rows = pd.concat([_rows(), pd.DataFrame([failed])], ignore_index=True)
-    paths = tables.write_table("convergence_scale", rows, tmp_path)
-    md = paths["md"].read_text()
-    assert "## Failed jobs" in md and "grouped_auto P=64 paper: RankFailed: rank 3 raised" in md
-    assert len(pd.read_csv(paths["csv"])) == 36  # the failed job is no grid point
-
-
-def test_the_takeaway_when_dp_kfac_keeps_up() -> None:
-    rows = _rows()
-    late = (rows["strategy"] == "dp_kfac") & (rows["world_size"] == 16)
-    _reach(rows, late, 4)  # within d_kfac's 3..4 epochs
-    rows.loc[rows["strategy"] == "dp_kfac", "pred_iteration_s"] = 0.0012
-    cells = cs.cells_frame(cs.choose_lr(pages.ok_rows(rows, cs.TASK)))
-    text, time = cs.takeaway(cells)
-    assert "P=16: 1.50x fewer steps, each 1.20x dearer, fewer steps win (0.80x" in time
-    assert "stay within d_kfac's seed spread (± one evaluation) at every P where both" in text
-    assert text.endswith("(1, 4, 16).")
-
-
-def test_a_cell_that_misses_the_target_is_outside_and_said_so() -> None:
-    rows = _rows()
-    late = (rows["strategy"] == "dp_kfac") & (rows["world_size"] == 4) & (rows["seed"] == 1)
-    _reach(rows, late, math.nan)
-    cells = cs.cells_frame(cs.choose_lr(pages.ok_rows(rows, cs.TASK)))
-    dp4 = cells[(cells["strategy"] == "dp_kfac") & (cells["P"] == 4)].iloc[0]
-    assert (dp4["reached"], dp4["seeds"]) == (1, 2) and math.isnan(dp4["pred_time_to_target_s"])
-    text = cs.takeaway(cells)[0]
-    assert "from P=4 (dp_kfac reached in 1 of 2 seed(s)" in text
-
-
-def test_no_choice_without_validation_accuracy() -> None:
-    rows = _rows()
-    rows["final_val_acc"] = math.nan
-    assert not cs.choose_lr(pages.ok_rows(rows, cs.TASK))["chosen"].any()
-
-
-def test_coverage_lists_each_multiplier_with_its_seeds_and_a_lone_multiplier_is_an_edge() -> None:
-    """A sweep run in parts holds extra seeds at some multipliers only: the page says which."""
-    rows = [_row("d_kfac", 64, 0, m, final_val_acc=0.9 - abs(m - 0.5)) for m in (0.25, 0.5, 1.0)]
-    rows += [_row("d_kfac", 64, s, 0.5) for s in (1, 2)]
-    rows += [_row("dp_kfac", 64, 0, 0.5)]
-    runs = cs.choose_lr(pages.ok_rows(pd.DataFrame(rows), cs.TASK))
-    assert cs.coverage(runs)[2:] == [
-        "- mnist1d_mlp, P=64 (6 runs): d_kfac: x0.25 (seeds 0) x0.5 (seeds 0, 1, 2) x1 (seeds 0); "
-        "dp_kfac: multipliers 0.5; seeds 0"
-    ]
-    edge = cs.cells_frame(runs).set_index("strategy")["lr_at_grid_edge"]
-    assert not edge["d_kfac"] and edge["dp_kfac"]
-
-
-def test_a_grid_point_run_again_keeps_its_latest_run_and_the_page_counts_the_earlier() -> None:
-    """A rerun on another machine replaces the point's earlier run in the table (the
-    stand-ins compare bitwise, and two machines' runs are not bitwise equal); the machines
-    line counts runs per CPU and kernels, and rows from before the columns existed."""
-    old = _row("d_kfac", 4, 0, 0.5, time="2026-12-02T15:57:27", final_acc=0.935)
-    new = _row(
-        "d_kfac",
-        4,
-        0,
-        0.5,
-        time="2026-12-03T07:17:06",
-        final_acc=0.9357,
-        cpu="EPYC",
-        cpu_capability="AVX512",
-    )
-    kept = _row("d_kfac", 4, 1, 0.5, time="2026-12-02T16:48:52")
-    frame = pd.DataFrame([new, old, kept])  # the rerun merged first: time decides
-    latest = cs.latest_runs(frame)
-    assert sorted(latest["final_acc"]) == [0.9, 0.9357]
-    assert len(cs.latest_runs(latest)) == 2
-    lines = cs.coverage(cs.choose_lr(latest), superseded=len(frame) - len(latest))
-    assert lines[0] == (
-        "Grid points in this table: 2 runs (cells not listed were not run). 1 earlier run(s) "
-        "of grid points that ran again are left out: a point keeps its latest run, and all "
-        "are in `results/raw/convergence_scale.csv`."
-    )
-    assert lines[1].startswith(
-        "Machines: 1 on EPYC (AVX512 kernels); 1 from before the machine was recorded"
-    )
+    assert fixed.at[0, "steps_to_high"] == 60.0
 
 
 def test_the_machine_columns_name_the_cpu_and_torchs_kernels() -> None:
@@ -493,93 +491,6 @@ def test_the_machine_columns_name_the_cpu_and_torchs_kernels() -> None:
     assert where["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert where["cpu"] and where["cpus"] == os.cpu_count()
     assert where["torch"] == torch.__version__
-
-
-def test_multipliers_are_compared_on_the_seeds_they_all_ran() -> None:
-    """x0.5 beats x0.25 on seed 0; its two extra seeds are worse than x0.25's lone seed 0,
-    which must not win the choice on a mean over fewer seeds."""
-    rows = [
-        _row("d_kfac", 64, 0, 0.25, final_val_acc=0.95),
-        _row("d_kfac", 64, 0, 0.5, final_val_acc=0.96),
-        _row("d_kfac", 64, 1, 0.5, final_val_acc=0.93),
-        _row("d_kfac", 64, 2, 0.5, final_val_acc=0.93),
-    ]
-    runs = cs.choose_lr(pages.ok_rows(pd.DataFrame(rows), cs.TASK))
-    assert set(runs.loc[runs["chosen"], "lr_multiplier"]) == {0.5}
-    assert runs["chosen"].sum() == 3  # every seed of the chosen multiplier
-
-
-def test_extra_seeds_overturn_the_seed_0_screening() -> None:
-    """SGD at CNN P=64: x0.5 wins on seed 0 and diverges in seeds 1 and 2; x0.25, run with
-    three seeds too, wins on their mean; x1's lone seed 0 is no finalist."""
-    rows = [_row("none", 64, 0, 1.0, final_val_acc=0.5)]
-    rows += [_row("none", 64, s, 0.5, final_val_acc=v) for s, v in enumerate((0.99, 0.1, 0.1))]
-    rows += [_row("none", 64, s, 0.25, final_val_acc=0.98) for s in range(3)]
-    runs = cs.choose_lr(pages.ok_rows(pd.DataFrame(rows), cs.TASK))
-    assert set(runs.loc[runs["chosen"], "lr_multiplier"]) == {0.25}
-
-
-# --------------------------------------------------------- end to end, tiny
-def test_a_tiny_sweep_writes_the_table(tmp_path: Path) -> None:
-    """The real command at P in {1, 4}, 3 configurations, 2 learning rates, 1 seed, 400
-    generated samples, one epoch; every rank a thread, the table into tmp_path."""
-    results = tmp_path / "results"
-    command = [
-        sys.executable,
-        "-m",
-        "experiments.bench",
-        "-m",
-        "table=convergence_scale",
-        "convergence_scale.experiment=mnist1d_mlp",
-        "strategy=none,dp_kfac,d_kfac,kaisa_mem_opt",
-        "world_size=1,4",
-        "seed=0",
-        "convergence_scale.lr_multiplier=0.5,2",
-        'convergence_scale.overrides=["data.fake=true","trainer.max_epochs=1"]',
-        "convergence_scale.targets.mnist1d_mlp=0.2",
-        "convergence_scale.fidelity_every=2",
-        f"results_dir={results}",
-        f"hydra.sweep.dir={tmp_path / 'sweep'}",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    grid = pd.read_csv(results / "convergence_scale.csv").set_index(["strategy", "world_size"])
-    assert len(grid) == 4 * 2 * 2  # every grid point: trained, or another's run standing in
-    # Trained at x0.5 only (seed 0): d_kfac and kaisa_mem_opt at P=1 (dp_kfac's step), and
-    # kaisa_mem_opt at P=4 (d_kfac's); their x2 points are their twins' runs.
-    stood = grid[grid["run_as"] != grid.index.get_level_values("strategy")]
-    assert set(stood.index) == {("d_kfac", 1), ("kaisa_mem_opt", 1), ("kaisa_mem_opt", 4)}
-    assert (stood["lr_multiplier"] == 2).all() and stood["step_s"].isna().all()
-    assert list(stood["run_as"]) == ["dp_kfac", "dp_kfac", "d_kfac"]
-    for (_, p), r in stood.iterrows():
-        twin = grid.loc[(r["run_as"], p)].set_index("lr_multiplier")
-        assert r["final_acc"] == twin.loc[2, "final_acc"]
-    grid = grid.reset_index()
-    assert grid.groupby(["strategy", "world_size"])["chosen"].sum().eq(1).all()
-    kfac4 = grid[(grid["world_size"] == 4) & (grid["strategy"] != "none")]
-    assert kfac4["replicas_identical"].all()
-    assert all(json.loads(v)["Linear"] <= 1.0 + 1e-9 for v in kfac4["fidelity_cosine"])
-    assert (grid["pred_iteration_s"] > 0).all()
-    md = (results / "convergence_scale.md").read_text().split("\n")
-    assert md[2].startswith("**Takeaway (mnist1d_mlp).**")
-    assert "so d_kfac's runs stand for 1 more of kaisa_mem_opt's grid points" in "\n".join(md)
-    assert "so dp_kfac's runs stand for 1 more of d_kfac's grid points" in "\n".join(md)
-    assert "Grid points in this table: 13 runs" in "\n".join(md)
-    assert (results / "convergence_scale.png").exists()
-    raw = pd.read_csv(results / "raw" / "convergence_scale.csv")
-    assert (raw["cpu_capability"] == torch.backends.cpu.get_cpu_capability()).all()
-    assert f"Machines: 13 on {raw['cpu'].iloc[0]} (" in "\n".join(md)
-
-
-def test_the_time_sentence_when_sgd_takes_fewer_steps() -> None:
-    """More steps for dp_kfac read as more, not as a fraction 'fewer' (P=256 on MNIST-1D)."""
-    rows = _rows()
-    _reach(rows, rows["strategy"] == "dp_kfac", 12)  # SGD: 6
-    rows.loc[rows["strategy"] == "dp_kfac", "pred_iteration_s"] = 0.0012
-    _, time = cs.takeaway(cs.cells_frame(cs.choose_lr(pages.ok_rows(rows, cs.TASK))))
-    assert "x more steps, each 1.20x dearer, SGD's steps are fewer and cheaper (" in time
-    assert "x fewer steps" not in time
 
 
 def test_a_skipped_probe_counts_for_nothing_in_the_cosine() -> None:

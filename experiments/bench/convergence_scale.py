@@ -9,21 +9,29 @@ so P = 1 ... 256 ranks fit on one small machine, and turns the runs into
 
 One benchmark job (``python -m experiments.bench task=convergence_scale``) is
 one training run: an experiment preset, a strategy config, ``world_size``
-ranks, a learning-rate multiplier and a seed. What the job fixes, and why:
+ranks, a learning-rate multiplier, a damping and a seed. Which jobs run is the
+tuning protocol's decision (:mod:`experiments.bench.tuning`, driven by
+:mod:`experiments.bench.tune`), the same for every configuration, SGD included.
+What a job fixes, and why:
 
 * **Per-rank batch** ``convergence_scale.batch_size`` (16): the global batch
   grows with P, as in a data-parallel job that adds GPUs, which is where the
   owner's share of the batch (what its factors see) shrinks.
 * **Learning-rate rule**: linear scaling from the preset's learning rate at its
-  batch (:func:`learning_rate`) times a small grid of multipliers;
-  :func:`choose_lr` picks one per (model, configuration, P) on validation
-  accuracy, never on the test set, and every grid point stays in the CSV.
+  batch (:func:`learning_rate`) times the protocol's multiplier.
+* **Evaluations** ``evals_per_epoch`` times an epoch, so that steps to a target
+  are resolved to a few percent, not to an epoch.
 * **The fidelity probe** (``strategy.fidelity_every``): the owner's
   preconditioned gradient from its own batch's factors against the one from
   factors averaged over all ranks, recorded by :class:`ScaleLogger`.
 * **grouped_auto** chooses its (k, f) for ``convergence_scale.hardware``, the
   hardware whose step time is predicted (:func:`predicted_iteration`, for time
   to target), not for the in-process group, whose "links" are a thread hand-over.
+
+The table half turns the runs into ``results/convergence_scale.*``: the
+protocol's choices per cell, paired comparisons of dp_kfac and d_kfac with
+bootstrap intervals and verdicts (:mod:`experiments.bench.intervals`), and time
+to target against SGD, answer first.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import math
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from itertools import takewhile
 from pathlib import Path
 from typing import Any
@@ -109,31 +117,13 @@ def targets_of(node: DictConfig | Mapping[str, Any], experiment: str) -> tuple[f
 
 
 def skip_reason(cfg: DictConfig) -> str | None:
-    """Why this grid point is not run (None: run it). A Hydra sweep is a full product; the
-    preset keeps fewer seeds at large P (``seeds_at``: P -> seeds), stops an experiment
-    at the P its data allows (``max_world_size``: experiment -> P) and trains a
-    configuration that computes another's step (every K-FAC configuration on one rank,
-    ``one_rank_kfac``; ``same_step`` above it) at one grid point (``same_step_check``),
-    where :func:`with_same_step_stand_ins` checks it and fills the rest."""
+    """Why this job is not run (None: run it): an experiment stops at the P its data allows
+    (``max_world_size``: experiment -> P)."""
     node = cfg.convergence_scale
     p, experiment = int(cfg.world_size), str(node.experiment)
-    strategy = strategy_name(cfg.strategy)
-    one_rank = node.get("one_rank_kfac") if strategy != SGD else None
-    twin = one_rank if p == 1 else (node.get("same_step") or {}).get(strategy)
-    check = node.get("same_step_check")
-    point = (float(node.lr_multiplier), int(cfg.seed))
-    if check is not None and twin and twin != strategy and point != (float(check.lr_multiplier), int(check.seed)):
-        return (
-            f"{strategy} computes {twin}'s step{' on one rank' if p == 1 else ''}: it trains at "
-            f"x{check.lr_multiplier} seed {check.seed} only, and {twin}'s runs stand in where "
-            f"that run equals {twin}'s"
-        )
     limit = (node.get("max_world_size") or {}).get(experiment)
     if limit is not None and p > int(limit):
         return f"{experiment} runs up to P={limit}"
-    seeds = (node.get("seeds_at") or {}).get(p)
-    if seeds is not None and int(cfg.seed) >= int(seeds):
-        return f"P={p} runs seeds 0..{int(seeds) - 1}"
     return None
 
 
@@ -261,14 +251,6 @@ def reached(curve: Sequence[Mapping[str, Any]], target: float) -> tuple[float, f
     return float(hit["step"]), float(hit["epoch"])
 
 
-def with_steps_to_target(runs: pd.DataFrame) -> pd.DataFrame:
-    """The runs with steps and epochs to target recomputed from each run's curve by
-    :func:`reached`, so rows merged from older sweeps follow today's definition."""
-    curves = zip(runs["curve"], runs["target"], strict=True)
-    hits = pd.DataFrame([reached(json.loads(c), float(t)) for c, t in curves], index=runs.index)
-    return runs.assign(steps_to_target=hits[0], epochs_to_target=hits[1])
-
-
 def _records(path: Path) -> tuple[list[float], list[dict[str, Any]]]:
     """Step times and fidelity entries from :class:`ScaleLogger`'s file."""
     entries = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -390,380 +372,627 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 CELL = ["model", "strategy", "world_size"]
+#: A run of the study: its cell, learning-rate multiplier, damping and seed.
+POINT = [*CELL, "lr_multiplier", "damping", "seed"]
 
 
-def choose_lr(runs: pd.DataFrame) -> pd.DataFrame:
-    """Every run with ``chosen``: its multiplier is its cell's best on validation accuracy.
+def study_node(overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The study's settings (``convergence_scale`` of the table preset), as plain values."""
+    from omegaconf import OmegaConf
 
-    Per (model, strategy config, P), among the multipliers run with the most
-    seeds (a grid run in parts screens every multiplier on seed 0 and adds seeds
-    at the best: one lucky seed must not beat three averaged ones, and the extra
-    seeds may overturn the screening, as when SGD's x0.5 at CNN P=64 trained in
-    seed 0 and diverged in seeds 1 and 2), the one with the highest mean final
-    validation accuracy over the seeds they share, the first in grid order on a
-    tie; all their seeds where they share none. The test accuracy plays no
-    part. A cell without validation accuracy gets no choice (``chosen`` false
-    everywhere) rather than one made on the test set.
-    """
-    runs = runs.copy()
-    runs["val_mean"] = runs.groupby([*CELL, "lr_multiplier"])["final_val_acc"].transform("mean")
-    runs["chosen"] = False
-    for _, cell in runs.groupby(CELL, sort=False):
-        seeds = {m: set(g) for m, g in cell.groupby("lr_multiplier")["seed"]}
-        most = max(map(len, seeds.values()))
-        finalists = {m: s for m, s in seeds.items() if len(s) == most}
-        shared = set.intersection(*finalists.values())
-        judged = cell[cell["lr_multiplier"].isin(list(finalists))]
-        judged = judged[judged["seed"].isin(shared)] if shared else judged
-        means = judged.groupby("lr_multiplier", sort=True)["final_val_acc"].mean().dropna()
-        if not means.empty:
-            runs.loc[cell.index, "chosen"] = cell["lr_multiplier"] == means.idxmax()
-    return runs
+    from experiments.config import compose_config
+
+    cfg = compose_config("benchmark", ["table=convergence_scale", *overrides])
+    node = OmegaConf.to_container(cfg.convergence_scale, resolve=True)
+    assert isinstance(node, dict)
+    return node
 
 
-#: A grid point: one training run of the study.
-POINT = [*CELL, "lr_multiplier", "seed"]
-
-
-def latest_runs(runs: pd.DataFrame) -> pd.DataFrame:
-    """One run per grid point: the latest (by ``time``) where a point ran more than once.
-
-    A point is run again to bring a cell onto one machine: runs on two machines are
-    alike, not bitwise equal (:func:`experiments.bench.measure.machine`), and the
-    same-step stand-ins compare runs bitwise. The earlier run stays in the raw CSV,
-    and :func:`coverage` counts it.
-    """
-    order = runs.sort_values("time", kind="stable") if "time" in runs else runs
-    return order.drop_duplicates(POINT, keep="last").sort_index()
-
-
-def machines(runs: pd.DataFrame) -> str:
-    """Which machines the real runs came from, and what that allows (one line)."""
-    where = ["cpu", "cpu_capability"]
-    known = runs.dropna(subset=where) if set(where) <= set(runs) else runs[:0]
-    counts = known.groupby(where, sort=True).size() if len(known) else {}
-    parts = [f"{n} on {cpu} ({kernels} kernels)" for (cpu, kernels), n in counts.items()]
-    if unknown := len(runs) - len(known):
-        parts.append(f"{unknown} from before the machine was recorded (earlier VMs)")
-    return (
-        f"Machines: {'; '.join(parts)}. A run repeated on another machine is alike, not "
-        "bitwise equal (torch's CPU kernels differ by instruction set), so bitwise "
-        "comparisons are made between runs of one machine."
+def with_steps_to_target(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs with steps and epochs to both targets recomputed from each run's curve by
+    :func:`reached`, so rows merged from older sweeps follow today's definition."""
+    high = runs["target_high"] if "target_high" in runs else runs["target"]
+    rows = zip(runs["curve"], runs["target"], high, strict=True)
+    hits = [
+        (*reached(json.loads(c), float(t)), reached(json.loads(c), float(h))[0]) for c, t, h in rows
+    ]
+    frame = pd.DataFrame(hits, index=runs.index, columns=["s", "e", "h"])
+    return runs.assign(
+        steps_to_target=frame["s"],
+        epochs_to_target=frame["e"],
+        steps_to_high=frame["h"],
+        target_high=high,
     )
 
 
-#: What a stand-in keeps of its own configuration: the cost model prices its own step.
-PRICED = ("pred_iteration_s", "pred_hardware", "pred_chosen")
+def study_runs(df: pd.DataFrame) -> pd.DataFrame:
+    """The protocol's successful runs (rows with a damping column), the latest of each point."""
+    from experiments.bench.pages import ok_rows
+
+    if df.empty or "damping" not in df:
+        return df[:0]
+    runs = ok_rows(df.assign(error=df["error"].fillna("")), TASK)
+    runs = runs[runs["curve"].notna()].copy()
+    runs["damping"] = runs["damping"].astype(float)
+    order = runs.sort_values("time", kind="stable") if "time" in runs else runs
+    key = order.assign(_d=order["damping"].fillna(-1.0).round(12))
+    latest = order.loc[
+        key.drop_duplicates([*CELL, "lr_multiplier", "_d", "seed"], keep="last").index
+    ]
+    return with_steps_to_target(latest.sort_index()) if len(latest) else latest
 
 
-def _with_run_as(runs: pd.DataFrame) -> pd.DataFrame:
-    """A copy of the runs whose ``run_as`` is filled (rows from before it existed are real)."""
-    return runs.assign(run_as=runs.get("run_as", runs["strategy"]).fillna(runs["strategy"]))
+def _at(
+    runs: pd.DataFrame, model: str, strategy: str, p: int, point: tuple[float, float]
+) -> pd.DataFrame:
+    lr, damping = point
+    mine = runs[
+        (runs["model"] == model) & (runs["strategy"] == strategy) & (runs["world_size"] == p)
+    ]
+    mine = mine[mine["lr_multiplier"].round(12) == round(lr, 12)]
+    if damping == damping:
+        return mine[mine["damping"].round(12) == round(damping, 12)]
+    return mine[mine["damping"].isna()]
 
 
-def with_same_step_stand_ins(runs: pd.DataFrame) -> pd.DataFrame:
-    """The runs, plus stand-ins for a configuration whose runs are another's.
-
-    Per (model, P), a K-FAC configuration X whose every real run equals another
-    configuration R's run at the same (multiplier, seed) bitwise (curve and final
-    accuracies), where R ran more grid points, takes R's runs for its missing points
-    (``run_as`` R), priced as X's own step. The sweep trains such configurations at
-    one point only (on one rank every K-FAC configuration, ``one_rank_kfac``; above
-    it kaisa_mem_opt and grouped_auto, ``same_step``), but nothing here trusts those
-    lists: a run that differs matches nothing, and its configuration keeps its own
-    points only.
-    """
-    runs = _with_run_as(runs)
-    real = runs[(runs["run_as"] == runs["strategy"]) & (runs["strategy"] != SGD)]
-    same = ["curve", "final_acc", "final_val_acc"]
-    points = runs.groupby(["model", "world_size", "strategy"])[["lr_multiplier", "seed"]]
-    added = []
-    for (model, p), group in real.groupby(["model", "world_size"], sort=False):
-        by = {
-            str(s): g.drop_duplicates(["lr_multiplier", "seed"]).set_index(
-                ["lr_multiplier", "seed"]
-            )
-            for s, g in group.groupby("strategy", sort=False)
-        }
-        for x, mine in by.items():
-            twins = [
-                r
-                for r, theirs in by.items()
-                if len(theirs) > len(mine)
-                and mine.index.isin(theirs.index).all()
-                and theirs.loc[mine.index, same].equals(mine[same])
-            ]
-            if not twins:
-                continue
-            r = max(twins, key=lambda s: len(by[s]))
-            own = {k: mine[k].iloc[0] for k in PRICED if k in mine}
-            have = set(map(tuple, points.get_group((model, p, x)).to_numpy().tolist()))
-            for (m, seed), source in by[r].iterrows():
-                if (m, seed) not in have:  # R's run, marked, without a measured time
-                    added.append(
-                        {**source.to_dict(), "lr_multiplier": m, "seed": seed, "strategy": x}
-                        | {"run_as": r, "step_s": math.nan, "seconds": math.nan, **own}
-                    )
-    return pd.concat([runs, pd.DataFrame(added)], ignore_index=True) if added else runs
+def _plateaued(cell: pd.DataFrame, fraction: float, tolerance: float) -> bool | None:
+    """Whether the mean validation accuracy over the cell's seeds moved by less than
+    ``tolerance`` over the last ``fraction`` of the evaluations (None: too few)."""
+    curves = [pd.DataFrame(json.loads(c)).set_index("step")["val_acc"] for c in cell["curve"]]
+    mean = pd.concat(curves, axis=1).mean(axis=1).sort_index()
+    if len(mean) < 5:
+        return None
+    tail = mean.iloc[int(len(mean) * (1 - fraction)) :]
+    return bool(tail.max() - tail.min() < tolerance)
 
 
-def cells_frame(runs: pd.DataFrame) -> pd.DataFrame:
-    """One row per (model, configuration, P) at the chosen learning rate.
+def _resolution(cell: pd.DataFrame) -> float:
+    """The worst (largest) evaluation interval over steps to target among the cell's seeds."""
+    every = cell["eval_every_steps"].astype(float) if "eval_every_steps" in cell else None
+    if every is None:
+        return math.nan
+    interval = every.where(every > 0, cell["steps_per_epoch"].astype(float))
+    ratio = interval / cell["steps_to_target"].astype(float)
+    return float(ratio.max()) if ratio.notna().any() else math.nan
 
-    Steps and epochs to target: mean and std over the seeds that reached it (``reached``
-    of ``seeds``) and their min and max (the seed spread the takeaway uses); the time per
-    step predicted, and measured at small P (the in-process step of all P ranks / P).
-    """
+
+def cells_frame(runs: pd.DataFrame, node: Mapping[str, Any]) -> pd.DataFrame:
+    """One row per cell of the study that has runs: its choice under the protocol (or what
+    it waits for), and at the chosen point over its seeds: steps to both targets (mean,
+    std, min, max over the seeds that reached them), final test accuracy, plateau,
+    resolution, and the cost model's time per step and to target. Where paired seeds
+    decide the claim, dp_kfac's row also holds its paired comparison with d_kfac
+    (:func:`paired_columns`), and where SGD reached the target, its time against SGD's."""
     from experiments.bench.plots import in_order
+    from experiments.bench.tuning import plan_study
 
-    grids = runs.groupby(CELL, sort=False)["lr_multiplier"]
+    if runs.empty:
+        return pd.DataFrame()
+    _, plans = plan_study(node, runs.to_dict("records"))
+    plateau = node.get("plateau") or {"fraction": 0.2, "tolerance": 0.005}
+    have = set(map(tuple, runs[CELL].drop_duplicates().to_numpy().tolist()))
     rows = []
-    for (model, strategy, p), cell in runs[runs["chosen"]].groupby(CELL, sort=False):
-        grid = sorted(grids.get_group((model, strategy, p)).unique())
-        m = float(cell["lr_multiplier"].iloc[0])
-        hit = cell["steps_to_target"].astype(float).dropna().tolist()
-        s_mean, s_std = _mean_std(hit)
-        e_mean, e_std = _mean_std(list(cell["epochs_to_target"]))
-        a_mean, a_std = _mean_std(list(cell["final_acc"]))
-        kinds: dict[str, list[float]] = {}
-        for value in cell["fidelity_cosine"]:
-            for kind, c in (json.loads(value) if isinstance(value, str) and value else {}).items():
-                kinds.setdefault(kind, []).append(float(c))
-        replicas = bool(cell["replicas_identical"].astype(bool).all()) if p > 1 else None
-        pred = float(cell["pred_iteration_s"].astype(float).mean())
-        measured = (
-            float(cell["step_s"].astype(float).median()) / p if p <= MEASURED_MAX_P else math.nan
-        )
-        entry = {
-            "model": model,
-            "strategy": strategy,
-            "run_as": ", ".join(sorted(set(cell.get("run_as", [strategy])) - {strategy})),
-            "P": int(p),
-            "global_batch": int(cell["global_batch"].iloc[0]),
-            "target": float(cell["target"].iloc[0]),
-            "lr": float(cell["lr"].iloc[0]),
-            "lr_multiplier": m,
-            # A grid of one point is its own edge: nothing around it was tried.
-            "lr_at_grid_edge": m in (grid[0], grid[-1]),
-            "val_acc": float(cell["final_val_acc"].mean()),
-            "seeds": len(cell),
-            "stand_ins": int((cell["run_as"] != strategy).sum()) if "run_as" in cell else 0,
-            "reached": len(hit),
-            "steps_to_target": s_mean,
-            "steps_std": s_std,
-            "steps_min": min(hit) if hit else math.nan,
-            "steps_max": max(hit) if hit else math.nan,
-            "steps_per_epoch": int(cell["steps_per_epoch"].iloc[0]),
-            "epochs_to_target": e_mean,
-            "epochs_std": e_std,
-            "final_acc": a_mean,
-            "final_acc_std": a_std,
-            **{f"cosine_{k}": _mean_std(v)[0] for k, v in sorted(kinds.items())},
-            "replicas_identical": replicas,
-            "pred_hardware": str(cell["pred_hardware"].iloc[0]),
-            "pred_iteration_ms": 1e3 * pred,
-            "pred_time_to_target_s": s_mean * pred if len(hit) == len(cell) else math.nan,
-            "measured_ms_per_rank": 1e3 * measured,
-            "measured_time_to_target_s": s_mean * measured if len(hit) == len(cell) else math.nan,
-            "pred_chosen": str(cell["pred_chosen"].iloc[0] or "") if "pred_chosen" in cell else "",
+    for plan in plans:
+        if (plan.model, plan.strategy, plan.world_size) not in have and not plan.stand_in_for:
+            continue
+        entry: dict[str, Any] = {
+            "model": plan.model,
+            "strategy": plan.strategy,
+            "P": plan.world_size,
+            "run_as": plan.stand_in_for,
+            "status": "chosen" if plan.chosen else ("failed" if plan.failed else "in progress"),
+            "notes": "; ".join(
+                dict.fromkeys([*plan.notes, *([plan.failed] if plan.failed else [])])
+            ),
+            "runs": int(
+                (
+                    (runs["model"] == plan.model)
+                    & (runs["strategy"] == plan.strategy)
+                    & (runs["world_size"] == plan.world_size)
+                ).sum()
+            ),
         }
+        if plan.chosen is not None:
+            source = plan.stand_in_for or plan.strategy
+            cell = _at(runs, plan.model, source, plan.world_size, plan.chosen)
+            own = _at(runs, plan.model, plan.strategy, plan.world_size, plan.chosen)
+            done = plan.done
+            entry.update(_cell_values(cell, own if len(own) else cell, plateau))
+            entry["status"] = "chosen" if done else "chosen, seeds running"
         rows.append(entry)
     frame = pd.DataFrame(rows)
     if frame.empty:
         return frame
-    return in_order(frame, ["model", "P", "strategy"])
+    # A cell not chosen yet has none of the chosen point's figures: their columns are NaN.
+    values = _cell_values(runs.iloc[:1], runs.iloc[:1], plateau)
+    frame = frame.reindex(columns=[*frame.columns, *(k for k in values if k not in frame)])
+    frame = paired_columns(frame, runs, plans, node)
+    return in_order(time_columns(frame), ["model", "P", "strategy"])
 
 
-def _within(dp: pd.Series, d: pd.Series) -> bool | None:
-    """Whether dp_kfac's steps to target sit in d_kfac's seed spread, widened by one
-    evaluation (steps to target are only known to the evaluation interval, one epoch).
-    None when neither reached the target in every seed (nothing to compare); False when
-    d_kfac reached it in every seed and dp_kfac did not."""
-    dp_all = bool(dp["reached"] == dp["seeds"])
-    if d["reached"] < d["seeds"]:
-        return True if dp_all else None
-    slack = float(d["steps_per_epoch"])
-    inside = d["steps_min"] - slack <= dp["steps_to_target"] <= d["steps_max"] + slack
-    return dp_all and bool(inside)
+def _cell_values(
+    cell: pd.DataFrame, own: pd.DataFrame, plateau: Mapping[str, float]
+) -> dict[str, Any]:
+    """The chosen point's figures over its seeds (``own``: this configuration's own runs,
+    whose step the cost model prices; the same as ``cell`` but for a stand-in)."""
+    hit = cell["steps_to_target"].astype(float).dropna().tolist()
+    high = cell["steps_to_high"].astype(float).dropna().tolist()
+    s_mean, s_std = _mean_std(hit)
+    a_mean, a_std = _mean_std(list(cell["final_acc"]))
+    pred = float(own["pred_iteration_s"].astype(float).mean())
+    first = cell.iloc[0]
+    machines_seen = sorted(set(cell["cpu"].astype(str) + " " + cell["cpu_capability"].astype(str)))
+    return {
+        "global_batch": int(first["global_batch"]),
+        "target": float(first["target"]),
+        "target_high": float(first["target_high"]),
+        "lr": float(first["lr"]),
+        "lr_multiplier": float(first["lr_multiplier"]),
+        "damping": float(first["damping"]),
+        "seeds": len(cell),
+        "val_acc": float(cell["final_val_acc"].mean()),
+        "reached": len(hit),
+        "steps_to_target": s_mean,
+        "steps_std": s_std,
+        "steps_min": min(hit) if hit else math.nan,
+        "steps_max": max(hit) if hit else math.nan,
+        "reached_high": len(high),
+        "steps_to_high": _mean_std(high)[0],
+        "steps_per_epoch": int(first["steps_per_epoch"]),
+        "final_acc": a_mean,
+        "final_acc_std": a_std,
+        "plateaued": _plateaued(cell, float(plateau["fraction"]), float(plateau["tolerance"])),
+        "resolution": _resolution(cell),
+        "replicas_identical": bool(cell["replicas_identical"].astype(bool).all()),
+        "pred_hardware": str(own["pred_hardware"].iloc[0]),
+        "pred_iteration_ms": 1e3 * pred,
+        "pred_time_to_target_s": s_mean * pred if len(hit) == len(cell) else math.nan,
+        "machines": "; ".join(machines_seen),
+    }
 
 
-def _compared(cells: pd.DataFrame) -> Iterator[tuple[str, pd.DataFrame, dict, list[int]]]:
-    """Per model: its cells, them by (strategy, P), and the P where dp_kfac and d_kfac both ran."""
-    if cells.empty:
-        return
-    for model, g in cells.groupby("model", sort=False):
-        by = {(r["strategy"], int(r["P"])): r for _, r in g.iterrows()}
-        sizes = sorted(p for s, p in by if s == REFERENCE and (BASELINE, p) in by)
-        if sizes:
-            yield str(model), g, by, sizes
+def paired_columns(
+    cells: pd.DataFrame, runs: pd.DataFrame, plans: Sequence[Any], node: Mapping[str, Any]
+) -> pd.DataFrame:
+    """dp_kfac's rows with its paired comparison against d_kfac at the paired cells.
+
+    Seeds pair the runs: both methods' runs of one seed start from the same model and see
+    the same data. Over the seeds both ran at their chosen points, a paired bootstrap
+    gives 95% intervals of the ratio of mean steps to target (seeds where both reached
+    it) and of the mean difference in final test accuracy; the verdicts compare them
+    with the margins fixed in ``convergence_scale.verdict``.
+    """
+    from experiments.bench.intervals import (
+        mean_difference,
+        paired_bootstrap,
+        ratio_of_means,
+        verdict,
+    )
+
+    margins = node.get("verdict") or {}
+    tuning = node.get("tuning") or {}
+    chosen = {
+        (p.model, p.strategy, p.world_size): (p.stand_in_for or p.strategy, p.chosen) for p in plans
+    }
+    out = cells.copy()
+    for i, row in cells[cells["strategy"] == REFERENCE].iterrows():
+        model, p = row["model"], int(row["P"])
+        if p not in (tuning.get("paired") or {}).get(model, ()):
+            continue
+        mine, theirs = chosen.get((model, REFERENCE, p)), chosen.get((model, BASELINE, p))
+        if not mine or not theirs or mine[1] is None or theirs[1] is None:
+            continue
+        a = _at(runs, model, mine[0], p, mine[1]).set_index("seed")
+        b = _at(runs, model, theirs[0], p, theirs[1]).set_index("seed")
+        seeds = sorted(set(a.index) & set(b.index))
+        if len(seeds) < 2:
+            continue
+        a, b = a.loc[seeds], b.loc[seeds]
+        both = [
+            s
+            for s in seeds
+            if a.at[s, "steps_to_target"] == a.at[s, "steps_to_target"]
+            and b.at[s, "steps_to_target"] == b.at[s, "steps_to_target"]
+        ]
+        resamples, confidence = (
+            int(margins.get("resamples", 10_000)),
+            float(margins.get("confidence", 0.95)),
+        )
+        acc = paired_bootstrap(
+            a["final_acc"].to_numpy(),
+            b["final_acc"].to_numpy(),
+            mean_difference,
+            resamples,
+            confidence,
+        )
+        band = float(margins.get("final_acc", 0.01))
+        out.loc[i, ["pairs", "acc_diff", "acc_diff_low", "acc_diff_high"]] = [
+            len(seeds),
+            acc.value,
+            acc.low,
+            acc.high,
+        ]
+        out.loc[i, "acc_verdict"] = verdict(acc, (-band, band), lower_is_better=False)
+        out.loc[i, "pairs_reached"] = len(both)
+        if len(both) >= 2:
+            steps = paired_bootstrap(
+                a.loc[both, "steps_to_target"].to_numpy(),
+                b.loc[both, "steps_to_target"].to_numpy(),
+                ratio_of_means,
+                resamples,
+                confidence,
+            )
+            lo, hi = (float(x) for x in margins.get("steps_ratio", (0.8, 1.25)))
+            out.loc[i, ["steps_ratio", "steps_ratio_low", "steps_ratio_high"]] = [
+                steps.value,
+                steps.low,
+                steps.high,
+            ]
+            out.loc[i, "steps_verdict"] = (
+                verdict(steps, (lo, hi), lower_is_better=True)
+                if len(both) == len(seeds)
+                else "inconclusive"  # a seed missed the target
+            )
+    return out
+
+
+def time_columns(cells: pd.DataFrame) -> pd.DataFrame:
+    """Per K-FAC cell chosen where SGD's is too and both reached the target in every seed:
+    SGD's steps, the break-even (the ratio of a K-FAC step's cost to SGD's below which its
+    fewer steps pay: SGD's steps over its own) and its predicted time to target over SGD's."""
+    out = cells.copy()
+    sgd = cells[(cells["strategy"] == SGD)].set_index(["model", "P"])
+    for i, row in cells.iterrows():
+        key = (row["model"], row["P"])
+        if row["strategy"] == SGD or key not in sgd.index or "reached" not in cells:
+            continue
+        base = sgd.loc[key]
+        if (
+            not (row["reached"] == row["seeds"] and base["reached"] == base["seeds"])
+            or row["seeds"] != row["seeds"]
+        ):
+            continue
+        break_even = base["steps_to_target"] / row["steps_to_target"]
+        cost = row["pred_iteration_ms"] / base["pred_iteration_ms"]
+        out.loc[i, ["sgd_steps", "break_even", "step_cost_ratio", "time_ratio_vs_sgd"]] = [
+            base["steps_to_target"],
+            break_even,
+            cost,
+            cost / break_even,
+        ]
+    return out
+
+
+def _has(row: Mapping[str, Any], key: str) -> bool:
+    value = row.get(key)
+    return value is not None and value == value and value != ""
 
 
 def takeaway(cells: pd.DataFrame) -> list[str]:
-    """The claim, computed: does dp_kfac stay within d_kfac's seed spread as P grows?"""
+    """The page's answer, at most one line per model and one on time: dp_kfac against d_kfac
+    at the paired cells (verdicts and intervals), and K-FAC against SGD in time to target."""
+    if cells.empty:
+        return []
     lines = []
-    for model, g, by, sizes in _compared(cells):
-        verdicts = {p: _within(by[(REFERENCE, p)], by[(BASELINE, p)]) for p in sizes}
-        outside = [p for p, v in verdicts.items() if v is False]
-        within = [p for p, v in verdicts.items() if v is True]
-        unknown = [p for p, v in verdicts.items() if v is None]
-        target = float(g["target"].iloc[0])
-        head = f"**Takeaway ({model}).** dp_kfac's steps to {target:.2f} test accuracy"
-        if outside:
-            dp, d = by[(REFERENCE, outside[0])], by[(BASELINE, outside[0])]
-            text = (
-                f"{head} leave d_kfac's seed spread (± one evaluation) from P={outside[0]} "
-                f"(dp_kfac {_steps_text(dp)}, d_kfac {d['steps_min']:.0f}–{d['steps_max']:.0f}"
-                f" over {int(d['seeds'])} seed(s))"
+    for model, g in cells.groupby("model", sort=False):
+        verdicts = (
+            g[(g["strategy"] == REFERENCE) & g.get("steps_verdict", pd.Series(dtype=str)).notna()]
+            if "steps_verdict" in g
+            else g[:0]
+        )
+        if len(verdicts):
+            parts = [
+                f"P={int(r['P'])}: steps {r['steps_verdict']} ({r['steps_ratio']:.2f}× "
+                f"[{r['steps_ratio_low']:.2f}, {r['steps_ratio_high']:.2f}]), accuracy "
+                f"{r['acc_verdict']} ({r['acc_diff']:+.3f} [{r['acc_diff_low']:+.3f}, "
+                f"{r['acc_diff_high']:+.3f}])"
+                f", {int(r['pairs'])} paired seeds"
+                for _, r in verdicts.iterrows()
+            ]
+            target = float(verdicts["target"].iloc[0])
+            lines.append(
+                f"**{model}, dp_kfac against d_kfac** (steps to {target:.2f}, 95% intervals): "
+                + "; ".join(parts)
+                + "."
             )
-            if len(outside) > 1:
-                text += f"; outside at P={', '.join(str(p) for p in outside)}"
-            if within:
-                text += f"; within at P={', '.join(str(p) for p in within)}"
-        elif within:
-            text = (
-                f"{head} stay within d_kfac's seed spread (± one evaluation) at every P "
-                f"where both reached it ({', '.join(str(p) for p in within)})"
+        timed = (
+            g[g.get("time_ratio_vs_sgd", pd.Series(index=g.index, dtype=float)).notna()]
+            if "time_ratio_vs_sgd" in g
+            else g[:0]
+        )
+        timed = timed[timed["strategy"] == REFERENCE]
+        if len(timed):
+            faster = timed[timed["time_ratio_vs_sgd"] < 1]
+            verdict = (
+                "beats"
+                if len(faster) == len(timed)
+                else ("never beats" if faster.empty else "sometimes beats")
             )
-        else:
-            text = f"{head}: no P where d_kfac reached the target in every seed"
-        if unknown:
-            text += (
-                f"; not comparable at P={', '.join(str(p) for p in unknown)} "
-                "(d_kfac did not reach the target in every seed)"
+            parts = [
+                f"P={int(r['P'])} {r['time_ratio_vs_sgd']:.2f}× SGD's time (break-even "
+                f"{r['break_even']:.2f}×, "
+                f"its step {r['step_cost_ratio']:.2f}×)"
+                for _, r in timed.iterrows()
+            ]
+            lines.append(
+                f"**{model}, time to target:** dp_kfac {verdict} SGD (steps measured × seconds "
+                "per step "
+                f"predicted on `{timed['pred_hardware'].iloc[0]}`): " + "; ".join(parts) + "."
             )
-        lines += [text + ".", *_time_sentence(model, by, sizes)]
-    return lines
+    return lines[:5]
 
 
 def headline(cells: pd.DataFrame) -> str | None:
-    """The README's line: per model, dp_kfac's and d_kfac's steps to target at the largest P
-    both ran, with the seeds behind them (None: no such P yet)."""
-    parts = []
-    for model, _, by, sizes in _compared(cells):
-        p = sizes[-1]
-        dp, d = by[(REFERENCE, p)], by[(BASELINE, p)]
-        parts.append(
-            f"{model} at P={p} (global batch {int(dp['global_batch'])}, "
-            f"{int(min(dp['seeds'], d['seeds']))} seed(s)): {REFERENCE} {_steps_text(dp)}, "
-            f"{BASELINE} {_steps_text(d)} to {float(dp['target']):.2f}"
-        )
-    if not parts:
+    """The README's line on convergence as P grows (None: no paired verdict or time yet)."""
+    lines = takeaway(cells)
+    if not lines:
         return None
     return (
-        "- **Convergence as P grows** (ranks as threads of one process, per-rank batch fixed; "
-        f"`results/convergence_scale.md` says which cells have run): {'; '.join(parts)}."
+        "- **Convergence as P grows** (every method tuned by one protocol; "
+        "`results/convergence_scale.md`): " + " ".join(line.replace("**", "") for line in lines)
     )
 
 
-def _steps_text(r: Mapping[str, Any]) -> str:
-    if r["reached"] < r["seeds"]:
-        return f"reached in {int(r['reached'])} of {int(r['seeds'])} seed(s)"
-    return f"{r['steps_to_target']:.0f} steps"
-
-
-def _time_sentence(
-    model: str, by: Mapping[tuple[str, int], Any], sizes: Sequence[int]
-) -> list[str]:
-    """Which factor wins for dp_kfac against SGD: fewer steps, or cheaper steps (predicted)."""
-    parts = []
-    for p in sizes:
-        dp, sgd = by[(REFERENCE, p)], by.get((SGD, p))
-        if sgd is None or dp["reached"] < dp["seeds"] or sgd["reached"] < sgd["seeds"]:
-            continue
-        fewer = sgd["steps_to_target"] / dp["steps_to_target"]
-        dearer = dp["pred_iteration_ms"] / sgd["pred_iteration_ms"]
-        winner = "neither wins"  # within 1% of each other: the ratios are rounded to 0.01
-        if fewer > 1.01 * dearer:
-            winner = "fewer steps win"
-        elif fewer < 1 <= dearer:
-            winner = "SGD's steps are fewer and cheaper"
-        elif dearer > 1.01 * fewer:
-            winner = "cheaper steps win"
-        steps = f"{fewer:.2f}x fewer steps" if fewer >= 1 else f"{1 / fewer:.2f}x more steps"
-        parts.append(
-            f"P={p}: {steps}, each {dearer:.2f}x dearer, {winner} "
-            f"({dearer / fewer:.2f}x SGD's time to target)"
-        )
-    sentence = (
-        f"Time to target ({model}), dp_kfac against SGD, steps measured here x seconds per "
-        f"step predicted on `{by[(REFERENCE, sizes[0])]['pred_hardware']}`: {'; '.join(parts)}."
-    )
-    return [sentence] if parts else []
-
-
-def curves_frame(runs: pd.DataFrame) -> pd.DataFrame:
-    """Test accuracy per evaluation of the chosen runs, averaged over seeds."""
-    chosen = runs[runs["chosen"]].to_dict("records")
-    frame = pd.DataFrame(
-        [{k: r[k] for k in CELL} | c for r in chosen for c in json.loads(r["curve"])]
-    )
-    if frame.empty:
-        return frame
-    return frame.groupby([*CELL, "step"], as_index=False, sort=False).agg(
-        test_acc=("test_acc", "mean"), val_acc=("val_acc", "mean"), epoch=("epoch", "first")
-    )
-
-
-def figure(curves: pd.DataFrame, cells: pd.DataFrame) -> Any:
-    """Per model a row of panels: test accuracy against steps, one per P; steps to target vs P.
-
-    Configurations that coincide (every K-FAC config at P=1) would hide one another:
-    each gets its own marker and dash, as in the ``convergence`` figure.
-    """
+def figure(cells: pd.DataFrame) -> Any:
+    """Per model: steps to target against P (mean, whiskers min–max over seeds) and final test
+    accuracy against P (mean ± std). Every configuration has its own marker and dash and a
+    small offset in P, so coinciding ones stay visible; a cell that missed the target in
+    some seed is drawn hollow with "k/n" beside it, one that missed in every seed as an x at
+    the top of the panel."""
     from matplotlib.lines import Line2D
 
     from experiments.bench import plots
 
-    models = list(dict.fromkeys(cells["model"]))
-    sizes = sorted(cells["P"].unique())
-    cols = len(sizes) + 1
-    fig, axes = plots._figure(len(models), cols, (3.6 * cols, 3.2 * len(models)))
-    strategies = plots.ordered(list(cells["strategy"]))
+    chosen = (
+        cells[cells.get("seeds", pd.Series(index=cells.index, dtype=float)).notna()]
+        if "seeds" in cells
+        else cells[:0]
+    )
+    models = list(dict.fromkeys(chosen["model"]))
+    fig, axes = plots._figure(max(len(models), 1), 2, (11, 3.6 * max(len(models), 1)))
+    strategies = plots.ordered(list(chosen["strategy"])) if len(chosen) else []
     looks = plots.curve_looks(strategies)
-    for row, model in zip(axes, models, strict=True):
-        mine = cells[cells["model"] == model]
-        target = float(mine["target"].iloc[0])
-        for ax, p in zip(row, sizes, strict=False):
-            sub = curves[(curves["model"] == model) & (curves["world_size"] == p)]
-            for s in plots.ordered(list(sub["strategy"])):
-                line = sub[sub["strategy"] == s].sort_values("step")
-                ax.plot(line["step"], line["test_acc"], **looks[s])
-            ax.axhline(target, color="0.5", linestyle=":", linewidth=1)
-            ax.set(title=f"{model}, P={p}", xlabel="optimizer step", ylabel="test accuracy")
-        ax = row[-1]
-        done = mine[mine["reached"] == mine["seeds"]]
-        for s in plots.ordered(list(done["strategy"])):
-            line = done[done["strategy"] == s]
-            ax.errorbar(
-                line["P"], line["steps_to_target"], yerr=line["steps_std"], capsize=3, **looks[s]
+    if not models:
+        axes[0][0].text(0.5, 0.5, "no cell chosen yet", ha="center", transform=axes[0][0].transAxes)
+    for row, model in zip(axes, models, strict=False):
+        mine = chosen[chosen["model"] == model]
+        steps_ax, acc_ax = row
+        for k, s in enumerate(strategies):
+            line = mine[mine["strategy"] == s].sort_values("P")
+            if line.empty:
+                continue
+            shift = 2 ** ((k - (len(strategies) - 1) / 2) * 0.06)
+            x = line["P"].astype(float) * shift
+            full = line["reached"] == line["seeds"]
+            some = (line["reached"] > 0) & ~full
+            y = line["steps_to_target"].astype(float)
+            err = [y - line["steps_min"], line["steps_max"] - y]
+            look = {k2: v for k2, v in looks[s].items() if k2 not in ("markerfacecolor",)}
+            steps_ax.errorbar(
+                x[full | some],
+                y[full | some],
+                yerr=[e[full | some] for e in err],
+                capsize=3,
+                **look,
             )
-        if done.empty:
-            ax.text(0.5, 0.5, "target not reached", ha="center", transform=ax.transAxes)
-        ax.set_xscale("log", base=2)
-        ax.set(yscale="log", title=f"steps to {target:.2f} test accuracy")
-        ax.set(xlabel="P (ranks; per-rank batch fixed)", ylabel="steps to target")
-    plots._strategy_legend(fig, [Line2D([], [], label=s, **looks[s]) for s in strategies])
+            if some.any():
+                steps_ax.scatter(
+                    x[some],
+                    y[some],
+                    facecolors="none",
+                    edgecolors=look.get("color"),
+                    s=60,
+                    zorder=3,
+                )
+                for xi, yi, r in zip(x[some], y[some], line[some].itertuples(), strict=True):
+                    steps_ax.annotate(
+                        f"{r.reached}/{r.seeds}",
+                        (xi, yi),
+                        fontsize=7,
+                        xytext=(3, 3),
+                        textcoords="offset points",
+                    )
+            missed = line["reached"] == 0
+            if missed.any():
+                steps_ax.scatter(
+                    x[missed],
+                    [1.0] * int(missed.sum()),
+                    marker="x",
+                    color=look.get("color"),
+                    transform=steps_ax.get_xaxis_transform(),
+                    clip_on=False,
+                    s=50,
+                )
+            acc_ax.errorbar(x, line["final_acc"], yerr=line["final_acc_std"], capsize=3, **look)
+        target = float(mine["target"].iloc[0])
+        steps_ax.set_xscale("log", base=2)
+        steps_ax.set(
+            yscale="log",
+            title=f"{model}: steps to {target:.2f} test accuracy",
+            xlabel="P (ranks; per-rank batch fixed)",
+            ylabel="steps (whiskers: seed range)",
+        )
+        acc_ax.set_xscale("log", base=2)
+        acc_ax.set(
+            title=f"{model}: final test accuracy (± std over seeds)",
+            xlabel="P",
+            ylabel="test accuracy",
+        )
+    handles = [Line2D([], [], label=s, **looks[s]) for s in strategies]
+    handles.append(
+        Line2D(
+            [],
+            [],
+            marker="x",
+            linestyle="none",
+            color="0.3",
+            label="missed the target (every seed)",
+        )
+    )
+    plots._strategy_legend(fig, handles)
     return fig
 
 
-#: Decimals of the markdown's numeric columns other than two.
-_DIGITS = {"pred. ms/step": 3, "CPU s to target": 1, "cosine Linear": 3, "cosine Conv2d": 3}
-#: Columns of ``convergence_scale.csv`` (``val_mean`` written as ``val_acc_mean_over_seeds``).
-_GRID = [
+def _pm(mean: float, std: float, digits: int) -> str:
+    return "–" if mean != mean else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _steps_cell(r: Any) -> str:
+    if r.seeds != r.seeds:
+        return "–"
+    if r.reached == 0:
+        return f"missed (0/{int(r.seeds)})"
+    text = f"{r.steps_to_target:.0f} ({r.steps_min:.0f}–{r.steps_max:.0f})"
+    return text + (f", {int(r.reached)}/{int(r.seeds)} reached" if r.reached < r.seeds else "")
+
+
+def _cell_notes(r: Any) -> str:
+    notes = [str(r.notes)] if isinstance(r.notes, str) and r.notes else []
+    if r.status != "chosen":
+        notes.insert(0, str(r.status))
+    if getattr(r, "plateaued", None) is False:
+        notes.append("not plateaued")
+    resolution = getattr(r, "resolution", math.nan)
+    if resolution == resolution and resolution > 0.05:
+        notes.append(f"steps resolved to {100 * resolution:.0f}%")
+    return "; ".join(notes)
+
+
+def _markdown_frame(cells: pd.DataFrame) -> pd.DataFrame:
+    """One model's main table (8 columns; the rest is in ``convergence_scale_cells.csv``).
+    Stand-ins are left out here: one line under the table names them."""
+    rows = []
+    for r in cells[cells["run_as"].fillna("") == ""].itertuples():
+        chosen = r.seeds == r.seeds
+        point = "–"
+        if chosen:
+            point = f"{r.lr:.4g} (×{r.lr_multiplier:g})" + (
+                "" if r.damping != r.damping else f", {r.damping:g}"
+            )
+        rows.append(
+            {
+                "configuration": r.strategy,
+                "P": int(r.P),
+                "lr (×), damping": point,
+                "seeds": int(r.seeds) if chosen else int(r.runs),
+                f"steps to {r.target:.2f}" if chosen else "steps to target": _steps_cell(r),
+                "steps to high target": (
+                    "–"
+                    if not chosen
+                    else (
+                        f"{r.steps_to_high:.0f}"
+                        if r.reached_high == r.seeds
+                        else f"{int(r.reached_high)}/{int(r.seeds)} reached"
+                    )
+                ),
+                "final test acc": _pm(r.final_acc, r.final_acc_std, 4) if chosen else "–",
+                "notes": _cell_notes(r),
+            }
+        )
+    frame = pd.DataFrame(rows)
+    return frame.rename(columns=lambda c: "steps to target" if c.startswith("steps to 0") else c)
+
+
+def _paired_table(cells: pd.DataFrame) -> pd.DataFrame:
+    from experiments.bench.intervals import Interval
+
+    if "steps_verdict" not in cells and "acc_verdict" not in cells:
+        return pd.DataFrame()
+    rows = []
+    for r in cells[
+        (cells["strategy"] == REFERENCE)
+        & cells.get("acc_verdict", pd.Series(index=cells.index)).notna()
+    ].itertuples():
+        has_steps = isinstance(getattr(r, "steps_verdict", None), str)
+        rows.append(
+            {
+                "model": r.model,
+                "P": int(r.P),
+                "paired seeds": f"{int(r.pairs)} ({int(r.pairs_reached)} both reached)",
+                "steps dp/d [95% CI]": (
+                    Interval(r.steps_ratio, r.steps_ratio_low, r.steps_ratio_high, r.pairs).text()
+                    if has_steps
+                    else "–"
+                ),
+                "steps": r.steps_verdict if has_steps else "–",
+                "final acc dp − d [95% CI]": Interval(
+                    r.acc_diff, r.acc_diff_low, r.acc_diff_high, r.pairs
+                ).text(4, signed=True),
+                "accuracy": r.acc_verdict,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def _time_table(cells: pd.DataFrame) -> pd.DataFrame:
+    if "time_ratio_vs_sgd" not in cells:
+        return pd.DataFrame()
+    rows = []
+    for r in cells[cells["time_ratio_vs_sgd"].notna()].itertuples():
+        rows.append(
+            {
+                "model": r.model,
+                "configuration": r.strategy,
+                "P": int(r.P),
+                "steps (SGD's)": f"{r.steps_to_target:.0f} ({r.sgd_steps:.0f})",
+                "break-even step cost": f"{r.break_even:.2f}×",
+                "predicted step cost": f"{r.step_cost_ratio:.2f}×",
+                "time to target": f"{r.time_ratio_vs_sgd:.2f}× SGD's",
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def protocol_lines(node: Mapping[str, Any]) -> list[str]:
+    """The protocol in three lines, from the settings the study ran with."""
+    t = node["tuning"]
+    v = node.get("verdict") or {}
+    return [
+        "- **Learning rate**, every configuration alike: multipliers "
+        f"{', '.join(f'×{x:g}' for x in t['lr_start'])} "
+        f"on seed 0, extended by ×{t['lr_factor']:g} towards the best until it is interior (or "
+        "the next point "
+        "diverged, which the cell notes).",
+        f"- **Damping** (K-FAC) at P={', '.join(str(p) for p in t['damping_at'])}: "
+        f"{', '.join(f'{d:g}' for d in t['damping'])} "
+        "(extended along the 1-3 series) at that lr, then the lr again; other P use the nearest "
+        "tuned P's.",
+        f"- **Choice**: the {t['finalists']} best points run {t['final_seeds']} seeds, the best "
+        "mean validation "
+        f"accuracy wins; dp_kfac and d_kfac then run {t['paired_seeds']} paired seeds at the "
+        "claim's cells, judged "
+        f"against margins fixed beforehand (steps ratio in {v.get('steps_ratio')}, accuracy "
+        f"within ±{v.get('final_acc')}).",
+    ]
+
+
+def decisions_frame(runs: pd.DataFrame, node: Mapping[str, Any]) -> pd.DataFrame:
+    """Every decision the protocol made, cell by cell, with its reason."""
+    from experiments.bench.tuning import plan_study
+
+    if runs.empty:
+        return pd.DataFrame()
+    _, plans = plan_study(node, runs.to_dict("records"))
+    return pd.DataFrame([d for p in plans for d in p.decisions])
+
+
+#: Columns of ``convergence_scale.csv``: every run, with the stage the protocol ran it for.
+_RUNS = [
     "model",
     "strategy",
-    "run_as",
     "world_size",
     "global_batch",
     "lr_multiplier",
     "lr",
+    "damping",
     "seed",
+    "stage",
     "final_val_acc",
-    "val_mean",
-    "chosen",
     "final_acc",
     "steps_to_target",
+    "steps_to_high",
     "epochs_to_target",
+    "eval_every_steps",
     "steps",
     "epochs",
     "fidelity_cosine",
@@ -771,154 +1000,116 @@ _GRID = [
     "pred_iteration_s",
     "replicas_identical",
     "seconds",
+    "cpu",
+    "cpu_capability",
+    "cpus",
+    "time",
 ]
 
 
-def _pm(mean: float, std: float, digits: int) -> str:
-    return "–" if mean != mean else f"{mean:.{digits}f} ± {std:.{digits}f}"
-
-
-def _markdown_frame(cells: pd.DataFrame) -> pd.DataFrame:
-    """The markdown's main table of one model's cells, under its headers."""
-    cosines = [c for c in cells.columns if c.startswith("cosine_")]
-    rows = []
-    for r in cells.itertuples():
-        kind = "=" if r.stand_ins == r.seeds else "with"
-        twin = f" ({kind} {r.run_as}'s runs)" if r.run_as else ""
-        edge = ", grid edge" if r.lr_at_grid_edge else ""
-        missed = f" ({r.reached}/{r.seeds} reached)" if r.reached < r.seeds else ""
-        same = r.replicas_identical
-        replicas = "–" if same is None or same != same else ("yes" if same else "NO")
-        rows.append(
-            {
-                "configuration": r.strategy + twin,
-                "P": r.P,
-                "global batch": r.global_batch,
-                "lr (chosen on val)": f"{r.lr:.4g} (x{r.lr_multiplier:g}{edge})",
-                "seeds": r.seeds,
-                "steps to target": _pm(r.steps_to_target, r.steps_std, 0) + missed,
-                "epochs to target": _pm(r.epochs_to_target, r.epochs_std, 1),
-                "final test acc": _pm(r.final_acc, r.final_acc_std, 4),
-                "replicas bitwise": replicas,
-                "pred. ms/step": r.pred_iteration_ms,
-                "pred. s to target": r.pred_time_to_target_s,
-                "CPU ms/step/rank": r.measured_ms_per_rank,
-                "CPU s to target": r.measured_time_to_target_s,
-                **{f"cosine {c.removeprefix('cosine_')}": getattr(r, c) for c in cosines},
-            }
-        )
-    return pd.DataFrame(rows)
-
-
-def _points(runs: pd.DataFrame) -> str:
-    """One configuration's grid points: its multipliers and seeds, each multiplier's own seeds
-    where they differ."""
-    seeds = {
-        m: ", ".join(str(int(x)) for x in sorted(s.unique()))
-        for m, s in runs.groupby("lr_multiplier", sort=True)["seed"]
-    }
-    if len(set(seeds.values())) == 1:
-        only = next(iter(seeds.values()))
-        return f"multipliers {', '.join(f'{m:g}' for m in seeds)}; seeds {only}"
-    return " ".join(f"x{m:g} (seeds {s})" for m, s in seeds.items())
-
-
-def coverage(runs: pd.DataFrame, superseded: int = 0) -> list[str]:
-    """What the table holds, per (model, P): each configuration's multipliers and seeds
-    (configurations with the same points listed together), so a sweep run in parts (rows
-    merged with ``tables convergence_scale --rows A B``) shows which grid points it covers;
-    the machines the runs came from, and how many earlier runs of a point ran again
-    (``superseded``, left out by :func:`latest_runs`)."""
-    runs = _with_run_as(runs)
-    real = runs[runs["run_as"] == runs["strategy"]]
-    again = (
-        f" {superseded} earlier run(s) of grid points that ran again are left out: a point "
-        "keeps its latest run, and all are in `results/raw/convergence_scale.csv`."
-        if superseded
-        else ""
-    )
-    lines = [
-        f"Grid points in this table: {len(real)} runs (cells not listed were not run).{again}",
-        machines(real),
-    ]
-    stand_ins = runs[runs["run_as"] != runs["strategy"]]
-    for (model, p, x, r), g in stand_ins.groupby(["model", "world_size", "strategy", "run_as"]):
-        own = real[(real["model"] == model) & (real["world_size"] == p) & (real["strategy"] == x)]
-        lines.append(
-            f"{model}, P={int(p)}: {x}'s runs ({_points(own)}) equal {r}'s at the same points "
-            f"bitwise (curve and final accuracies), so {r}'s runs stand for {len(g)} more of "
-            f"{x}'s grid points (`run_as`)."
-        )
-    for (model, p), g in real.groupby(["model", "world_size"], sort=True):
-        same: dict[str, list[str]] = {}
-        for strategy, c in g.groupby("strategy", sort=True):
-            same.setdefault(_points(c), []).append(str(strategy))
-        parts = "; ".join(f"{', '.join(names)}: {points}" for points, names in same.items())
-        lines.append(f"- {model}, P={int(p)} ({len(g)} runs): {parts}")
-    return lines
-
-
 def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
-    """``results/convergence_scale.*``: every grid point (CSV), chosen cells (md), figure."""
-    from experiments.bench.pages import footer, ok_rows, to_markdown, with_takeaway, write_page
+    """``results/convergence_scale.*``: every run (CSV), the protocol's decisions (CSV), the
+    cells (CSV and md, answer first) and the figure."""
+    from experiments.bench.pages import footer, to_markdown, write_page
 
-    runs = ok_rows(df, TASK)
+    node = study_node()
+    runs = study_runs(df)
     paths = {"csv": out / "convergence_scale.csv"}
+    runs.reindex(columns=[c for c in _RUNS if c in runs]).to_csv(paths["csv"], index=False)
+    title = "# Convergence as P grows: steps to a target accuracy, every method tuned alike"
     if runs.empty:
-        pd.DataFrame().to_csv(paths["csv"], index=False)
-        md = ["# Convergence as P grows (MNIST-1D)", "", "No successful runs."]
+        md = [
+            title,
+            "",
+            "No run of the tuning protocol yet (`python -m experiments.bench.tune`).",
+            "",
+            *protocol_lines(node),
+        ]
         paths["md"] = write_page(out / "convergence_scale.md", md + footer(df))
         return paths
-    if "pred_chosen" in runs:  # empty in a CSV read back: NaN, which is truthy
-        runs["pred_chosen"] = runs["pred_chosen"].fillna("")
-    latest = latest_runs(runs)
-    superseded = len(runs) - len(latest)
-    runs = choose_lr(with_same_step_stand_ins(with_steps_to_target(latest)))
-    grid = runs[_GRID].rename(columns={"val_mean": "val_acc_mean_over_seeds"})
-    grid.to_csv(paths["csv"], index=False)
-    cells = cells_frame(runs)
+    cells = cells_frame(runs, node)
     paths["cells"] = out / "convergence_scale_cells.csv"
     cells.to_csv(paths["cells"], index=False)
-    first = runs.iloc[0]
-    per_model = runs.groupby("model", sort=False)
-    rules = "; ".join(f"{rule} ({m})" for m, rule in per_model["lr_rule"].first().items())
-    targets = ", ".join(f"{m} {t:.2f}" for m, t in per_model["target"].first().items())
-    md = [
-        "# Convergence as P grows: steps to a target accuracy, and their cost",
-        "",
-        "Every rank a thread of one process (`launcher=threads`), the training entry point's",
-        f"own loop; per-rank batch {int(first['batch_size'])} (the global batch grows with P);",
-        f"learning-rate rule: {rules}, the multiplier chosen per (model,",
-        "configuration, P) on the validation split's final accuracy (mean over seeds), never",
-        "on the test set (every grid point is in `convergence_scale.csv`; `grid edge`: the",
-        "best multiplier is the grid's smallest or largest, or the only one run; the",
-        "multipliers run with the most seeds are compared on the seeds they share, so one",
-        "lucky seed cannot beat three, and extra seeds can overturn a seed-0 screening).",
-        "Steps and epochs to target: the",
-        "evaluation (one per epoch) from which the test accuracy stays at or above the target",
-        "to the end of the run (not its first crossing, which noise decides where a run",
-        "plateaus near the target), mean ± std",
-        "over the seeds that reached it; the takeaway's spread is d_kfac's min–max over",
-        "seeds widened by one evaluation interval. cosine: the fidelity probe (owner-local",
-        "against all-ranks factors, on the owner; every strategy config measures it, only",
-        "those that precondition with local factors apply the local one; 1 at P=1 by",
-        "construction), mean per layer kind over the run's probes. pred.: the cost model's",
-        "seconds per step (`dpkfac.costmodel.predict`, `iteration_avg`) on",
-        f"`{first['pred_hardware']}` for the same model, per-rank batch and P, times the steps",
-        "to target. CPU ms/step/rank: the measured in-process step of all P ranks divided by",
-        f"P, at P ≤ {MEASURED_MAX_P} only ({first.get('cpus', '?')} CPU cores, shared with",
-        "whatever else ran).",
-        f"Targets: {targets}.",
-        "",
-        *coverage(runs, superseded),
+    paths["decisions"] = out / "convergence_scale_decisions.csv"
+    decisions_frame(runs, node).to_csv(paths["decisions"], index=False)
+    answer = takeaway(cells) or [
+        "No answer yet: the paired cells (dp_kfac and d_kfac at their chosen points) have not run; "
+        f"{len(runs)} runs so far, {int((cells['status'] == 'chosen').sum())} of {len(cells)} "
+        "cells chosen."
     ]
+    md = [title, "", *answer, "", "![convergence_scale](convergence_scale.png)"]
+    paired, timed = _paired_table(cells), _time_table(cells)
+    if len(paired):
+        md += [
+            "",
+            "## dp_kfac against d_kfac: paired seeds, 95% bootstrap intervals",
+            "",
+            to_markdown(paired),
+        ]
+    if len(timed):
+        md += [
+            "",
+            "## Time to target against SGD (steps measured × step time predicted)",
+            "",
+            to_markdown(timed),
+        ]
     for model, g in cells.groupby("model", sort=False):
-        md += ["", f"## {model}", "", to_markdown(_markdown_frame(g), _DIGITS)]
-        for r in g[g["pred_chosen"].astype(bool)].itertuples():
-            md.append(f"\n{r.strategy} at P={r.P}: the cost model chose {r.pred_chosen}.")
+        md += ["", f"## {model}", "", to_markdown(_markdown_frame(g))]
+        stand = g[g["run_as"].fillna("") != ""]
+        if len(stand):
+            pairs = ", ".join(
+                f"{r.strategy} = {r.run_as} at P={int(r.P)}" for r in stand.itertuples()
+            )
+            md += [
+                "",
+                f"Same step, bitwise (checked at the twin's chosen point): {pairs}; their rows "
+                "are their twins'.",
+            ]
+    first = runs.iloc[0]
+    targets = ", ".join(
+        f"{m} {t:.2f} and {h:.2f}"
+        for m, t, h in runs.groupby("model", sort=False)[["target", "target_high"]]
+        .first()
+        .itertuples()
+    )
+    md += [
+        "",
+        "## Method",
+        "",
+        *protocol_lines(node),
+        "",
+        "Every rank a thread of one process (`launcher=threads`); per-rank batch "
+        f"{int(first['batch_size'])} (the global "
+        f"batch grows with P); {node.get('evals_per_epoch')} evaluations per epoch. Targets "
+        "(fixed before the runs): "
+        f"{targets}; steps to a target: the evaluation from which the test accuracy stays at or "
+        "above it to the end "
+        "of the run. Whiskers and ranges: min–max over seeds. The learning rate and damping are "
+        "chosen on the "
+        "validation split, never on the test set; every run is in `convergence_scale.csv` and "
+        "every decision, with "
+        "its reason, in `convergence_scale_decisions.csv`.",
+        "",
+        machines(runs),
+    ]
     md += footer(df)
-    paths["md"] = write_page(out / "convergence_scale.md", with_takeaway(md, takeaway(cells)))
+    paths["md"] = write_page(out / "convergence_scale.md", md)
     from experiments.bench import plots
 
-    paths["png"] = plots.save(figure(curves_frame(runs), cells), out / "convergence_scale.png")
+    paths["png"] = plots.save(figure(cells), out / "convergence_scale.png")
     return paths
+
+
+def machines(runs: pd.DataFrame) -> str:
+    """Which machines the runs came from (one line): a bitwise comparison holds on one only."""
+    where = ["cpu", "cpu_capability"]
+    known = runs.dropna(subset=where) if set(where) <= set(runs) else runs[:0]
+    counts = known.groupby(where, sort=True).size() if len(known) else {}
+    parts = [f"{n} on {cpu} ({kernels} kernels)" for (cpu, kernels), n in counts.items()]
+    several = len(parts) > 1
+    return f"Machines: {'; '.join(parts) or 'not recorded'}." + (
+        " **The runs come from more than one machine**: runs on two machines are alike, not "
+        "bitwise equal."
+        if several
+        else ""
+    )

@@ -1,4 +1,4 @@
-"""The convergence study's driver: it trains what the tuning protocol asks for, until nothing is left.
+"""The convergence study's driver: it trains what the tuning protocol asks for, until all is done.
 
     python -m experiments.bench.tune                       # the whole study (many hours)
     python -m experiments.bench.tune --dry-run             # what would run next, and why
@@ -10,7 +10,7 @@ so the study survives a crash or a stop and continues where it was: the protocol
 share one rows file (one per core): a run is claimed by creating its folder under
 ``--workdir``, and a claim whose process is gone is taken over. The table is then
 written from the rows by ``python -m experiments.bench.tables convergence_scale --rows
-...`` (or ``--write`` here at the end).
+...``.
 
 Long sweeps belong in a worktree of their own at a fixed commit, so that work on the
 main checkout cannot change a running sweep's code or conf/ (docs/reproduction.md).
@@ -20,84 +20,16 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import json
 import logging
-import math
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.bench.tuning import (
-    SGD,
-    CellPlan,
-    Outcome,
-    Planner,
-    Point,
-    Protocol,
-    pending,
-    point_key,
-)
+from experiments.bench.tuning import CellPlan, Point, pending, plan_study
 
 log = logging.getLogger(__name__)
-
-#: Columns that decide whether two runs are the same run, bitwise (the same-step check).
-FINGERPRINT = ("curve", "final_acc", "final_val_acc")
-
-
-def study_cells(node: Mapping[str, Any]) -> list[tuple[str, str, int]]:
-    """The study's cells (model, configuration, P) in the order their runs are taken:
-    experiments, then world sizes in the order listed (the damping-tuning sizes first, so
-    the others can start), then configurations; ``max_world_size`` caps an experiment."""
-    study = node["study"]
-    limits = node.get("max_world_size") or {}
-    return [
-        (str(m), str(s), int(p))
-        for m in study["experiments"]
-        for p in study["world_sizes"]
-        if int(p) <= int(limits.get(m, p))
-        for s in study["strategies"]
-    ]
-
-
-def outcome(row: Mapping[str, Any], protocol: Protocol) -> Outcome:
-    """What the protocol reads of a row: a failed or diverged run scores nothing.
-
-    Diverged: the run's last training loss is not finite, or its final validation
-    accuracy is within ``chance_margin`` of chance.
-    """
-    error = str(row.get("error") or "")
-    if error and error != "nan":
-        return Outcome(math.nan, True, f"failed: {error[:120]}")
-    val = float(row.get("final_val_acc", math.nan))
-    curve = json.loads(row["curve"]) if isinstance(row.get("curve"), str) else []
-    loss = float(curve[-1].get("train_loss", math.nan)) if curve else math.nan
-    fingerprint = json.dumps([str(row.get(k)) for k in FINGERPRINT])
-    if not math.isfinite(loss) and curve:
-        return Outcome(val, True, "non-finite training loss", fingerprint)
-    if not math.isfinite(val) or val <= protocol.chance + protocol.chance_margin:
-        return Outcome(val, True, f"validation accuracy {val:.3f} at chance", fingerprint)
-    return Outcome(val, False, "", fingerprint)
-
-
-def read_results(rows: Iterable[Mapping[str, Any]], protocol: Protocol) -> dict[tuple, Outcome]:
-    """Outcomes by run (the latest row of a run wins: rows are appended in time order)."""
-    out: dict[tuple, Outcome] = {}
-    for row in rows:
-        if row.get("task") != "convergence_scale" or "damping" not in row:
-            continue
-        damping = float(row["damping"]) if row["damping"] == row["damping"] else math.nan
-        key = point_key(
-            row["model"],
-            row["strategy"],
-            int(row["world_size"]),
-            float(row["lr_multiplier"]),
-            math.nan if str(row["strategy"]) == SGD else damping,
-            int(row["seed"]),
-        )
-        out[key] = outcome(row, protocol)
-    return out
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
@@ -184,20 +116,6 @@ def run_point(point: Point, overrides: Sequence[str], folder: Path) -> list[dict
     return rows
 
 
-def plan_study(
-    node: Mapping[str, Any], rows: Iterable[Mapping[str, Any]]
-) -> tuple[Protocol, list[CellPlan]]:
-    """The protocol and every cell's plan, given the rows so far."""
-    protocol = Protocol.from_config(node["tuning"])
-    planner = Planner(
-        protocol,
-        read_results(rows, protocol),
-        same_step=node.get("same_step") or {},
-        one_rank_kfac=node.get("one_rank_kfac"),
-    )
-    return protocol, planner.plan(study_cells(node))
-
-
 def describe(plans: Sequence[CellPlan]) -> list[str]:
     """One line per cell: chosen, waiting, or what it runs next."""
     lines = []
@@ -226,7 +144,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("outputs/tune"))
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many runs")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and stop")
-    parser.add_argument("--write", type=Path, default=None, help="write the table here at the end")
     parser.add_argument("overrides", nargs="*", help="benchmark overrides for every run")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -258,12 +175,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info("tune: %s", point)
         append_rows(args.rows, run_point(point, args.overrides, folder))
         done += 1
-    if args.write is not None:
-        import pandas as pd
-
-        from experiments.bench.convergence_scale import write_convergence_scale
-
-        write_convergence_scale(pd.DataFrame(load_rows(args.rows)), args.write)
     return 0
 
 

@@ -32,6 +32,7 @@ runs and choices stand for it, and otherwise it is tuned like any other.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -493,3 +494,76 @@ def pending(plans: Iterable[CellPlan]) -> list[Point]:
                 seen.add(point.key())
                 out.append(point)
     return out
+
+
+# ------------------------------------------------------------ from rows
+#: Columns that decide whether two runs are the same run, bitwise (the same-step check).
+FINGERPRINT = ("curve", "final_acc", "final_val_acc")
+
+
+def study_cells(node: Mapping[str, Any]) -> list[tuple[str, str, int]]:
+    """The study's cells (model, configuration, P) in the order their runs are taken:
+    experiments, then world sizes in the order listed (the damping-tuning sizes first, so
+    the others can start), then configurations; ``max_world_size`` caps an experiment."""
+    study = node["study"]
+    limits = node.get("max_world_size") or {}
+    return [
+        (str(m), str(s), int(p))
+        for m in study["experiments"]
+        for p in study["world_sizes"]
+        if int(p) <= int(limits.get(m, p))
+        for s in study["strategies"]
+    ]
+
+
+def outcome(row: Mapping[str, Any], protocol: Protocol) -> Outcome:
+    """What the protocol reads of a row: a failed or diverged run scores nothing.
+
+    Diverged: the run's last training loss is not finite, or its final validation
+    accuracy is within ``chance_margin`` of chance.
+    """
+    error = str(row.get("error") or "")
+    if error and error != "nan":
+        return Outcome(math.nan, True, f"failed: {error[:120]}")
+    val = float(row.get("final_val_acc", math.nan))
+    curve = json.loads(row["curve"]) if isinstance(row.get("curve"), str) else []
+    loss = float(curve[-1].get("train_loss", math.nan)) if curve else math.nan
+    fingerprint = json.dumps([str(row.get(k)) for k in FINGERPRINT])
+    if not math.isfinite(loss) and curve:
+        return Outcome(val, True, "non-finite training loss", fingerprint)
+    if not math.isfinite(val) or val <= protocol.chance + protocol.chance_margin:
+        return Outcome(val, True, f"validation accuracy {val:.3f} at chance", fingerprint)
+    return Outcome(val, False, "", fingerprint)
+
+
+def read_results(rows: Iterable[Mapping[str, Any]], protocol: Protocol) -> dict[tuple, Outcome]:
+    """Outcomes by run (the latest row of a run wins: rows are appended in time order)."""
+    out: dict[tuple, Outcome] = {}
+    for row in rows:
+        if row.get("task") != "convergence_scale" or "damping" not in row:
+            continue
+        damping = float(row["damping"]) if row["damping"] == row["damping"] else math.nan
+        key = point_key(
+            row["model"],
+            row["strategy"],
+            int(row["world_size"]),
+            float(row["lr_multiplier"]),
+            math.nan if str(row["strategy"]) == SGD else damping,
+            int(row["seed"]),
+        )
+        out[key] = outcome(row, protocol)
+    return out
+
+
+def plan_study(
+    node: Mapping[str, Any], rows: Iterable[Mapping[str, Any]]
+) -> tuple[Protocol, list[CellPlan]]:
+    """The protocol and every cell's plan, given the rows so far."""
+    protocol = Protocol.from_config(node["tuning"])
+    planner = Planner(
+        protocol,
+        read_results(rows, protocol),
+        same_step=node.get("same_step") or {},
+        one_rank_kfac=node.get("one_rank_kfac"),
+    )
+    return protocol, planner.plan(study_cells(node))
