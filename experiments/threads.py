@@ -11,9 +11,10 @@ Three things make that hold.
 
 * **A world per thread.** torch.distributed keeps its groups in one module
   global (``distributed_c10d._world``) and its C++ group registry per process;
-  while threads are running, both are made thread-local (a
-  :class:`_ThreadLocalWorld` and ``_set_thread_isolation_mode``), so each rank
-  sees only its own default group and subgroups, as a process would.
+  while threads are running, both are made thread-local, so each rank sees only
+  its own default group and subgroups, as a process would. The private torch
+  internals this takes live in :mod:`experiments.c10d_seam`, which checks them
+  and names what moved when a torch upgrade changes them.
 * **A group of our own** (:class:`ThreadGroup`). torch ships an in-process
   group for its own tests (``torch.testing._internal.distributed.multi_threaded_pg``);
   it has no rooted reduce, cannot all-gather shards of different sizes, has no
@@ -66,7 +67,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+
+from experiments import c10d_seam
 
 T = TypeVar("T")
 
@@ -586,7 +588,7 @@ def _done(result: Any) -> dist.Work:
     """A completed work (collectives here are synchronous) whose future holds ``result``."""
     future: torch.futures.Future[Any] = torch.futures.Future()
     future.set_result(result)
-    return _create_work_from_future(future)
+    return c10d_seam.work_from_future(future)
 
 
 class ThreadGroup(dist.ProcessGroup):
@@ -760,28 +762,6 @@ class ThreadGroup(dist.ProcessGroup):
 # --------------------------------------------------------------------------- c10d plumbing
 
 
-class _ThreadLocalWorld(threading.local):
-    """torch.distributed's group bookkeeping (``distributed_c10d._world``), one per thread.
-
-    The attributes are those c10d reads and writes; a ``threading.local``
-    subclass runs ``__init__`` afresh in every thread that touches it.
-    """
-
-    def __init__(self) -> None:
-        self.default_pg: dist.ProcessGroup | None = None
-        self.pg_map: dict[Any, Any] = {}
-        self.pg_names: dict[Any, Any] = {}
-        self.pg_group_ranks: dict[Any, Any] = {}
-        self.pg_backend_config: dict[Any, Any] = {}
-        self.group_count = 0
-        self.tags_to_pg: dict[str, list[Any]] = {}
-        self.pg_to_tag: dict[Any, str] = {}
-        self.pg_coalesce_state: dict[Any, list[Any]] = {}
-        self.comms: list[Any] = []
-
-    pg_config_info = property(dist.distributed_c10d._World.pg_config_info.fget)  # type: ignore[attr-defined]
-
-
 _install_lock = threading.Lock()
 _install_count = 0
 _saved_world: Any = None
@@ -798,9 +778,9 @@ def _thread_local_c10d() -> Iterator[None]:
     global _install_count, _saved_world
     with _install_lock:
         if _install_count == 0:
-            _saved_world = dist.distributed_c10d._world
-            dist.distributed_c10d._world = _ThreadLocalWorld()  # type: ignore[assignment]
-            torch._C._distributed_c10d._set_thread_isolation_mode(True)  # type: ignore[attr-defined]
+            c10d_seam.check()
+            _saved_world = c10d_seam.swap_world(c10d_seam.ThreadLocalWorld())
+            c10d_seam.set_thread_isolation(True)
         _install_count += 1
     try:
         yield
@@ -808,8 +788,8 @@ def _thread_local_c10d() -> Iterator[None]:
         with _install_lock:
             _install_count -= 1
             if _install_count == 0:
-                torch._C._distributed_c10d._set_thread_isolation_mode(False)  # type: ignore[attr-defined]
-                dist.distributed_c10d._world = _saved_world
+                c10d_seam.set_thread_isolation(False)
+                c10d_seam.swap_world(_saved_world)
                 _saved_world = None
 
 

@@ -1,7 +1,7 @@
 """Communicator.wait on works that refuse a finite timeout (in-process groups' works).
 
 gloo's and NCCL's works take the collective timeout themselves; a work that wraps
-a future (``_create_work_from_future``, what experiments/threads.py's group and
+a future (``experiments.c10d_seam.work_from_future``, what experiments/threads.py's group and
 torch's own threaded group return) raises on any finite timeout. The communicator
 then polls it up to the same deadline, so such a collective still completes, and
 one that never does still fails, naming the rank and the phase.
@@ -15,9 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch._C._distributed_c10d import _create_work_from_future
-
 from dpkfac.comm import CollectiveTimeout, Communicator, Handle
+from experiments.c10d_seam import work_from_future
 
 
 def _work(result: object | None = None, pending: bool = False) -> tuple[Any, Any]:
@@ -25,7 +24,7 @@ def _work(result: object | None = None, pending: bool = False) -> tuple[Any, Any
     future: torch.futures.Future = torch.futures.Future()
     if not pending:
         future.set_result(result)
-    return _create_work_from_future(future), future
+    return work_from_future(future), future
 
 
 def test_a_completed_future_work_is_waited_on_without_a_timeout() -> None:

@@ -357,3 +357,24 @@ def test_dist_env_gathers_objects_onto_one_rank() -> None:
     for rank, (onto, everyone) in enumerate(results):
         assert onto == ([{"rank": r} for r in range(world_size)] if rank == 1 else None)
         assert everyone == list(range(world_size))
+
+
+def test_the_torch_internals_seam_names_what_moved(monkeypatch: Any) -> None:
+    """The private c10d names launcher=threads needs are all present in this torch, and a
+    torch that moved one fails the launcher with the name (not deep in a collective)."""
+    from experiments import c10d_seam
+
+    assert c10d_seam.problems() == []
+    assert torch.__version__.startswith(c10d_seam.WRITTEN_AGAINST + ".")
+    # Every field of c10d's _World is made thread-local.
+    assert c10d_seam._world_properties() <= {*c10d_seam.WORLD_FIELDS, "pg_config_info"}
+    assert set(vars(c10d_seam.ThreadLocalWorld())) == set(c10d_seam.WORLD_FIELDS)
+    monkeypatch.delattr(torch._C._distributed_c10d, "_set_thread_isolation_mode")
+    with pytest.raises(RuntimeError, match="_set_thread_isolation_mode is gone"):
+        run_threads(lambda rank, world_size: rank, 2)
+    monkeypatch.undo()
+    monkeypatch.setattr(
+        dist.distributed_c10d._World, "pg_new_field", property(lambda s: 1), raising=False
+    )
+    with pytest.raises(RuntimeError, match=r"does not make thread-local: \['pg_new_field'\]"):
+        c10d_seam.check()
