@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from dpkfac.comm import CollectiveTimeout, Communicator, Handle
 from experiments.c10d_seam import work_from_future
 
