@@ -177,6 +177,11 @@ class KFACPreconditioner:
         fidelity_layers: layer names or regexes (full match; each must match a
             K-FAC layer, else ValueError) probed at every probe step; None:
             one layer per probe step, in rotation in module order.
+        timing: how ``timings()`` measures phases: "auto" (CUDA events on a GPU,
+            never a device sync; the wall clock on CPU), "events", "host" or "off".
+        host_reader: the library's one way to read device tensors on the host
+            (:class:`~dpkfac.device.HostReader`, which counts the reads); default: a
+            fresh one. Pass one to count a run's host reads.
         **strategy_options: the strategy's own options as keywords, when
             ``strategy`` is a name (the fields of its scheme's ``Options``,
             e.g. :class:`~dpkfac.plan.DPKFACOptions`). Unknown options raise
@@ -226,29 +231,11 @@ class KFACPreconditioner:
         model = unwrap_compiled(model)
         scheme, own_options = _scheme_and_options(strategy, strategy_options_kwargs)
         self.strategy_name = scheme.name
-        # skip_layers and fidelity_layers: KFACOptions converts a str or a list of them to
-        # the tuple its fields declare (a dataclass field cannot type its converter).
-        settings = KFACOptions(
-            compute_method=compute_method,
-            damping=damping,
-            factor_decay=factor_decay,
-            kl_clip=kl_clip,
-            lr=lr,
-            factor_update_steps=factor_update_steps,
-            inv_update_steps=inv_update_steps,
-            skip_layers=skip_layers,  # type: ignore[arg-type]  # converted by KFACOptions
-            weight_sharing=weight_sharing,
-            factor_dtype=factor_dtype,
-            factor_method=factor_method,
-            decomposition_dtype=decomposition_dtype,
-            pi_damping=pi_damping,
-            bucket_cap_mb=bucket_cap_mb,
-            collective_timeout=collective_timeout,
-            accumulation_steps=accumulation_steps,
-            fidelity_every=fidelity_every,
-            fidelity_layers=fidelity_layers,  # type: ignore[arg-type]  # converted by KFACOptions
-            timing=timing,
-        )
+        # The common keywords are KFACOptions' fields, by name (tests/test_option_validation.py
+        # keeps the signature and that dataclass equal): KFACOptions validates and converts
+        # them (skip_layers and fidelity_layers: a str or a list of them to a tuple).
+        given = locals()
+        settings = KFACOptions(**{f.name: given[f.name] for f in fields(KFACOptions)})
         self.options = _common_options(options, settings)
         self._skip = [re.compile(p) for p in self.options.skip_layers]
         self.model = model

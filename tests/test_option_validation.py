@@ -198,3 +198,37 @@ def test_a_checkpoint_of_another_spelling_loads() -> None:
     _steps(pre, model, 1)
     state = {**pre.state_dict(), "strategy": "DP-KFAC"}
     dpkfac.KFACPreconditioner(make_model(), kl_clip=0.01).load_state_dict(state)
+
+
+def test_the_common_options_are_one_list() -> None:
+    """KFACOptions is the list of common options: the preconditioner's keywords, their
+    defaults, its docstring and conf/kfac/common.yaml all follow it."""
+    import inspect
+    from dataclasses import MISSING, fields
+    from pathlib import Path
+
+    import yaml
+
+    from dpkfac.options import KFACOptions
+    from dpkfac.preconditioner import KFACPreconditioner
+
+    common = {f.name: f.default for f in fields(KFACOptions)}
+    assert all(d is not MISSING for d in common.values())
+    params = inspect.signature(KFACPreconditioner.__init__).parameters
+    keywords = {n: p.default for n, p in params.items() if p.kind is p.KEYWORD_ONLY}
+    assert set(common) <= set(keywords), sorted(set(common) - set(keywords))
+    for name, default in common.items():
+        assert keywords[name] == default or (name == "skip_layers" and keywords[name] == ()), name
+    # Keywords beyond the list are the preconditioner's own, named here.
+    assert set(keywords) - set(common) == {
+        "strategy",
+        "options",
+        "process_group",
+        "grad_scaler",
+        "host_reader",
+    }
+    doc = inspect.getdoc(KFACPreconditioner) or ""
+    for name in keywords:
+        assert f"    {name}:" in doc, f"{name} is not in KFACPreconditioner's docstring"
+    conf = yaml.safe_load((Path(__file__).parents[1] / "conf" / "kfac" / "common.yaml").read_text())
+    assert set(conf) - {"_target_"} <= set(common), sorted(set(conf) - set(common))
