@@ -132,9 +132,9 @@ CostFn = Callable[[LayerShape], float]
 class Placement:
     """Who does what for every K-FAC layer, in module order.
 
-    The strategies compute it (``Strategy.placement``) and write it into
-    their layers; the cost model calls the very same function, so training
-    and prediction can never disagree on it.
+    Each scheme computes it (``Scheme.placement``, called through ``Scheme.plan``) and
+    the runtime writes it into its layers; the cost model calls the very same
+    function, so training and prediction can never disagree on it.
 
     Attributes:
         owner: per layer, the rank that preconditions it where one rank does

@@ -74,7 +74,7 @@ V100_IB100 = Hardware(
         "inverse": Engine(rate=3e12, latency=0.2e-3),
     },
     sources=(
-        "estimates, see dpkfac/costmodel/presets.py",
+        "estimates: the rates and latencies above, order of magnitude for a V100 node",
         "NVIDIA Tesla V100 GPU datasheet: 15.7 TFLOP/s fp32 (SXM2), 14 TFLOP/s (PCIe)",
         "Mellanox ConnectX-5 EDR InfiniBand: 100 Gb/s = 12.5 GB/s per port",
         "NVIDIA nccl-tests doc/PERFORMANCE.md: bus bandwidth = algbw*2(n-1)/n for all-reduce",

@@ -176,6 +176,7 @@ class Strategy(Generic[OptionsT]):
         self.scheme.check_world_size(options, comm.size)
         #: This strategy's own options (resolved by :meth:`configure`).
         self.options: OptionsT = options
+        self._traits: tuple[StrategyOptions, Traits] | None = None
         self.comm = comm
         self.method = method
         self.decomposition_dtype = decomposition_dtype
@@ -218,8 +219,11 @@ class Strategy(Generic[OptionsT]):
 
     @property
     def traits(self) -> Traits:
-        """What this strategy does with its options."""
-        return self.scheme.traits(self.options)
+        """What this strategy does with its options, derived once per options (the step
+        reads it several times; :meth:`configure` replaces the options)."""
+        if self._traits is None or self._traits[0] is not self.options:
+            self._traits = (self.options, self.scheme.traits(self.options))
+        return self._traits[1]
 
     # --------------------------------------------------------------- the plan
     def configure(self, options: StrategyOptions) -> None:
