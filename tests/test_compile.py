@@ -212,8 +212,10 @@ def test_compile_time_is_not_booked_as_factor_compute() -> None:
     (wall0, factor0, slept0), (_, factor1, _), (_, factor2, _) = times
     assert slept0 >= backend.delay and wall0 >= slept0, times  # step 0 compiled
     assert factor0 > 0 and factor2 > 0 and factor1 == 0.0, times  # factor steps 0 and 2
-    # Had a compilation run inside the timed capture, factor_compute would hold its delay.
-    assert factor0 < 0.25 * slept0, times
+    # Had a compilation run inside the timed capture, factor_compute would hold its delay:
+    # step 0's would exceed step 2's (no compilation) by at least the delay. Measured
+    # against step 2 rather than absolutely, so a loaded machine does not fail it.
+    assert factor0 < factor2 + 0.5 * backend.delay, times
 
 
 def _ranks_train(rank: int, world_size: int) -> dict[str, Any]:
