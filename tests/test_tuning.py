@@ -220,8 +220,15 @@ def test_rows_become_outcomes() -> None:
     assert not outcome(row, protocol).diverged
     assert outcome({**row, "final_val_acc": 0.11}, protocol).diverged  # at chance
     assert outcome({**row, "curve": '[{"step": 1, "train_loss": NaN}]'}, protocol).diverged
-    failed = outcome({**row, "error": "RankFailed: rank 2 timed out"}, protocol)
+    crash = {**row, "error": "RankFailed: rank 2 timed out"}
+    failed = outcome(crash, protocol)
     assert failed.diverged and failed.note.startswith("failed: RankFailed")
+    # A crash is no outcome (the run is asked for again) until it failed twice.
+    key = point_key("m", "dp_kfac", 4, 1.0, 0.01, 0)
+    assert key not in read_results([crash], protocol)
+    assert read_results([crash, row], protocol)[key].val_acc == 0.9  # the retry's result
+    twice = read_results([crash, crash], protocol)[key]
+    assert twice.diverged and twice.note.endswith("(2 attempts)")
     sgd = {**row, "strategy": SGD, "damping": float("nan")}
     results = read_results([row, sgd, {**row, "final_val_acc": 0.95}], protocol)
     assert results[point_key("m", "dp_kfac", 4, 1.0, 0.01, 0)].val_acc == 0.95  # the latest

@@ -144,9 +144,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("outputs/tune"))
     parser.add_argument("--max-runs", type=int, default=None, help="stop after this many runs")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and stop")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=4 * 3600.0,
+        help="collective timeout of every run (default 4 h): a run paused (SIGSTOP) while "
+        "something else is timed would otherwise fail when it resumes; a deadlock of the "
+        "in-process ranks is still reported at once",
+    )
     parser.add_argument("overrides", nargs="*", help="benchmark overrides for every run")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args.overrides = [f"timeout_s={args.timeout_s!r}", *args.overrides]
     cfg = compose_config("benchmark", ["table=convergence_scale", *args.overrides])
     node = OmegaConf.to_container(cfg.convergence_scale, resolve=True)
     assert isinstance(node, dict)

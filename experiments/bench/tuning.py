@@ -536,9 +536,20 @@ def outcome(row: Mapping[str, Any], protocol: Protocol) -> Outcome:
     return Outcome(val, False, "", fingerprint)
 
 
+#: Failed attempts (an error row: a crash or a timeout, not a divergence) after which a run
+#: counts as failed; before that it is asked for again.
+ATTEMPTS = 2
+
+
 def read_results(rows: Iterable[Mapping[str, Any]], protocol: Protocol) -> dict[tuple, Outcome]:
-    """Outcomes by run (the latest row of a run wins: rows are appended in time order)."""
+    """Outcomes by run; the latest finished row of a run wins (rows are appended in time order).
+
+    A run that ended in an error (the job crashed or timed out: nothing about the
+    hyper-parameters) is no outcome until it failed :data:`ATTEMPTS` times, so the
+    protocol asks for it again rather than reading the crash as a divergence.
+    """
     out: dict[tuple, Outcome] = {}
+    failures: dict[tuple, list[Outcome]] = {}
     for row in rows:
         if row.get("task") != "convergence_scale" or "damping" not in row:
             continue
@@ -551,7 +562,15 @@ def read_results(rows: Iterable[Mapping[str, Any]], protocol: Protocol) -> dict[
             math.nan if str(row["strategy"]) == SGD else damping,
             int(row["seed"]),
         )
-        out[key] = outcome(row, protocol)
+        result = outcome(row, protocol)
+        if result.note.startswith("failed:"):
+            failures.setdefault(key, []).append(result)
+        else:
+            out[key] = result
+    for key, failed in failures.items():
+        if key not in out and len(failed) >= ATTEMPTS:
+            last = failed[-1]
+            out[key] = Outcome(last.val_acc, True, f"{last.note} ({len(failed)} attempts)")
     return out
 
 
