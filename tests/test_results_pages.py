@@ -9,11 +9,14 @@ measured ones.
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from matplotlib.container import ErrorbarContainer
+from omegaconf import OmegaConf
 from test_benchmark_tables import ablation_rows, convergence_rows, fake_row
 
 from experiments.bench import machine, pages, plots, tables
@@ -116,6 +119,26 @@ def test_a_timing_table_refuses_rows_of_two_machines(tmp_path: Path) -> None:
     one = rows.assign(**EPYC)
     md = tables.write_table("time_breakdown", one, tmp_path)["md"].read_text()
     assert "Measured on one machine: AMD EPYC, 2 cores, AVX-512" in md.split("\n\n")[1]
+
+
+def test_a_sweep_of_two_machines_keeps_its_rows_and_writes_no_table(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At a sweep's end the refusal is logged, not raised: the rows stay in raw/ to be
+    measured again on one machine or merged with --rows."""
+    job = tmp_path / "sweep" / "0"
+    job.mkdir(parents=True)
+    rows = [{**fake_row("none"), **EPYC}, {**fake_row("dp_kfac"), **XEON}]
+    (job / "rows.json").write_text(json.dumps(rows))
+    results = tmp_path / "results"
+    config = OmegaConf.create(
+        {"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}, "results_dir": str(results)}
+    )
+    with caplog.at_level(logging.ERROR):
+        tables.TableCallback("time_breakdown").on_multirun_end(config)
+    assert (results / "raw" / "time_breakdown.csv").exists()
+    assert not (results / "time_breakdown.md").exists()
+    assert "table time_breakdown not written: time_breakdown: its rows come from 2" in caplog.text
 
 
 def test_an_accuracy_table_of_two_machines_says_so_at_its_top(tmp_path: Path) -> None:

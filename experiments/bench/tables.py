@@ -41,6 +41,7 @@ from experiments.bench import plots, smoke, takeaways, workloads
 from experiments.bench.aggregate import ITERATION_PARTS
 from experiments.bench.pages import (
     JOB,
+    MixedMachines,
     failures,
     first_order,
     footer,
@@ -1060,7 +1061,11 @@ class TableCallback(Callback):
         if rows.empty:
             log.error("no rows under %s; table %s not written", sweep_dir, self.table)
             return
-        paths = write_table(self.table, rows, config.get("results_dir", "results"))
+        try:
+            paths = write_table(self.table, rows, config.get("results_dir", "results"))
+        except MixedMachines as error:  # the rows are kept in raw/; the table is refused
+            log.error("table %s not written: %s", self.table, error)
+            return
         log.info("table %s: %s", self.table, ", ".join(str(p) for p in paths.values()))
         for line in failures(rows):
             log.warning("failed job: %s", line)
