@@ -394,8 +394,9 @@ def scaling_lines(frame: pd.DataFrame) -> Figure:
         if k in kinds
     ]
     if "iteration_ms_min" in frame and frame["iteration_ms_min"].notna().any():
-        spread = {"color": "dimgray", "marker": "|", "linestyle": "none", "markersize": 10}
-        key.append(Line2D([], [], label="measured: range over runs", **spread))
+        spread = Line2D([], [], color="dimgray", marker="|", linestyle="none", markersize=10)
+        spread.set_label("measured: range over runs")
+        key.append(spread)
     fig.legend(handles=key, loc="outside lower center", ncol=len(key), fontsize=8)
     return fig
 

@@ -314,12 +314,12 @@ def machines_line(results: Path) -> str:
     if not where:
         return ""
     parts = "; ".join(f"{label}: {', '.join(names)}" for label, names in where.items())
-    days = {n.rsplit(" (", 1)[1] for names in where.values() for n in names}
+    dates = {n.rsplit(" (", 1)[1] for names in where.values() for n in names}
     caveat = (
         " These rows predate the record of the CPU model and vector ISA, so tables measured "
         "on different days may come from different VMs: compare ratios within a table, not "
         "milliseconds across tables."
-        if unknown and len(days) > 1
+        if unknown and len(dates) > 1
         else ""
     )
     return (
@@ -381,8 +381,8 @@ def headline(results: Path) -> list[str]:
     if head is not None and not head.empty:
         lines.append(_second_order_line(head))
     verdicts = read_result(results, "ablation_verdicts.csv")
-    if verdicts is not None and (line := _iteration_line(verdicts)):
-        lines.append(line)
+    if verdicts is not None and (iteration := _iteration_line(verdicts)):
+        lines.append(iteration)
     if (frame := read_result(results, "ablation.csv")) is not None:
         practical = frame[frame["setting"] == "practical"]
         if "pred_vs_sgd" in practical and practical["pred_vs_sgd"].notna().any():
@@ -400,8 +400,8 @@ def headline(results: Path) -> list[str]:
     cells = read_result(results, "convergence_scale_cells.csv")
     if cells is not None and (line := convergence_scale.headline(cells)):
         lines.append(line)
-    if line := machines_line(results):
-        lines.append(line)
+    if where := machines_line(results):
+        lines.append(where)
     return lines
 
 
