@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -419,7 +420,8 @@ def test_fidelity_preset_dispatches_to_its_runs(tmp_path: Path, monkeypatch) -> 
     assert paths["md"].read_text().split("\n")[2].startswith("**Takeaway.** At P=2")
     lines = paths["csv"].read_text().splitlines()
     assert lines[0] == ",".join(fidelity.FIELDS) and len(lines) == 5
-    assert lines[1] == "digits_cnn,2,dp_kfac_owner,1,features.0,0.9,0.1"
+    # The fake runs name no machine: their machine cells stay empty.
+    assert lines[1] == "digits_cnn,2,dp_kfac_owner,1,features.0,0.9,0.1" + "," * 6
     assert paths["png"].stat().st_size > 0
     # The node's keys are the old script's options.
     calls.clear()
@@ -466,7 +468,14 @@ def test_fidelity_preset_from_the_command_line(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = (tmp_path / "fidelity.csv").read_text().splitlines()
-    assert lines[0] == "run,world_size,strategy,step,layer,cosine,rel_error"
+    assert lines[0] == "run,world_size,strategy,step,layer,cosine,rel_error," + (
+        "cpus,cpu,cpu_isa,cpu_capability,torch,time"
+    )
+    # A real run names its machine (experiments.bench.machine), which the page then names.
+    rows = pd.read_csv(tmp_path / "fidelity.csv")
+    assert rows["cpu"].notna().all() and (rows["cpus"] > 0).all()
+    answer = (tmp_path / "fidelity.md").read_text().split("\n\n")[1]
+    assert f"Measured on one machine: {rows['cpu'].iloc[0]}, " in answer
     # Probes at preconditioner steps 0 and 2, logged at optimizer steps 1 and 3.
     assert [line.split(",")[:4] for line in lines[1:]] == [
         ["digits_cnn", "2", "dp_kfac", "1"],

@@ -40,11 +40,16 @@ from pathlib import Path
 from typing import Any
 
 from experiments.bench.launch import free_port
+from experiments.bench.machine import machine
 from experiments.loggers import NullLogger
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD = "fidelity.jsonl"
-FIELDS = ("run", "world_size", "strategy", "step", "layer", "cosine", "rel_error")
+FIELDS = (
+    *("run", "world_size", "strategy", "step", "layer", "cosine", "rel_error"),
+    # Where it ran (experiments.bench.machine.machine): the page names the machine.
+    *("cpus", "cpu", "cpu_isa", "cpu_capability", "torch", "time"),
+)
 
 #: The runs: name -> training overrides (the probe's own settings are added).
 RUNS: dict[str, list[str]] = {
@@ -132,7 +137,8 @@ def train_run(
     if proc.returncode != 0:
         raise RuntimeError(f"run {name!r} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     print(f"{name}: {steps} steps on {nproc} rank(s) in {time.perf_counter() - started:.0f} s")
-    run = {"run": name, "world_size": nproc, "strategy": strategy}
+    run = {"run": name, "world_size": nproc, "strategy": strategy, **machine()}
+    run["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return [run | json.loads(line) for line in (out / RECORD).read_text().splitlines()]
 
 
@@ -141,7 +147,8 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
-        writer.writerows({k: row[k] for k in FIELDS} for row in rows)
+        # Rows from before the machine was recorded have no machine columns.
+        writer.writerows({k: row.get(k, "") for k in FIELDS} for row in rows)
 
 
 def figure(rows: Sequence[Mapping[str, Any]]) -> Any:
@@ -272,31 +279,40 @@ def takeaway(summary: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def write_markdown(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """``results/fidelity.md``: the per-layer summary under its computed takeaway."""
+    """``results/fidelity.md``: the per-layer summary under its computed takeaway and figure."""
+    import pandas as pd
+
+    from experiments.bench.pages import machine_line, page, write_page
+
     summary = layer_summary(rows)
-    lines = [
-        "# Curvature fidelity: what one rank's batch costs DP-KFAC",
-        "",
-        *takeaway(summary),
-        "",
-        "The probe (`strategy.fidelity_every`) compares, on each layer's owner, the averaged",
-        "gradient preconditioned with the owner's local factors (DP-KFAC) against the one",
-        "preconditioned with factors averaged over all ranks (D-KFAC), on the same step.",
-        "Cosine 1 and relative error 0 mean local curvature costs nothing. `resnet20_fake_cifar`",
-        "trains on random pixels (no download here): it shows the mechanism, not CIFAR-10's",
-        "numbers. Per step: `fidelity.csv`; over the steps: `fidelity.png`.",
-        "",
+    table = [
         "| run | P | strategy | layer | mean cosine | worst cosine | mean rel. error | probes |",
         "|---|---:|---|---|---:|---:|---:|---:|",
     ]
-    lines += [
+    table += [
         f"| {r['run']} | {r['world_size']} | {r['strategy']} | `{r['layer']}` | "
         f"{r['cosine_mean']:.3f} | {r['cosine_min']:.3f} | {r['rel_error_mean']:.3f} | "
         f"{r['probes']} |"
         for r in summary
     ]
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    method = [
+        "The probe (`strategy.fidelity_every`) compares, on each layer's owner, the averaged",
+        "gradient preconditioned with the owner's local factors (DP-KFAC) against the one",
+        "preconditioned with factors averaged over all ranks (D-KFAC), on the same step.",
+        "Cosine 1 and relative error 0 mean local curvature costs nothing. `resnet20_fake_cifar`",
+        "trains on random pixels (no download here): it shows the mechanism, not CIFAR-10's",
+        "numbers. Per step: `fidelity.csv`; the figure draws every probe, so its spread over",
+        "the steps is the figure itself.",
+    ]
+    answer = [*takeaway(summary), machine_line(pd.DataFrame(list(rows)))]
+    lines = page(
+        "Curvature fidelity: what one rank's batch costs DP-KFAC",
+        answer,
+        table,
+        method,
+        path.with_suffix(".png").name,
+    )
+    return write_page(path, lines)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -32,8 +32,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import platform
-import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -44,39 +42,12 @@ import torch.distributed as dist
 from dpkfac.memory import cuda_peak_bytes, process_memory, reset_cuda_peak
 from experiments.bench.link_probe import probe_links, sync
 
+# Where a row was measured: re-exported for convergence_scale, which takes it from here.
+from experiments.bench.machine import machine as machine
+
 #: The optimizer every strategy's steps use, as :data:`dpkfac.costmodel.OPTIMIZER_STATE`
 #: names it: what the predicted whole-process memory assumes (:class:`_Stepper`).
 OPTIMIZER = "sgd_momentum"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or what :mod:`platform` knows elsewhere."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine() -> dict[str, Any]:
-    """Where a row was measured: the columns that tell two machines apart.
-
-    A bitwise comparison holds on one machine only. The same code, data and seed
-    trained the MNIST-1D MLP (P=4, SGD) to 0.6109, 0.6120 and 0.6124 test accuracy
-    after one epoch with torch's AVX-512, AVX2 and scalar CPU kernels
-    (``ATEN_CPU_CAPABILITY``), so a row names the CPU and the kernels torch chose,
-    not only the core count (the host name of a VM says nothing).
-    """
-    return {
-        "cpus": os.cpu_count(),
-        "cpu": cpu_model(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__,
-        "host": socket.gethostname(),
-    }
 
 
 def step_kinds(factor_update_steps: int, inv_update_steps: int) -> list[str]:

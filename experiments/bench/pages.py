@@ -5,13 +5,14 @@ The table writers (:mod:`experiments.bench.tables`), the paper table
 table all build their pages from these pieces, so this module sits below them
 all and imports none of them: which rows count (successful ones; of a job
 repeated over seeds, the median run, whole), the markdown table, and a
-page's takeaway and footer.
+page's layout (its answer first, then its figure, its tables, and its notes on
+method below them), the machine its rows ran on, ranges over runs and ties.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,120 @@ def ratio_text(value: float, low: float, high: float, runs: int, unit: str = "")
     return f"{value:.2f}{unit}{spread}"
 
 
+def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether two ranges over runs (``(low, high)``) overlap: then neither side won.
+
+    On a shared machine one run can favour either side, so a difference is only
+    claimed where every run agrees on it; a ratio's range is compared with
+    ``(1, 1)`` (equal cost). NaN bounds (no range) never overlap.
+    """
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
+#: Row values that name an architecture, not a CPU: what rows written before
+#: :func:`experiments.bench.machine.cpu_model` read the model name hold.
+ARCHITECTURES = frozenset({"x86_64", "amd64", "aarch64", "arm64", "i386", "i686", "ppc64le"})
+
+
+def _text(value: Any) -> str:
+    """A row cell as text: "" for NaN and None, integral floats without ``.0``."""
+    if value is None or (isinstance(value, float) and value != value):
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value).strip()
+
+
+def machine_label(row: Mapping[str, Any]) -> str:
+    """``AMD EPYC, 2 cores, AVX-512 (torch's AVX512 kernels)``: the machine a row names.
+
+    From the columns :func:`experiments.bench.machine.machine` writes (``cpu``,
+    ``cpus``, ``cpu_isa``, ``cpu_capability``). Rows from before they held the CPU's
+    model name carry only the architecture (``x86_64``) and no ISA; their label says
+    so, so that a page never passes such rows off as a known machine.
+    """
+    cpu, cores = _text(row.get("cpu")), _text(row.get("cpus"))
+    isa, kernels = _text(row.get("cpu_isa")), _text(row.get("cpu_capability"))
+    if not cpu or cpu.lower() in ARCHITECTURES:
+        cpu = f"{cpu or 'CPU'} (model not recorded)"
+    parts = [cpu, f"{cores} cores" if cores else "cores not recorded"]
+    if isa and kernels:
+        parts.append(f"{isa} (torch's {kernels} kernels)")
+    elif isa or kernels:
+        parts.append(isa or f"torch's {kernels} kernels")
+    else:
+        parts.append("vector ISA not recorded")
+    return ", ".join(parts)
+
+
+def machines(df: pd.DataFrame) -> pd.Series:
+    """How many rows each machine (:func:`machine_label`) holds, most rows first (then by
+    name)."""
+    if df.empty:
+        return pd.Series(dtype=int)
+    labels = pd.Series([machine_label(r) for r in df.to_dict("records")], index=df.index)
+    counts = labels.value_counts().sort_index()  # ties by name, so pages do not reorder
+    return counts.sort_values(ascending=False, kind="stable")
+
+
+class MixedMachines(ValueError):
+    """A table's rows come from more than one machine (its message names them)."""
+
+
+def one_machine(df: pd.DataFrame, table: str) -> str:
+    """The one machine ``df``'s rows ran on; :class:`MixedMachines` naming them all if not.
+
+    Timing tables call this: their ratios are taken within a run, but the runs
+    of one table are read side by side (one model against another, P=1 against
+    P=4, a cost model fitted to all of them), which two CPUs would confound.
+    """
+    found = machines(df)
+    if len(found) > 1:
+        named = "; ".join(f"{label} ({n} rows)" for label, n in found.items())
+        raise MixedMachines(
+            f"{table}: its rows come from {len(found)} machines: {named}. Measure the table "
+            "again on one machine, or pass one machine's rows (--rows)."
+        )
+    return str(found.index[0]) if len(found) else "no rows"
+
+
+def _span_of_times(df: pd.DataFrame) -> str:
+    """``2026-12-01 13:50–14:36``: when the rows were measured (their ``time`` column)."""
+    times = sorted(str(t) for t in df.get("time", pd.Series(dtype=str)).dropna())
+    if not times:
+        return "their times are not recorded"
+    first, last = times[0].replace("T", " ")[:16], times[-1].replace("T", " ")[:16]
+    return first if first == last else f"{first}–{last[11:] if last[:10] == first[:10] else last}"
+
+
+def machine_line(df: pd.DataFrame) -> str:
+    """A page's line on where its rows ran: the one machine, or that they mix machines.
+
+    Rows that do not name their CPU model and ISA (:func:`machine_label`) are never
+    called one machine: the line gives what they name and when they ran. Timing
+    tables refuse rows of several machines before this (:func:`one_machine`);
+    accuracy tables may hold them (runs on two CPUs differ only in rounding), and
+    the line then says so at the page's top.
+    """
+    found = machines(df)
+    when = _span_of_times(df)
+    if len(found) > 1:
+        named = "; ".join(f"{label} ({n} rows)" for label, n in found.items())
+        when = "" if "not recorded" in when else f"; {when}"
+        return (
+            f"**Rows from {len(found)} machines** ({named}{when}): runs on different CPUs "
+            "are alike, not bitwise equal, and their times are not comparable."
+        )
+    label = str(found.index[0]) if len(found) else "no rows"
+    if "not recorded" in label:
+        ran = f"they were measured {when}" if "not recorded" not in when else when
+        return (
+            f"Machine: {label}. The rows predate the machine record "
+            f"(`experiments.bench.machine.machine`); {ran}."
+        )
+    return f"Measured on one machine: {label} ({when})."
+
+
 def _fmt(value: Any, digits: int) -> str:
     if not isinstance(value, float):
         return str(value)
@@ -128,6 +243,41 @@ def footer(df: pd.DataFrame) -> list[str]:
     lines = failures(df)
     failed = ["", "## Failed jobs", "", *[f"- {x}" for x in lines]] if lines else []
     return ["", conditions(df), *failed] if not df.empty else failed
+
+
+#: The most lines a page's answer may take (issue 42: a page answers in its first lines).
+ANSWER_LINES = 5
+
+
+def page(
+    title: str,
+    answer: Sequence[str],
+    body: Sequence[str],
+    method: Sequence[str] = (),
+    figure: str | None = None,
+) -> list[str]:
+    """A results page in the order a reader needs it: the answer, the figure, the tables,
+    then the notes on method.
+
+    Args:
+        title: The page's heading.
+        answer: At most :data:`ANSWER_LINES` lines right under it (the takeaway and where
+            the rows ran); more raises ValueError, since a page that needs more to answer
+            has not found its answer.
+        body: The tables (and their section headings).
+        method: How the numbers were made, under ``## Method``.
+        figure: The PNG beside the page (``name.png``), shown under the answer.
+    """
+    answer = [line for line in answer if line]
+    if len(answer) > ANSWER_LINES:
+        raise ValueError(f"{title!r}: an answer of {len(answer)} lines (at most {ANSWER_LINES})")
+    lines = [f"# {title}", "", *answer]
+    if figure:
+        lines += ["", f"![{figure.removesuffix('.png')}]({figure})"]
+    lines += ["", *body]
+    if method:
+        lines += ["", "## Method", "", *method]
+    return lines
 
 
 def with_takeaway(md: list[str], takeaway: list[str]) -> list[str]:

@@ -163,7 +163,8 @@ def paper_frame(rows: list[dict[str, Any]] | None = None) -> pd.DataFrame:
 
 def write_paper(out: Path, rows: list[dict[str, Any]] | None = None) -> dict[str, Path]:
     """Write ``out/paper.csv`` and ``out/paper.md``."""
-    from experiments.bench.pages import to_markdown, write_page
+    from experiments.bench import takeaways
+    from experiments.bench.pages import page, to_markdown, write_page
 
     frame = paper_frame(rows)
     out.mkdir(parents=True, exist_ok=True)
@@ -174,24 +175,23 @@ def write_paper(out: Path, rows: list[dict[str, Any]] | None = None) -> dict[str
         show[metric] = [f"{x:.2f}× ({b})" for x, b in pairs]
     paper = frame[[f"paper_{key}" for key in PAPER]]
     show["paper: comp / comm / mem"] = paper.agg(" / ".join, axis=1)
-    md = [
-        f"# The DP-KFAC paper's headline, predicted: P={WORLD_SIZE} on `{PRESET}`",
-        "",
-        f"How many times lower dp_kfac's cost per second-order update is than the best D-KFAC "
-        f"baseline's (the cheapest of {', '.join(BASELINES)} for each metric, named in brackets),",
-        "predicted by dpkfac.costmodel for the papers' models at their published per-GPU sizes",
-        "(conf/workload `paper`), factors and decompositions every step, with the benchmark's",
-        "strategy configs (conf/strategy) and SGD with momentum. computation = factor",
-        "construction + decomposition + preconditioning on the busiest rank; comm_time and",
-        "comm_bytes = factor, decomposition and preconditioned-gradient collectives (seconds on",
-        "the preset's network; bytes per rank); process_memory = the busiest rank's parameters,",
-        "gradients, momentum, module buffers, K-FAC state and an activation estimate (the inputs",
-        "and outputs of the K-FAC layers: a lower bound); kfac_memory = K-FAC state alone.",
-        "The paper reports ranges over its models, whose per-model values and exact definitions",
-        "(what its computation and communication include, how it measured memory) are not known",
-        "here; nothing below is tuned to match them.",
+    method = [
+        "How many times lower dp_kfac's cost per second-order update is than the best D-KFAC",
+        f"baseline's (the cheapest of {', '.join(BASELINES)} for each metric, named in",
+        "brackets), predicted by dpkfac.costmodel for the papers' models at their published",
+        "per-GPU sizes (conf/workload `paper`), factors and decompositions every step, with the",
+        "benchmark's strategy configs (conf/strategy) and SGD with momentum. computation =",
+        "factor construction + decomposition + preconditioning on the busiest rank; comm_time",
+        "and comm_bytes = factor, decomposition and preconditioned-gradient collectives",
+        "(seconds on the preset's network; bytes per rank); process_memory = the busiest rank's",
+        "parameters, gradients, momentum, module buffers, K-FAC state and an activation",
+        "estimate (the inputs and outputs of the K-FAC layers: a lower bound); kfac_memory =",
+        "K-FAC state alone. The paper reports ranges over its models, whose per-model values",
+        "and exact definitions (what its computation and communication include, how it",
+        "measured memory) are not known here; nothing is tuned to match them.",
         "`python -m experiments.bench.tables paper` rewrites this file (prediction only).",
-        "",
+    ]
+    body = [
         to_markdown(show, {"P": 0}),
         "",
         "## What separates each prediction from the paper (computed from the numbers)",
@@ -202,4 +202,10 @@ def write_paper(out: Path, rows: list[dict[str, Any]] | None = None) -> dict[str
         "",
         to_markdown(frame[["model", *(c for c in frame if c.startswith("dp_"))]], 2),
     ]
+    md = page(
+        f"The DP-KFAC paper's headline, predicted: P={WORLD_SIZE} on `{PRESET}`",
+        takeaways.paper(frame, WORLD_SIZE, PRESET, PAPER),
+        body,
+        method,
+    )
     return {"csv": out / "paper.csv", "md": write_page(out / "paper.md", md)}

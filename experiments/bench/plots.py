@@ -28,6 +28,7 @@ import pandas as pd
 from matplotlib import colors as mcolors
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter
 
 from dpkfac.plan.configs import BASELINES, CONFIGS, REFERENCE
@@ -155,12 +156,36 @@ def _figure(rows: int, cols: int, size: tuple[float, float], **kwargs: Any) -> t
     return fig, fig.subplots(rows, cols, squeeze=False, **kwargs)
 
 
-def _stacked_bars(ax: Any, xs: range, bars: dict[str, list[float]], colors: Iterable[Any]) -> None:
-    """One bar per ``label: values`` at ``xs``, each stacked on the ones before it."""
+def _stacked_bars(
+    ax: Any,
+    xs: range,
+    bars: dict[str, list[float]],
+    colors: Iterable[Any],
+    **style: Any,
+) -> list[float]:
+    """One bar per ``label: values`` at ``xs``, each stacked on the ones before it (``style``
+    goes to every bar: hatching for predicted ones); returns the stacks' tops."""
     bottom = [0.0] * len(xs)
     for (label, values), color in zip(bars.items(), colors, strict=False):
-        ax.bar(xs, values, bottom=bottom, label=label, color=color)
+        ax.bar(xs, values, bottom=bottom, label=label, color=color, **style)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    return bottom
+
+
+def _iteration_spread(ax: Any, xs: range, frame: pd.DataFrame, tops: Sequence[float]) -> bool:
+    """Error bars at the top of stacked bars: the measured iteration's range over runs
+    (``iteration_ms_min``/``_max``), drawn around the stack's top; whether any was drawn."""
+    if "iteration_ms_min" not in frame or frame["iteration_ms_min"].isna().all():
+        return False
+    value = frame["iteration_ms"].tolist()
+    low = [t - (v - lo) for t, v, lo in zip(tops, value, frame["iteration_ms_min"], strict=True)]
+    high = [t + (hi - v) for t, v, hi in zip(tops, value, frame["iteration_ms_max"], strict=True)]
+    ax.errorbar(list(xs), tops, yerr=_error_bars(tops, low, high), fmt="none", **SPREAD_STYLE)
+    return True
+
+
+#: The legend entry of the figures' error bars.
+SPREAD_HANDLE = Line2D([], [], color="black", marker="|", linestyle="none", markersize=10)
 
 
 def strategy_handles(strategies: Iterable[str], labels: Iterable[str] | None = None) -> list:
@@ -177,22 +202,53 @@ def _strategy_legend(fig: Figure, handles: list, title: str = "strategy config")
     fig.legend(handles=handles, loc="outside right upper", fontsize=8, title=title)
 
 
-def ratio_bars(headline: pd.DataFrame) -> Figure:
-    """Computation, communication and memory of each strategy relative to dp_kfac, per model."""
+def _error_bars(values: Sequence[float], low: Sequence[float], high: Sequence[float]) -> Any:
+    """Matplotlib's ``yerr`` (distances below and above) of a range over runs around each
+    value; 0 where a value has no range (NaN bounds: a job run once, or an exact cost)."""
+
+    def gap(a: float, b: float) -> float:
+        return max(a - b, 0.0) if a == a and b == b else 0.0
+
+    return [
+        [gap(v, lo) for v, lo in zip(values, low, strict=True)],
+        [gap(hi, v) for v, hi in zip(values, high, strict=True)],
+    ]
+
+
+#: How the figures draw a range over runs: thin black caps.
+SPREAD_STYLE: dict[str, Any] = {"ecolor": "black", "capsize": 2, "elinewidth": 0.8}
+
+
+def ratio_bars(headline: pd.DataFrame, long: pd.DataFrame | None = None) -> Figure:
+    """Computation, communication and memory of each strategy relative to dp_kfac, per model.
+
+    The timed costs (computation, communication) carry error bars: each strategy's
+    ratio over dp_kfac's range over the runs (``<cost>/dp_min``/``_max`` of ``long``,
+    each ratio taken within one run); K-FAC memory is exact and has none.
+    """
     metrics = [("compute", "computation"), ("comm", "communication"), ("memory", "memory")]
     strategies = [s for s in COMPARED if f"compute_{s}/dp" in headline.columns]
     labels = [f"{s} / {REFERENCE}" for s in strategies]
     fig, axes = _figure(1, 3, (14, 3.8))
     models = headline["model"].tolist()
     width = 0.8 / max(len(strategies), 1)
+    ranges = long.set_index(["model", "strategy"]) if long is not None else None
     for ax, (key, title) in zip(axes[0], metrics, strict=True):
         for i, (strategy, label) in enumerate(zip(strategies, labels, strict=True)):
             values = headline[f"{key}_{strategy}/dp"].tolist()
             xs = [j + (i - (len(strategies) - 1) / 2) * width for j in range(len(models))]
-            ax.bar(xs, values, width, label=label, color=strategy_color(strategy))
+            yerr = None
+            if ranges is not None and f"{key}/dp_min" in ranges:
+                at = [(m, strategy) for m in models]
+                low = [ranges[f"{key}/dp_min"].get(k, float("nan")) for k in at]
+                high = [ranges[f"{key}/dp_max"].get(k, float("nan")) for k in at]
+                yerr = _error_bars(values, low, high)
+            bar = {"yerr": yerr, "error_kw": SPREAD_STYLE} if yerr is not None else {}
+            ax.bar(xs, values, width, label=label, color=strategy_color(strategy), **bar)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(models)), models, rotation=30, ha="right")
-        ax.set_title(f"{title} (x {REFERENCE})")
+        spread = "" if key == "memory" else ", bars: range over runs"
+        ax.set_title(f"{title} (x {REFERENCE}{spread})", fontsize=10)
     _strategy_legend(fig, strategy_handles(strategies, labels), title="cost relative to")
     fig.suptitle("Cost of one second-order update relative to DP-KFAC (>1: DP-KFAC is cheaper)")
     return fig
@@ -208,17 +264,21 @@ def stacked_breakdown(wide: pd.DataFrame, parts: list[str]) -> Figure:
     cols = 2 if len(panels) in (2, 4) else min(len(panels), 3)
     rows = math.ceil(len(panels) / cols) if panels else 1
     fig, axes = _figure(rows, cols, (5.2 * cols, 3.8 * rows))
+    spread = False
     for ax, ((setting, model), frame) in zip(axes.flat, panels, strict=False):
         frame = frame.set_index("strategy").loc[ordered(frame["strategy"])]
         xs = range(len(frame))
         bars = {PART_LABELS.get(p, p): frame[f"{p}_ms"].fillna(0.0).tolist() for p in parts}
-        _stacked_bars(ax, xs, bars, cycle(matplotlib.colormaps["tab10"].colors))
+        tops = _stacked_bars(ax, xs, bars, cycle(matplotlib.colormaps["tab10"].colors))
+        spread |= _iteration_spread(ax, xs, frame, tops)
         ax.set_xticks(xs, frame.index, rotation=30, ha="right")
         ax.set_ylabel("ms per iteration")
         ax.set_title(f"{model} ({setting}, P={int(frame['world_size'].iloc[0])})")
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
+    if spread:
+        handles, labels = [*handles, SPREAD_HANDLE], [*labels, "iteration: range over runs"]
     fig.legend(handles, labels, loc="outside upper center", ncol=5, fontsize=8)
     return fig
 
@@ -303,6 +363,17 @@ def scaling_lines(frame: pd.DataFrame) -> Figure:
                         markersize=(6.0 if kind == "shared cores" else 4.0) + 3.0 * rim[strategy],
                         **SOURCE_STYLES[kind],
                     )
+                    if kind == "measured" and "iteration_ms_min" in line:
+                        values = line["iteration_ms"].tolist()
+                        low, high = line["iteration_ms_min"], line["iteration_ms_max"]
+                        yerr = _error_bars(values, low.tolist(), high.tolist())
+                        ax.errorbar(
+                            line["world_size"],
+                            values,
+                            yerr=yerr,
+                            fmt="none",
+                            **{**SPREAD_STYLE, "ecolor": strategy_color(strategy)},
+                        )
             ax.set_xscale("log", base=2)
             ax.set(yscale="log", ylabel="ms per iteration")
             ax.set_xticks(ticks, [str(t) for t in ticks])
@@ -322,6 +393,10 @@ def scaling_lines(frame: pd.DataFrame) -> Figure:
         for k in SOURCE_STYLES
         if k in kinds
     ]
+    if "iteration_ms_min" in frame and frame["iteration_ms_min"].notna().any():
+        spread = Line2D([], [], color="dimgray", marker="|", linestyle="none", markersize=10)
+        spread.set_label("measured: range over runs")
+        key.append(spread)
     fig.legend(handles=key, loc="outside lower center", ncol=len(key), fontsize=8)
     return fig
 
@@ -347,9 +422,14 @@ def curve_looks(strategies: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 
 def accuracy_curves(curves: pd.DataFrame) -> Figure:
-    """Test accuracy per epoch, one panel per world size, one line per strategy."""
+    """Test accuracy per epoch, one panel per world size, one line per strategy.
+
+    Each line is the mean over seeds with a band of ± one standard deviation
+    (``test_acc_std``); the y axis spans every band, so the early epochs of a slow
+    method stay in view (panels share it, so heights compare across P).
+    """
     sizes = sorted(curves["world_size"].unique())
-    fig, axes = _figure(1, max(len(sizes), 1), (4.5 * max(len(sizes), 1), 3.5))
+    fig, axes = _figure(1, max(len(sizes), 1), (4.5 * max(len(sizes), 1), 3.5), sharey=True)
     strategies = ordered(curves["strategy"])
     looks = curve_looks(strategies)
     for ax, p in zip(axes.flat, sizes, strict=False):
@@ -357,8 +437,20 @@ def accuracy_curves(curves: pd.DataFrame) -> Figure:
         for strategy in ordered(sub["strategy"]):
             line = sub[sub["strategy"] == strategy].sort_values("epoch")
             ax.plot(line["epoch"], line["test_acc"], label=strategy, **looks[strategy])
-        ax.set(title=f"P={p}", xlabel="epoch", ylabel="test accuracy", ylim=(0.5, 1.0))
-    _strategy_legend(fig, [Line2D([], [], label=s, **looks[s]) for s in strategies])
+            if "test_acc_std" in line:
+                std = line["test_acc_std"].fillna(0.0)
+                ax.fill_between(
+                    line["epoch"],
+                    line["test_acc"] - std,
+                    line["test_acc"] + std,
+                    color=looks[strategy]["color"],
+                    alpha=0.15,
+                    linewidth=0,
+                )
+        ax.set(title=f"P={p}", xlabel="epoch", ylabel="test accuracy")
+        ax.grid(alpha=0.3)
+    handles = [Line2D([], [], label=s, **looks[s]) for s in strategies]
+    _strategy_legend(fig, handles, title="strategy config (band: ± std over seeds)")
     return fig
 
 
@@ -370,36 +462,55 @@ ABLATION_PARTS = {
 }
 
 
+#: How the ablation's predicted bars differ from its measured ones: hatched and paler.
+PREDICTED_STYLE: dict[str, Any] = {"hatch": "//", "alpha": 0.55, "edgecolor": "white"}
+
+
 def ablation_bars(frame: pd.DataFrame) -> Figure:
     """Stacked milliseconds per iteration of each strategy config, in the ablation's order.
 
-    One column of panels per (model, setting, measured P): measured (top)
-    and, when the frame has them, the cost model's ``pred_*`` columns at
-    their P (bottom), each on its own scale. Bars are K-FAC computation,
-    K-FAC communication, gradient communication and the rest of the
-    iteration (forward/backward, optimizer, other work, barriers); colours
-    are these parts, not strategy configs (the strategies are the bars' labels).
+    One column of panels per (model, setting, measured P): measured (top, solid,
+    error bars: the iteration's range over runs) and, when the frame has them, the
+    cost model's ``pred_*`` columns at their P (bottom, hatched and paler, on their
+    own scale), so a measured bar and a predicted one never look alike; the legend
+    says which is which. Bars are K-FAC computation, K-FAC communication, gradient
+    communication and the rest of the iteration (forward/backward, optimizer, other
+    work, barriers); colours are these parts, not strategy configs (the strategies
+    are the bars' labels).
     """
     panels = list(frame.groupby(["model", "setting", "P"], sort=False))
-    sources = [("", "measured at P={p}")]
+    sources: list[tuple[str, str, dict[str, Any]]] = [("", "measured at P={p}", {})]
     if "pred_iteration_ms" in frame:
         p = int(frame["pred_P"].iloc[0])
-        sources.append(("pred_", f"predicted at P={p}\n(v100_ib100, paper-size model)"))
+        title = f"predicted at P={p}\n(v100_ib100, paper-size model)"
+        sources.append(("pred_", title, PREDICTED_STYLE))
     fig, axes = _figure(len(sources), max(len(panels), 1), (4.6 * len(panels), 3.9 * len(sources)))
     colors = [*matplotlib.colormaps["tab10"].colors[: len(ABLATION_PARTS)], "lightgray"]
+    spread = False
     for j, ((model, setting, p), g) in enumerate(panels):
         xs = range(len(g))
-        for i, (prefix, title) in enumerate(sources):
+        for i, (prefix, title, style) in enumerate(sources):
             ax = axes[i][j]
             bars = {h: g[prefix + c].fillna(0.0).tolist() for c, h in ABLATION_PARTS.items()}
             # What the iteration has beyond the parts above (clipped at 0).
             total = g[prefix + "iteration_ms"].fillna(0.0).tolist()
             top = [sum(values) for values in zip(*bars.values(), strict=True)]
             rest = [max(t - b, 0.0) for t, b in zip(total, top, strict=True)]
-            _stacked_bars(ax, xs, {**bars, "forward/backward and other": rest}, colors)
+            parts = {**bars, "forward/backward and other": rest}
+            tops = _stacked_bars(ax, xs, parts, colors, **style)
+            if not prefix:
+                spread |= _iteration_spread(ax, xs, g, tops)
             ax.set_xticks(xs, g["strategy"], rotation=45, ha="right", fontsize=8)
             ax.set_ylabel("ms per iteration")
             ax.set_title(f"{model}, {setting}: {title.format(p=p)}", fontsize=9)
     handles, labels = axes[0][0].get_legend_handles_labels()
+    if len(sources) > 1:
+        handles.append(Patch(facecolor="lightgray", label="measured here"))
+        handles.append(
+            Patch(facecolor="lightgray", label="predicted (cost model)", **PREDICTED_STYLE)
+        )
+        labels += ["measured here (solid)", "predicted by the cost model (hatched)"]
+    if spread:
+        handles, labels = [*handles, SPREAD_HANDLE], [*labels, "iteration: range over runs"]
     fig.legend(handles, labels, loc="outside upper center", ncol=4, fontsize=8)
     return fig

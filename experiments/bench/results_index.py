@@ -16,18 +16,22 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.bench import tables, takeaways
-from experiments.bench.pages import distinct_values, write_page
+from experiments.bench.pages import distinct_values, machines, write_page
 from experiments.config import TABLES
 
 
 def _conditions(raw: pd.DataFrame, name: str = "") -> str:
+    """Where a table's rows ran: the machine (:func:`experiments.bench.pages.machines`; a
+    count where they mix, which their page lists), threads per rank and the process group."""
     if raw.empty:
         return "–"
     backend = "gloo" if int(raw.get("world_size", pd.Series([1])).max()) > 1 else "one process"
     if name == "convergence_scale":  # launcher=threads: every rank a thread of one process
         backend = "ranks as threads of one process"
-    cores, threads = distinct_values(raw, "cpus"), distinct_values(raw, "threads")
-    return f"{cores} CPU cores, {threads} thread(s)/rank, {backend}"
+    found = machines(raw)
+    where = str(found.index[0]) if len(found) == 1 else f"{len(found)} machines (see the page)"
+    threads = distinct_values(raw, "threads")
+    return f"{where}; {threads} thread(s)/rank, {backend}"
 
 
 def _runs(raw: pd.DataFrame) -> str:

@@ -53,7 +53,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.bench.aggregate import aggregate, kind_weights
-from experiments.bench.measure import machine, step_kinds
+from experiments.bench.machine import machine
+from experiments.bench.measure import step_kinds
 from experiments.config import (
     CONF_DIR,
     TABLE_TASKS,

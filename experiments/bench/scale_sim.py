@@ -64,6 +64,7 @@ from experiments.bench.fake_cuda import (
     fake_step,
     on_fake_cuda,
 )
+from experiments.bench.machine import machine
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +234,9 @@ class RankResult:
         out["setup_bytes_sim"] = self.setup.get("bytes")
         out["setup_bytes_pred"] = self.predicted_setup.get("bytes")
         tail = ("measured_step", "pg_s", "construct_s", "first_step_s", "step_s", "predict_s")
-        return out | {k: getattr(self, k) for k in (*tail, "note")}
+        # The start-up seconds are host times: the page names the machine they ran on.
+        where = {**machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        return out | {k: getattr(self, k) for k in (*tail, "note")} | where
 
 
 def _total(comm: Mapping[str, Mapping[str, int]], key: str) -> int | None:
@@ -609,22 +612,29 @@ def startup_frame(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _rows_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The page's row table (8 columns: what was simulated and whether it matched the
+    prediction); predictions and differences stay in the CSV, a match meaning they are 0."""
+
+    def sign(value: Any) -> str:
+        return "" if value == "" else ("=" if value else "≠")
+
+    checks = [
+        "" if c == "" else f"{sign(c)}, {sign(s)}"
+        for c, s in zip(df["calls_match"], df["setup_match"], strict=True)
+    ]
     return pd.DataFrame(
         {
             "strategy": df["strategy"],
             "P": df["world_size"],
             "rank": df["rank"],
-            "chosen": df["configuration"].fillna(""),
-            "MiB sim": df["bytes_sim"] / MiB,
-            "MiB pred": df["bytes_pred"] / MiB,
-            "Δ bytes": df["bytes_sim"] - df["bytes_pred"],
-            "memory MiB sim": df["memory_sim"] / MiB,
-            "memory MiB pred": df["memory_pred"] / MiB,
-            "Δ memory": df["memory_sim"] - df["memory_pred"],
+            "MiB": df["bytes_sim"] / MiB,
+            "memory MiB": df["memory_sim"] / MiB,
             "match": df["match"].map(lambda m: "" if m == "" else ("yes" if m else "**no**")),
-            "calls": df["calls_match"].map(lambda m: "" if m == "" else ("=" if m else "≠")),
-            "setup": df["setup_match"].map(lambda m: "" if m == "" else ("=" if m else "≠")),
-            "note": df["note"].fillna(""),
+            "calls, setup": checks,
+            "chosen, note": [
+                ", ".join(x for x in (str(c or ""), str(n or "")) if x and x != "nan")
+                for c, n in zip(df["configuration"], df["note"], strict=True)
+            ],
         }
     )
 
@@ -640,69 +650,69 @@ def write_scale_sim(
 ) -> dict[str, Path]:
     """``<out>/scale_sim.csv`` (every row) and ``scale_sim.md`` (takeaway, both tables)."""
     from experiments.bench import takeaways
-    from experiments.bench.pages import to_markdown, with_takeaway, write_page
+    from experiments.bench.pages import machine_line, page, to_markdown, write_page
 
     out.mkdir(parents=True, exist_ok=True)
     csv = out / "scale_sim.csv"
     df.to_csv(csv, index=False)
     startup = startup_frame(df)
-    md = [
-        "# Scale by simulation: one rank of a P-rank job, predicted against simulated",
-        "",
+    method = [
         "Each row is one rank of a P-rank job, run for real in one process on torch's fake",
         "process group (collectives complete at once and move nothing) with the model built",
         'under FakeTensorMode on device "cuda" (no memory, no compute): the preconditioner\'s',
         "construction, the first step (placement) and steps until one has no one-time",
-        "collectives, every step updating factors and decompositions. **sim**: the bytes",
-        "handed to collectives in that step (`pre.comm_stats()`, every category) and the K-FAC",
-        "memory (`pre.memory_usage()`); **pred**: `dpkfac.costmodel.predict` for the same rank,",
-        "shapes (`shapes_from_model` of the same model) and options. **match**: the bytes of",
-        "every category and every kind of memory exactly equal; **calls**: the calls and wire",
-        "bytes of every category too; **setup**: the one-time (`setup`) traffic from",
-        "construction on equals the prediction's. Start-up",
+        "collectives, every step updating factors and decompositions. **MiB** and **memory",
+        "MiB**: the bytes handed to collectives in that step (`pre.comm_stats()`, every",
+        "category) and the K-FAC memory (`pre.memory_usage()`), simulated; the cost model's",
+        "prediction (`dpkfac.costmodel.predict` for the same rank, shapes from",
+        "`shapes_from_model` of the same model, and options) and the differences are in",
+        "`scale_sim.csv`. **match**: the bytes of every category and every kind of memory",
+        "exactly equal; **calls, setup**: the calls and wire bytes of every category too, and",
+        "the one-time (`setup`) traffic from construction on (`=`: equal). Start-up",
         f"measurements cannot run on fake tensors: the `{hardware}` preset stands in (see",
         "note).",
     ]
     if factor_method is not None:
-        md.append(
+        method.append(
             f"Every run builds its batch factors with `factor_method={factor_method}` (bytes and "
             "memory do not depend on the kernel; it simulates faster on fake tensors)."
         )
     if left_out:
-        md += ["", f"Left out by the preset's `scale_sim.limits`: {'; '.join(left_out)}."]
+        method += ["", f"Left out by the preset's `scale_sim.limits`: {'; '.join(left_out)}."]
     if seconds is not None:
-        md += ["", f"The whole run took {seconds / 60:.1f} min on this machine."]
+        method += ["", f"The whole run took {seconds / 60:.1f} min on this machine."]
+    method += [
+        "",
+        "Start-up: host `time.perf_counter()` seconds of this one process, fake kernels and",
+        "collectives that move nothing: how start-up *code* scales with P, not a GPU job's",
+        "start-up. process group: `init_process_group` (fake backend); construction: the",
+        "preconditioner (placement with nominal shapes); first step: `pre.step()` of step 0",
+        "(final placement, `auto` resolution, setup collectives, and the step's own fake",
+        "work); predict: the cost model's `predict` of that rank; a later `pre.step()`,",
+        "for comparison: `step_s` in `scale_sim.csv`.",
+    ]
+    body: list[str] = []
     for model, group in df.groupby("model", sort=False):
         label = group["label"].iloc[0] if "label" in group else model
-        md += ["", f"## {label}: bytes of one update step and K-FAC memory", ""]
-        md.append(
-            to_markdown(
-                _rows_table(group),
-                {"MiB sim": 2, "MiB pred": 2, "memory MiB sim": 2, "memory MiB pred": 2},
-            )
-        )
-    md += [
-        "",
-        "## Start-up seconds against P (median over the simulated ranks)",
-        "",
-        "Host `time.perf_counter()` seconds of this one process, fake kernels and collectives",
-        "that move nothing: how start-up *code* scales with P, not a GPU job's start-up.",
-        "process group: `init_process_group` (fake backend); construction: the preconditioner",
-        "(placement with nominal shapes); first step: `pre.step()` of step 0 (final placement,",
-        "`auto` resolution, setup collectives, and the step's own fake work); step: a later",
-        "`pre.step()` for comparison; predict: the cost model's `predict` of that rank.",
-        "",
-    ]
-    show = startup.rename(
+        body += [f"## {label}: bytes of one update step and K-FAC memory", ""]
+        body += [to_markdown(_rows_table(group), {"MiB": 2, "memory MiB": 2}), ""]
+    body += ["## Start-up seconds against P (median over the simulated ranks)", ""]
+    # A later step's seconds (``step_s``, for comparison) stay in the CSV, per rank.
+    show = startup.drop(columns="step_s").rename(
         columns={
             "world_size": "P",
             "pg_s": "process group s",
             "construct_s": "construction s",
             "first_step_s": "first step s",
-            "step_s": "step s",
             "predict_s": "predict s",
         }
     )
-    md.append(to_markdown(show, {"P": 0, "ranks": 0, "process group s": 4}))
-    md = with_takeaway(md, takeaways.scale_sim(df, startup))
+    body.append(to_markdown(show, {"P": 0, "ranks": 0, "process group s": 4}))
+    answer = [*takeaways.scale_sim(df, startup), machine_line(df)]
+    md = page(
+        "Scale by simulation: one rank of a P-rank job, predicted against simulated",
+        answer,
+        body,
+        method,
+    )
     return {"csv": csv, "md": write_page(out / "scale_sim.md", md)}

@@ -70,3 +70,29 @@ def smoke_matrix(cases: pd.DataFrame) -> pd.DataFrame:
     frame = pd.DataFrame.from_dict(cells, orient="index").sort_index()
     frame.index.name = "preset"
     return frame.reset_index()
+
+
+def smoke_summary(matrix: pd.DataFrame) -> pd.DataFrame:
+    """One row per preset of :func:`smoke_matrix`: how many strategy configs ran and passed,
+    which did not (with their status) and the slowest case's seconds.
+
+    The page's table: the matrix has a column per strategy config, too wide to read
+    (the cases' CSV keeps every one).
+    """
+    rows = []
+    for record in matrix.to_dict("records"):
+        cells = {s: v for s, v in record.items() if s != "preset" and isinstance(v, str)}
+        other = [f"{s}: {v}" for s, v in cells.items() if not v.startswith("passed")]
+        seconds = [
+            float(m.group(1)) for v in cells.values() if (m := re.search(r"\(([\d.]+) s\)", v))
+        ]
+        rows.append(
+            {
+                "preset": record["preset"],
+                "strategies": len(cells),
+                "passed": len(cells) - len(other),
+                "not passed": "; ".join(other) or "–",
+                "slowest s": max(seconds, default=float("nan")),
+            }
+        )
+    return pd.DataFrame(rows)

@@ -19,9 +19,9 @@ from typing import Any
 
 import pandas as pd
 
-from dpkfac.plan.configs import BASELINES, REFERENCE
+from dpkfac.plan.configs import REFERENCE
 from experiments.bench import convergence_scale
-from experiments.bench.pages import ratio_text
+from experiments.bench.pages import machines, overlap, ratio_text
 from experiments.bench.predict import iteration_errors, phase_errors
 
 #: The README's headline block (:func:`headline`).
@@ -40,12 +40,6 @@ def _span(values: Sequence[float], digits: int = 2) -> str:
         return "n/a"
     lo, hi = f"{min(finite):.{digits}f}", f"{max(finite):.{digits}f}"
     return lo if lo == hi else f"{lo}–{hi}"
-
-
-def _with_runs(strategy: str, row: pd.Series) -> str:
-    """``dp_kfac 1.19× (1.15–1.23)``: a config's ratio to SGD and its range over runs."""
-    low, high = row.get("vs_sgd_min", math.nan), row.get("vs_sgd_max", math.nan)
-    return f"{strategy} {ratio_text(row['vs_sgd'], low, high, int(row.get('runs', 1) or 1), '×')}"
 
 
 def _distinct(values: Iterable[Any], sep: str = ", ") -> str:
@@ -67,6 +61,26 @@ def read_result(results: Path, name: str) -> pd.DataFrame | None:
 
 
 # --------------------------------------------------------------------- tables
+def timed_ratio(head: pd.DataFrame, cost: str, what: str) -> str:
+    """``1.04–1.36× less computation (1.04–1.39 over 3 runs)``: a timed cost's
+    ``<cost>_best/dp`` over the models (each model's median run), its range over every
+    run (each run's cheapest baseline), and the models where that range reaches 1 (a tie)."""
+    column = f"{cost}_best/dp"
+    text = f"{_span(head.get(column, []))}× less {what}"
+    runs = int(head["runs"].max()) if "runs" in head and head["runs"].notna().any() else 1
+    if f"{column}_min" not in head or runs < 2:
+        return text
+    text += (
+        f" ({head[f'{column}_min'].min():.2f}–{head[f'{column}_max'].max():.2f} over {runs} runs)"
+    )
+    tied = [
+        f"{r['model']} ({r[f'{column}_min']:.2f}–{r[f'{column}_max']:.2f})"
+        for r in head.to_dict("records")
+        if overlap((r[f"{column}_min"], r[f"{column}_max"]), (1.0, 1.0))
+    ]
+    return text + (f", a tie on {', '.join(tied)}" if tied else "")
+
+
 def second_order_update(head: pd.DataFrame) -> list[str]:
     """From the per-model ``<cost>_best/dp`` ratios of ``second_order_update``."""
     if head.empty:
@@ -74,37 +88,56 @@ def second_order_update(head: pd.DataFrame) -> list[str]:
     where = f"P={_span(head['P'], 0)}, {_distinct(head['setting'], '/')} setting"
     measured = _span(head.get("process_memory_best/dp", []))
     predicted = _span(head.get("pred_process_memory_best/dp", []))
-    process = " Whole-process memory: " + (
+    process = "Whole-process memory: " + (
         f"{measured}× less measured" if measured != "n/a" else "not measured in these rows"
     )
     if predicted != "n/a":
         process += f", {predicted}× less predicted (state plus activation estimate)"
     return [
         f"**Takeaway.** Per second-order update, {REFERENCE} against the cheapest baseline of "
-        f"each cost ({where}, {len(head)} models): "
-        f"{_span(head.get('compute_best/dp', []))}× less computation, "
-        f"{_span(head.get('comm_best/dp', []))}× less communication time, "
+        f"each run ({where}, {len(head)} models; each model's median run, in brackets the range "
+        f"over runs): {timed_ratio(head, 'compute', 'computation')}, "
+        f"{timed_ratio(head, 'comm', 'communication time')}, "
         f"{_span(head.get('MB_best/dp', []))}× fewer bytes and "
-        f"{_span(head.get('memory_best/dp', []))}× less K-FAC memory.{process}.",
-        f"Measured on this machine's CPU with gloo ({_distinct(head['model'])}); ratios > 1 favour "
-        f"{REFERENCE}.",
+        f"{_span(head.get('memory_best/dp', []))}× less K-FAC memory (both exact).",
+        f"{process}; ratios > 1 favour {REFERENCE} ({_distinct(head['model'])}).",
     ]
 
 
-def time_breakdown(wide: pd.DataFrame) -> list[str]:
-    """From the iteration-vs-SGD ratios of ``time_breakdown``."""
-    if wide.empty or "vs_sgd" not in wide:
+#: How a verdict of :func:`experiments.bench.tables.verdict` reads in a sentence.
+VERDICT_WORDS = {
+    "faster": f"{REFERENCE} faster in every run",
+    "slower": f"{REFERENCE} slower in every run",
+    "tie": "a tie",
+}
+
+
+def verdict_text(row: dict[str, Any], fastest: bool = False) -> str:
+    """``resnet32: dp_kfac 1.19× (1.19–1.22), the cheapest baseline 1.26× (1.26–1.31): dp_kfac
+    faster in every run``: one row of a table's verdicts, iteration × SGD."""
+
+    def ratio(prefix: str) -> str:
+        low, high = row[f"{prefix}_min"], row[f"{prefix}_max"]
+        return ratio_text(row[prefix], low, high, int(row.get("runs", 1) or 1), "×")
+
+    parts = [f"{REFERENCE} {ratio('dp_vs_sgd')}"]
+    if fastest and row["fastest"] != REFERENCE:
+        parts.append(f"fastest {row['fastest']} {ratio('fastest_vs_sgd')}")
+    parts.append(f"the cheapest baseline {ratio('baseline_vs_sgd')}")
+    return f"{row['model']}: {', '.join(parts)}: {VERDICT_WORDS[row['verdict']]}"
+
+
+def time_breakdown(verdicts: pd.DataFrame) -> list[str]:
+    """Per setting, dp_kfac's iteration against the cheapest baseline's, × SGD, with ranges."""
+    if verdicts.empty:
         return []
     lines = []
-    for setting, frame in wide.groupby("setting", sort=False):
-        dp = frame[frame["strategy"] == REFERENCE]
-        base = frame[frame["strategy"].isin(BASELINES)]
-        if dp.empty:
-            continue
+    for setting, frame in verdicts.groupby("setting", sort=False):
+        p = _span(frame["world_size"], 0)
+        parts = [verdict_text(r) for r in frame.to_dict("records")]
         lines.append(
-            f"**Takeaway ({setting} setting).** An iteration of {REFERENCE} takes "
-            f"{_span(dp['vs_sgd'])}× SGD's, the baselines {_span(base['vs_sgd'])}× "
-            f"({_distinct(frame['model'])}, P={_span(frame['world_size'], 0)})."
+            f"**Takeaway ({setting} setting, P={p}).** Iteration × SGD (median run, range over "
+            f"runs; overlapping ranges are a tie): {'; '.join(parts)}."
         )
     return lines[:2]
 
@@ -128,20 +161,16 @@ def scaling(errors: pd.DataFrame) -> list[str]:
     return lines
 
 
-def ablation(frame: pd.DataFrame) -> list[str]:
-    """The fastest K-FAC config per setting, against SGD."""
-    if frame.empty or "vs_sgd" not in frame:
+def ablation(verdicts: pd.DataFrame) -> list[str]:
+    """Per setting, dp_kfac, the fastest K-FAC config and the cheapest baseline, × SGD."""
+    if verdicts.empty:
         return []
     lines = []
-    kfac = frame[~frame["first_order"].astype(bool)]
-    for setting, group in kfac.groupby("setting", sort=False):
-        best = group.loc[group.groupby("model")["vs_sgd"].idxmin()]
-        parts = [
-            f"{m}: {_with_runs(r['strategy'], r)}" for m, r in best.set_index("model").iterrows()
-        ]
+    for setting, group in verdicts.groupby("setting", sort=False):
+        parts = [verdict_text(r, fastest=True) for r in group.to_dict("records")]
         lines.append(
-            f"**Takeaway ({setting} setting).** Fastest K-FAC config per model, iteration × "
-            f"SGD: {'; '.join(parts)}."
+            f"**Takeaway ({setting} setting, P={_span(group['P'], 0)}).** Iteration × SGD "
+            f"(median run, range over runs; overlapping ranges are a tie): {'; '.join(parts)}."
         )
     return lines[:2]
 
@@ -162,9 +191,36 @@ def convergence(summary: pd.DataFrame, final: pd.DataFrame) -> list[str]:
     return [
         f"**Takeaway.** Final test accuracy on digits after {_span(final['epochs'], 0)} epochs "
         f"({over}): {'; '.join(parts)}.",
+        "An untuned-SGD comparison: every method, SGD (`none`) included, trains at the preset's "
+        "fixed learning rate (`scale_lr: false`) at every P; `convergence_scale.md` tunes it.",
         "Replicas stayed bitwise identical in every distributed run."
         if bool(final["replicas_identical"].astype(bool).all())
         else "Some distributed runs ended with replicas that differ (see the runs table).",
+    ]
+
+
+def paper(frame: pd.DataFrame, world_size: int, preset: str, reported: dict) -> list[str]:
+    """The paper table's answer: per metric, dp_kfac's predicted ratio to the cheapest
+    baseline over the models, beside the paper's range (``reported``: metric group to
+    ``(low, high)``)."""
+    if frame.empty:
+        return []
+    groups = {
+        "computation": "computation",
+        "comm_time": "communication",
+        "process_memory": "memory",
+    }
+    parts = []
+    for metric, group in groups.items():
+        low, high = reported[group]
+        parts.append(
+            f"{metric.replace('_', ' ')} {_span(frame[f'{metric}_x'])}× (paper {low}–{high})"
+        )
+    return [
+        f"**Takeaway.** Predicted at P={world_size} on `{preset}` ({_distinct(frame['model'])}), "
+        f"{REFERENCE} against the cheapest baseline per metric: {'; '.join(parts)}; bytes "
+        f"{_span(frame['comm_bytes_x'])}×. A prediction from the configs, not a measurement: "
+        "no machine, no runs.",
     ]
 
 
@@ -227,54 +283,108 @@ def _predicted_line(practical: pd.DataFrame) -> str:
         parts.append(f"{model} {configs}; baselines {_span(base)}×")
     return (
         f"- **Predicted at P={p}** (`v100_ib100`, paper-size models, practical setting, × DDP "
-        f"SGD's iteration): {'. '.join(parts)}."
+        f"SGD's iteration; computed from shapes, no runs): {'. '.join(parts)}."
+    )
+
+
+#: The measured tables the README's last bullet names the machines of (convergence_scale's
+#: own line names its machines).
+MEASURED_TABLES = ("second_order_update", "ablation", "time_breakdown", "scaling", "convergence")
+
+
+def machines_line(results: Path) -> str:
+    """Where the measured tables ran: per machine and day, which tables (from their raw rows).
+
+    Tables whose rows do not name their CPU model and vector ISA (rows from before
+    :func:`experiments.bench.machine.machine` recorded them) may come from different
+    VMs where they ran on different days; the line says so rather than pass them off
+    as one machine.
+    """
+    where: dict[str, list[str]] = {}
+    unknown = False
+    for name in MEASURED_TABLES:
+        raw = read_result(results, f"raw/{name}.csv")
+        if raw is None or raw.empty:
+            continue
+        ok = raw[raw["error"].isna() | (raw["error"].astype(str) == "")] if "error" in raw else raw
+        days = _distinct((str(t)[:10] for t in ok["time"]), "/") if "time" in ok else "?"
+        for label in machines(ok).index:
+            unknown |= "not recorded" in label
+            where.setdefault(label, []).append(f"{name} ({days})")
+    if not where:
+        return ""
+    parts = "; ".join(f"{label}: {', '.join(names)}" for label, names in where.items())
+    dates = {n.rsplit(" (", 1)[1] for names in where.values() for n in names}
+    caveat = (
+        " These rows predate the record of the CPU model and vector ISA, so tables measured "
+        "on different days may come from different VMs: compare ratios within a table, not "
+        "milliseconds across tables."
+        if unknown and len(dates) > 1
+        else ""
+    )
+    return (
+        f"- **Machines** (gloo, one thread per rank; each page names its own): {parts}.{caveat} "
+        "GPU figures come from `make gpu-report` (none yet)."
+    )
+
+
+def _second_order_line(head: pd.DataFrame) -> str:
+    """The headline's per-update bullet, from ``second_order_update_best.csv``."""
+    runs = int(head["runs"].max()) if "runs" in head and head["runs"].notna().any() else 1
+    rule = (
+        f"each ratio taken within one run against that run's cheapest of D-KFAC, SPD-KFAC and "
+        f"KAISA; each model's median run, in brackets the range over {runs} runs"
+        if runs > 1
+        else "against the cheapest of D-KFAC, SPD-KFAC and KAISA"
+    )
+    return (
+        f"- **Per second-order update** ({len(head)} models: {_distinct(head['model'])}; "
+        f"P={_span(head['P'], 0)}, measured; {rule}): {REFERENCE} needs "
+        f"{timed_ratio(head, 'compute', 'computation')}, "
+        f"{timed_ratio(head, 'comm', 'communication time')}, "
+        f"{_span(head['MB_best/dp'])}× fewer bytes and {_span(head['memory_best/dp'])}× less "
+        "K-FAC memory (both exact)."
+    )
+
+
+def _iteration_line(verdicts: pd.DataFrame) -> str:
+    """The headline's practical-setting bullet, from ``ablation_verdicts.csv``."""
+    practical = verdicts[verdicts["setting"] == "practical"]
+    if practical.empty:
+        return ""
+    runs = int(practical["runs"].max())
+    spread = (
+        f"; the median of {runs} runs and the range over them, the cheapest baseline taken "
+        "within each run; overlapping ranges are a tie"
+        if runs > 1
+        else ""
+    )
+    parts = [verdict_text(r, fastest=True) for r in practical.to_dict("records")]
+    return (
+        f"- **Iteration time, practical setting** (factors every 10 steps, decompositions every "
+        f"100, P={_span(practical['P'], 0)}, measured, × SGD under DDP{spread}): "
+        f"{'. '.join(parts)}."
     )
 
 
 def headline(results: Path) -> list[str]:
-    """3–7 bullets for the README's first screen, from ``results/*.csv``."""
+    """3–7 bullets for the README's first screen, from ``results/*.csv``.
+
+    Every figure is a table's own, by the rule the bullet states: timed ratios are
+    taken within each run (the cheapest baseline of that run) and carry their range
+    over runs, and overlapping ranges are called a tie. The digits ``convergence``
+    table is left out: its SGD trains at a fixed, untuned learning rate, and
+    ``convergence_scale``'s line compares tuned methods.
+    """
     lines = []
-    if (long := read_result(results, "second_order_update.csv")) is not None:
-        base = long[long["strategy"].isin(BASELINES)]
-        best = base.groupby(["model", "P", "setting"])[["compute/dp", "MB/dp", "memory/dp"]].min()
-        if not best.empty:
-            spread = ""
-            if "compute/dp_min" in base and base["runs"].max() > 1:
-                # The cheapest baseline's computation per model, its range over the runs.
-                cheapest = base.sort_values("compute/dp").drop_duplicates(["model", "P"])
-                low, high = cheapest["compute/dp_min"].min(), cheapest["compute/dp_max"].max()
-                spread = (
-                    f" (each model's median run; {low:.2f}–{high:.2f} over "
-                    f"{int(cheapest['runs'].max())} runs)"
-                )
-            lines.append(
-                f"- **Per second-order update** ({len(best)} models: "
-                f"{_distinct(best.index.get_level_values('model'))}; "
-                f"P={_span(best.index.get_level_values('P'), 0)}, measured): "
-                f"{REFERENCE} needs {_span(best['compute/dp'])}× less computation{spread}, "
-                f"{_span(best['MB/dp'])}× fewer bytes and {_span(best['memory/dp'])}× less "
-                "K-FAC memory (both exact) than the cheapest of D-KFAC, SPD-KFAC and KAISA."
-            )
+    head = read_result(results, "second_order_update_best.csv")
+    if head is not None and not head.empty:
+        lines.append(_second_order_line(head))
+    verdicts = read_result(results, "ablation_verdicts.csv")
+    if verdicts is not None and (iteration := _iteration_line(verdicts)):
+        lines.append(iteration)
     if (frame := read_result(results, "ablation.csv")) is not None:
         practical = frame[frame["setting"] == "practical"]
-        parts = []
-        for model, group in practical.groupby("model", sort=False):
-            base = group[group["algorithm"].fillna("").isin(BASELINE_ALGORITHMS)]["vs_sgd"]
-            kfac = group[~group["first_order"].astype(bool)]
-            if REFERENCE not in set(group["strategy"]) or not len(base):
-                continue
-            shown = [REFERENCE, *kfac.nsmallest(1, "vs_sgd")["strategy"]]
-            rows = group.set_index("strategy")
-            configs = ", ".join(_with_runs(s, rows.loc[s]) for s in dict.fromkeys(shown))
-            parts.append(f"{model} {configs}; baselines {_span(base)}×")
-        if parts:
-            runs = int(practical["runs"].max()) if "runs" in practical else 1
-            spread = f", each the median of {runs} runs with its range" if runs > 1 else ""
-            lines.append(
-                f"- **Iteration time, practical setting** (factors every 10 steps, decompositions "
-                f"every 100, P={_span(practical['P'], 0)}, measured, × SGD under DDP{spread}): "
-                f"{'. '.join(parts)}."
-            )
         if "pred_vs_sgd" in practical and practical["pred_vs_sgd"].notna().any():
             lines.append(_predicted_line(practical))
     if (errors := read_result(results, "scaling_errors.csv")) is not None:
@@ -287,22 +397,11 @@ def headline(results: Path) -> list[str]:
                 f"{held.median():.0f}%){whole}; it carries the tables to 64 GPUs"
                 " (`results/ablation.md`, P=64 columns)."
             )
-    if (summary := read_result(results, "convergence_final.csv")) is not None:
-        p = int(summary["world_size"].max())
-        top = summary[summary["world_size"] == p]
-        parts = [f"{r.strategy} {accuracy(r.mean, r.std)}" for r in top.itertuples()]
-        seeds = int(summary["seeds"].max())
-        over = f", mean ± std over {seeds} seeds" if seeds > 1 else ""
-        lines.append(
-            f"- **Convergence** (digits, P={p}{over}): final test accuracy {', '.join(parts)}."
-        )
     cells = read_result(results, "convergence_scale_cells.csv")
     if cells is not None and (line := convergence_scale.headline(cells)):
         lines.append(line)
-    lines.append(
-        "- All measured on 2 CPU cores with gloo, one thread per rank; each table in `results/` "
-        "names its conditions. GPU figures come from `make gpu-report` (none yet)."
-    )
+    if where := machines_line(results):
+        lines.append(where)
     return lines
 
 
