@@ -279,7 +279,7 @@ def run_job(cfg: DictConfig, output_dir: Path) -> list[dict[str, Any]]:
         ExperimentError: a value the checks reject.
     """
 
-    from experiments.bench.measure import machine
+    from experiments.bench.machine import machine
     from experiments.train import run
 
     reason = skip_reason(cfg)
@@ -521,7 +521,8 @@ def _cell_values(
     a_mean, a_std = _mean_std(list(cell["final_acc"]))
     pred = float(own["pred_iteration_s"].astype(float).mean())
     first = cell.iloc[0]
-    machines_seen = sorted(set(cell["cpu"].astype(str) + " " + cell["cpu_capability"].astype(str)))
+    from experiments.bench.pages import machines
+
     return {
         "global_batch": int(first["global_batch"]),
         "target": float(first["target"]),
@@ -547,7 +548,7 @@ def _cell_values(
         "pred_hardware": str(own["pred_hardware"].iloc[0]),
         "pred_iteration_ms": 1e3 * pred,
         "pred_time_to_target_s": s_mean * pred if len(hit) == len(cell) else math.nan,
-        "machines": "; ".join(machines_seen),
+        "machines": "; ".join(machines(cell).index),
     }
 
 
@@ -1090,7 +1091,7 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
         "every decision, with "
         "its reason, in `convergence_scale_decisions.csv`.",
         "",
-        machines(runs),
+        _machines_line(runs),
     ]
     md += footer(df)
     paths["md"] = write_page(out / "convergence_scale.md", md)
@@ -1100,16 +1101,16 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     return paths
 
 
-def machines(runs: pd.DataFrame) -> str:
+def _machines_line(runs: pd.DataFrame) -> str:
     """Which machines the runs came from (one line): a bitwise comparison holds on one only."""
-    where = ["cpu", "cpu_capability"]
-    known = runs.dropna(subset=where) if set(where) <= set(runs) else runs[:0]
-    counts = known.groupby(where, sort=True).size() if len(known) else {}
-    parts = [f"{n} on {cpu} ({kernels} kernels)" for (cpu, kernels), n in counts.items()]
-    several = len(parts) > 1
-    return f"Machines: {'; '.join(parts) or 'not recorded'}." + (
+    from experiments.bench.pages import machines
+
+    found = machines(runs)
+    named = "; ".join(f"{n} on {label}" for label, n in found.items())
+    several = (
         " **The runs come from more than one machine**: runs on two machines are alike, not "
         "bitwise equal."
-        if several
+        if len(found) > 1
         else ""
     )
+    return f"Machines: {named or 'not recorded'}.{several}"
