@@ -384,6 +384,8 @@ def test_a_page_before_any_choice_says_so(tmp_path: Path, monkeypatch: Any) -> N
     md = paths["md"].read_text()
     assert "No answer yet" in md.split("\n")[2]
     assert "in progress" in md
+    line = cs.headline(pd.read_csv(paths["cells"]))
+    assert line is not None and "in progress: 2 runs so far, 0 of 1 cells" in line
     empty = tables.write_table("convergence_scale", rows.iloc[:0], tmp_path / "none")
     assert "No run of the tuning protocol yet" in empty["md"].read_text()
 

@@ -724,13 +724,21 @@ def takeaway(cells: pd.DataFrame) -> list[str]:
 
 
 def headline(cells: pd.DataFrame) -> str | None:
-    """The README's line on convergence as P grows (None: no paired verdict or time yet)."""
-    lines = takeaway(cells)
-    if not lines:
+    """The README's line on convergence as P grows: the page's answer, or while the study
+    runs, how far it is (None: no run yet)."""
+    if cells.empty:
         return None
+    head = "- **Convergence as P grows** (every method tuned by one protocol; "
+    head += "`results/convergence_scale.md`): "
+    lines = takeaway(cells)
+    if lines:
+        return head + " ".join(line.replace("**", "") for line in lines)
+    chosen = int(cells["status"].astype(str).str.startswith("chosen").sum())
     return (
-        "- **Convergence as P grows** (every method tuned by one protocol; "
-        "`results/convergence_scale.md`): " + " ".join(line.replace("**", "") for line in lines)
+        f"{head}in progress: {int(cells['runs'].sum())} runs so far, {chosen} of {len(cells)} "
+        "cells with a chosen point, no paired verdict or time to target yet. The earlier "
+        "fixed-grid study is withdrawn: its grids were extended unequally and K-FAC's damping "
+        "was never tuned."
     )
 
 
