@@ -1043,7 +1043,7 @@ def write_convergence_scale(df: pd.DataFrame, out: Path) -> dict[str, Path]:
     decisions_frame(runs, node).to_csv(paths["decisions"], index=False)
     answer = takeaway(cells) or [
         "No answer yet: the paired cells (dp_kfac and d_kfac at their chosen points) have not run; "
-        f"{len(runs)} runs so far, {int((cells['status'] == 'chosen').sum())} of {len(cells)} "
+        f"{len(runs)} run(s) so far, {int((cells['status'] == 'chosen').sum())} of {len(cells)} "
         "cells chosen."
     ]
     md = [title, "", *answer, "", "![convergence_scale](convergence_scale.png)"]

@@ -70,10 +70,21 @@ def failures(df: pd.DataFrame) -> list[str]:
     """One line per failed job, for the table's footer."""
     if df.empty:
         return []
-    bad = df[df["error"] != ""]
-    return [
-        f"{r.model} {r.strategy} P={r.world_size} {r.setting}: {r.error}" for r in bad.itertuples()
-    ]
+    bad = df[df["error"].fillna("") != ""]
+    lines = []
+    for r in bad.to_dict("records"):
+        # A timing job names its setting; a training run of the convergence study its point.
+        where = [str(r["setting"])] if _text(r.get("setting")) else []
+        where += [f"{k} {r[k]:g}" for k in ("lr_multiplier", "damping") if _number(r.get(k))]
+        where += [f"seed {int(r['seed'])}"] if _number(r.get("seed")) and "setting" not in r else []
+        lines.append(
+            f"{r['model']} {r['strategy']} P={r['world_size']} {' '.join(where)}: {r['error']}"
+        )
+    return lines
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and value == value
 
 
 def ratio_text(value: float, low: float, high: float, runs: int, unit: str = "") -> str:
