@@ -174,6 +174,15 @@ TABLES = {
             "with the predicted world size held out (scaling_errors.csv).",
         ),
         Table(
+            "network",
+            "measured",
+            "experiments.bench.network_table:write_network",
+            "measured + predicted",
+            "SGD and every K-FAC config on an emulated cluster network (a namespace per rank, "
+            "links shaped to 1 Gbit/s and one more rate), exposed and hidden communication, "
+            "against each config's floor and the cost model's prediction from the link probe.",
+        ),
+        Table(
             "convergence",
             "measured",
             _TABLES + "convergence",
@@ -376,7 +385,7 @@ def compose_config(config_name: str, overrides: Sequence[str] = ()) -> DictConfi
 
 
 #: Config groups whose keys are fixed by their files in conf/ (``+key`` additions refused).
-STRICT_GROUPS = ("trainer", "data", "logger", "paths", "launcher")
+STRICT_GROUPS = ("trainer", "data", "logger", "paths", "launcher", "network")
 
 
 def known_keys(group: str) -> set[str]:
