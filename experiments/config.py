@@ -24,16 +24,9 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from experiments.errors import ExperimentError
 from experiments.preconditioning import UPDATE_INTERVALS, node_options, uses_preconditioner
 from experiments.schedules import build_step_schedules
-
-
-class ExperimentError(Exception):
-    """A mistake in the configuration, the data or a checkpoint.
-
-    The entry points print these as one line and exit with status 2 instead of
-    showing a traceback: they are the user's to fix, not the code's.
-    """
 
 
 def plain(node: Any) -> Any:

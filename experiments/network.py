@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.config import ExperimentError
+from experiments.errors import ExperimentError
 
 __all__ = [
     "Network",
