@@ -303,7 +303,12 @@ def _run_on_network(
     threads = max(1, available_cores() // world_size)
     log.info("training on %s, %d rank(s), %d thread(s) each", network.label, world_size, threads)
     spec = {"config": resolved}
-    return launch(_network_rank, spec, world_size, threads=threads, network=network)[0]
+    result: dict[str, Any] = launch(
+        _network_rank, spec, world_size, threads=threads, network=network
+    )[0]
+    assert isinstance(resolved, dict)
+    log.info("%s", summary_line(result, Path(resolved["output_dir"])))
+    return result
 
 
 def _network_rank(spec: dict[str, Any]) -> dict[str, Any]:

@@ -189,3 +189,23 @@ def test_an_allreduce_on_the_network_takes_its_wire_time_and_leaves_nothing(
     assert len(spaces) == 2 and os.readlink("/proc/self/ns/net") not in spaces
     assert not spaces & _namespaces()  # gone with their processes
     assert _links() == links_before and "dpk" not in _links()
+
+
+def test_the_launchers_refuse_what_no_network_lies_between() -> None:
+    from experiments.bench.run import job_spec
+    from experiments.config import compose_config
+    from experiments.train import run
+
+    threads = ["network=emulated", "launcher=threads", "launcher.world_size=2", "logger=none"]
+    with pytest.raises(ExperimentError, match="network=emulated with launcher=threads"):
+        run(compose_config("config", threads))
+    with pytest.raises(ExperimentError, match=r"with 1 rank\(s\).*at least 2 nodes"):
+        run(compose_config("config", ["network=emulated", "network.world_size=1", "logger=none"]))
+    with pytest.raises(ExperimentError, match="network.rate: invalid rate '10 gbps'"):
+        job_spec(compose_config("benchmark", ["network=emulated", "network.rate=10 gbps"]))
+    with pytest.raises(ExperimentError, match=r"with 3 rank\(s\) and network.ranks_per_node=2"):
+        job_spec(
+            compose_config(
+                "benchmark", ["network=emulated", "network.ranks_per_node=2", "world_size=3"]
+            )
+        )
