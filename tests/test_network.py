@@ -201,7 +201,7 @@ def test_the_launchers_refuse_what_no_network_lies_between() -> None:
         run(compose_config("config", threads))
     with pytest.raises(ExperimentError, match=r"with 1 rank\(s\).*at least 2 nodes"):
         run(compose_config("config", ["network=emulated", "network.world_size=1", "logger=none"]))
-    with pytest.raises(ExperimentError, match="network.rate: invalid rate '10 gbps'"):
+    with pytest.raises(ExperimentError, match=r"network\.rate: invalid rate '10 gbps'"):
         job_spec(compose_config("benchmark", ["network=emulated", "network.rate=10 gbps"]))
     with pytest.raises(ExperimentError, match=r"with 3 rank\(s\) and network.ranks_per_node=2"):
         job_spec(

@@ -47,7 +47,8 @@ def _rows() -> pd.DataFrame:
     for rate, slow in ((1e9, 1.0), (2e9, 0.5)):
         for seed, jitter in ((0, 0.0), (1, 2.0), (2, -1.0)):
             wire = {"wire_grad_allreduce": 1_500_000}
-            rows.append(_row("none", rate, seed, 10 + 12 * slow + jitter, fwd_bwd_s=0.008, **wire))
+            sgd = 0.008 if rate == 1e9 else 0.003  # DDP's waits inside (at 2 Gbit/s: none)
+            rows.append(_row("none", rate, seed, 10 + 12 * slow + jitter, fwd_bwd_s=sgd, **wire))
             rows.append(_row("dp_kfac", rate, seed, 20 + 12 * slow + jitter, **wire))
             rows.append(_row("dp_kfac_owner_overlap", rate, seed, 16 + jitter, **wire))
     rows.append({**_row("dp_kfac", 1e9, 0, 99.0), "network": "loopback"})
@@ -58,8 +59,10 @@ def test_each_step_is_split_into_compute_exposed_and_hidden_communication() -> N
     frame = network_table.network_frame(_rows())
     assert len(frame) == 6  # 3 configs x 2 rates; the loopback row is not the network's
     one = frame[frame["rate_bps"] == 1e9].set_index("strategy")
-    # dp_kfac's forward/backward (4 ms, no transfer inside) is every row's pure compute;
+    # dp_kfac's forward/backward (4 ms, no transfer inside) is pure compute, the overlapped
+    # config's too, and SGD's (its own 8 ms hold DDP's waits; the lesser of the two).
     # K-FAC compute 1 + 3 + 0.5 ms; after the last transfer: optimizer 1 ms + other 1 ms.
+    assert one["pure_fwd_bwd_ms"].tolist() == pytest.approx([4.0, 4.0, 4.0])
     assert one.loc["none", "compute_ms"] == pytest.approx(4 + 1)
     assert one.loc["dp_kfac", "compute_ms"] == pytest.approx(4 + 4.5 + 2)
     assert one.loc["dp_kfac", "wire_ms"] == pytest.approx(12.0)
@@ -85,6 +88,7 @@ def test_each_step_is_split_into_compute_exposed_and_hidden_communication() -> N
     assert overlap["last_bucket_ms"] == pytest.approx(last)
     assert overlap["floor_ms"] == max(10.5, 4 / 3 + 12 + 2, 4 + last + 2)
     two = frame[frame["rate_bps"] == 2e9].set_index("strategy")
+    assert two.loc["none", "pure_fwd_bwd_ms"] == 3.0  # its own where that is less
     assert two.loc["dp_kfac", "wire_ms"] == pytest.approx(6.0)
     assert two.loc["dp_kfac", "floor_ms"] == pytest.approx(10.5)  # compute-bound there
 
@@ -112,7 +116,9 @@ def test_the_page_opens_with_its_answer_then_the_figure(tmp_path: Path) -> None:
     assert 1 <= len(answer) <= 5
     assert answer[0].startswith("- **mlp label, practical, 1gbit**: DDP SGD 22 ms")
     assert "dp_kfac_owner_overlap 0.73× (0.71–0.75)" in answer[0]
-    assert any("carries 3gbit faithfully (the median of the probes of 2 job(s)" in x for x in answer)
+    assert any(
+        "carries 3gbit faithfully (the median of the probes of 2 job(s)" in x for x in answer
+    )
     for rate in ("1gbit", "2gbit"):
         assert f"## mlp label, practical setting, {rate}" in lines
     headers = [x for x in lines if x.startswith("| strategy | iteration ms")]

@@ -7,10 +7,10 @@ the rows into ``results/network.{csv,md,png}``.
 
 Per step, each row is split into what the rank computes and what it waits for:
 
-* **compute** is the pure forward/backward (``fwd_bwd`` of the job's K-FAC rows that
-  reduce gradients after the backward pass: their backward holds no transfer), plus the
-  row's own K-FAC compute (factors, decompositions, preconditioning), other work in
-  ``step()`` and the optimizer step;
+* **compute** is the pure forward/backward (:func:`_pure_fwd_bwd`: the ``fwd_bwd`` of the
+  job's K-FAC rows that reduce gradients after the backward pass, whose backward holds no
+  transfer), plus the row's own K-FAC compute (factors, decompositions, preconditioning),
+  other work in ``step()`` and the optimizer step;
 * **exposed communication** is the rest of the measured step (the time it waited for the
   wire, whichever phase the wait fell in);
 * **hidden communication** is what the row's wire bytes need at the rate beyond that:
@@ -87,17 +87,19 @@ def _wire_bytes(row: dict[str, Any]) -> float:
     return sum(float(v) for v in values if v is not None and v == v)
 
 
-def _pure_fwd_bwd(job: list[dict[str, Any]]) -> float:
-    """Milliseconds of forward/backward without any transfer in it, from a job's rows.
+def _pure_fwd_bwd(row: dict[str, Any], job: list[dict[str, Any]]) -> float:
+    """Milliseconds of ``row``'s forward/backward without any transfer in it.
 
-    The K-FAC rows that reduce gradients after the backward pass compute it alone (their
-    factor hooks are timed apart); the median of theirs. Without such rows, SGD's (an upper
-    bound: DDP's exposed waits are inside it).
+    A K-FAC row that reduces gradients after the backward pass has nothing else in its
+    ``fwd_bwd`` (its factor hooks are timed apart): its own. An overlapped row's holds its
+    reductions, so it takes the median of those rows of its job. SGD's holds DDP's exposed
+    waits, those rows' the K-FAC hooks' bookkeeping: the lesser of its own and that median.
     """
     plain = [_ms(r, "fwd_bwd") for r in job if not first_order(r) and not _overlapped(r)]
-    if not plain:
-        plain = [_ms(r, "fwd_bwd") for r in job]
-    return float(pd.Series(plain).median()) if plain else math.nan
+    median = float(pd.Series(plain).median()) if plain else math.inf
+    if first_order(row):
+        return min(_ms(row, "fwd_bwd"), median)
+    return _ms(row, "fwd_bwd") if not _overlapped(row) else median
 
 
 def _model_terms(rows: list[dict[str, Any]], predict: bool) -> list[dict[str, float]]:
@@ -125,9 +127,10 @@ def _job_entries(
     job: list[dict[str, Any]], rate: float, terms: list[dict[str, float]]
 ) -> list[dict[str, Any]]:
     """The frame's entries of one job (one run of one model, setting and rate)."""
-    pure, p = _pure_fwd_bwd(job), int(job[0]["world_size"])
+    p = int(job[0]["world_size"])
     out = []
     for r, model in zip(job, terms, strict=True):
+        pure = _pure_fwd_bwd(r, job)
         kfac = sum(_ms(r, k) for k in KFAC_COMPUTE)
         after = _ms(r, "optimizer") + _ms(r, "step_other")
         compute = pure + kfac + after
