@@ -302,9 +302,12 @@ def _run_on_network(
     resolved = OmegaConf.to_container(cfg, resolve=True)
     threads = max(1, available_cores() // world_size)
     log.info("training on %s, %d rank(s), %d thread(s) each", network.label, world_size, threads)
+    # The ranks unpickle their function by module name, which is not ``__main__`` there.
+    from experiments import train as importable
+
     spec = {"config": resolved}
     result: dict[str, Any] = launch(
-        _network_rank, spec, world_size, threads=threads, network=network
+        importable._network_rank, spec, world_size, threads=threads, network=network
     )[0]
     assert isinstance(resolved, dict)
     log.info("%s", summary_line(result, Path(resolved["output_dir"])))
