@@ -50,6 +50,7 @@ __all__ = [
     "LINK_PROBE_KINDS",
     "LINK_PROBE_NUMELS",
     "faithful_rate",
+    "highest_faithful",
     "network_record",
     "probe_links",
     "sync",
@@ -174,12 +175,18 @@ def faithful_rate(
         if first:
             link.set_rate(link.rate_bps)
         dist.barrier()
+    return {"faithful_bps": highest_faithful(rungs), "ladder": rungs}
+
+
+def highest_faithful(rungs: Sequence[dict[str, Any]], tolerance: float = FAITHFUL_TOLERANCE) -> int:
+    """The highest ``rate_bps`` of the ladder (in order) below which every rung, itself
+    included, took at most ``tolerance`` times its ``wire_seconds`` (0: not the first)."""
     faithful = 0
     for rung in rungs:
-        if rung["seconds"] > FAITHFUL_TOLERANCE * rung["wire_seconds"]:
+        if rung["seconds"] > tolerance * rung["wire_seconds"]:
             break
-        faithful = rung["rate_bps"]
-    return {"faithful_bps": faithful, "ladder": rungs}
+        faithful = int(rung["rate_bps"])
+    return faithful
 
 
 def network_record(link: NodeLink | None, faithful: dict[str, Any] | None) -> dict[str, Any]:
