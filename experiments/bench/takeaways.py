@@ -171,8 +171,8 @@ def network(frame: pd.DataFrame) -> list[str]:
         shown = focus.iloc[0] if not focus.empty else best
         parts = [
             f"DDP SGD {sgd['iteration_ms'].iloc[0]:.0f} ms",
-            f"{_with_runs(str(shown['strategy']), shown)} SGD, {shown['vs_floor']:.2f}× its floor "
-            f"({shown['floor_vs_sgd']:.2f}× SGD)",
+            f"{_with_runs(str(shown['strategy']), shown)} SGD, {shown['vs_floor']:.2f}× its floor, "
+            f"which is {shown['floor_vs_sgd']:.2f}× SGD",
         ]
         if best["strategy"] != shown["strategy"]:
             parts.append(f"fastest K-FAC: {_with_runs(str(best['strategy']), best)}")
