@@ -487,7 +487,7 @@ def test_the_target_counts_as_reached_once_the_run_stays_above_it() -> None:
 
 def test_the_machine_columns_name_the_cpu_and_torchs_kernels() -> None:
     """What tells two machines' bitwise-different runs apart is in every row."""
-    from experiments.bench.measure import machine
+    from experiments.bench.machine import machine
 
     where = machine()
     assert where["cpu_capability"] == torch.backends.cpu.get_cpu_capability()

@@ -11,7 +11,7 @@ from dist_utils import run_ranks
 
 from dpkfac.plan.hardware import wire_bytes
 from experiments.bench import predict
-from experiments.bench.link_probe import probe_links
+from experiments.bench.link_probe import highest_faithful, probe_links
 
 
 def _probe(rank: int, world_size: int) -> list[dict[str, Any]]:
@@ -40,3 +40,15 @@ def test_no_probes_on_one_rank_and_rows_without_them() -> None:
     assert probe_links(torch.device("cpu")) == []
     assert predict.probe_links({}) == {}
     assert predict.probe_links({"link_probes": "[]"}) == {}
+
+
+def test_the_faithful_rate_is_the_top_of_the_unbroken_run_of_faithful_rungs() -> None:
+    def rung(gbit: float, ratio: float) -> dict[str, Any]:
+        wire = 0.1 / gbit
+        return {"rate_bps": int(gbit * 1e9), "seconds": ratio * wire, "wire_seconds": wire}
+
+    ladder = [rung(1, 1.04), rung(2, 1.15), rung(4, 1.3), rung(6, 1.02)]
+    assert highest_faithful(ladder) == 2 * 10**9  # 6 Gbit/s passing again does not count
+    assert highest_faithful(ladder, tolerance=1.5) == 6 * 10**9
+    assert highest_faithful([rung(1, 2.0), rung(2, 1.0)]) == 0
+    assert highest_faithful([]) == 0

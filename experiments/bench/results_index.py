@@ -44,20 +44,34 @@ def _runs(raw: pd.DataFrame) -> str:
     return str(lo) if lo == hi else f"{lo}–{hi}"
 
 
+#: The noise of a table whose jobs ran once each.
+ONE_RUN = "one run per job: not measured"
+
+
+def _ratio_spread(spread: pd.DataFrame) -> str | None:
+    """How far the K-FAC configs' ratios to SGD moved over repeated runs (SGD's own is 1);
+    None where no job ran more than once."""
+    if not spread.empty:
+        spread = spread[(spread["runs"] > 1) & ~spread["first_order"].astype(bool)]
+    if spread.empty:
+        return None
+    middle = (spread["vs_sgd_max"] + spread["vs_sgd_min"]) / 2
+    width = 100 * (spread["vs_sgd_max"] - spread["vs_sgd_min"]) / middle
+    return (
+        f"the ratio to SGD spans {width.median():.0f}% of itself over the runs (median "
+        f"over configs), {width.max():.0f}% at most"
+    )
+
+
 def _noise(name: str, raw: pd.DataFrame, results: Path) -> str:
     """How much the table's headline numbers moved between repeated runs."""
+    if name == "network":  # its jobs repeat per rate, which the page's own frame keeps apart
+        frame = takeaways.read_result(results, "network.csv")
+        return _ratio_spread(frame if frame is not None else pd.DataFrame()) or ONE_RUN
     if name in ("ablation", "time_breakdown", "second_order_update", "scaling") and not raw.empty:
-        spread = tables.vs_sgd_spread(raw)
-        if not spread.empty:  # K-FAC configs repeated; SGD's own ratio is 1 by definition
-            spread = spread[(spread["runs"] > 1) & ~spread["first_order"].astype(bool)]
-        if spread.empty:
-            return "one run per job: not measured"
-        middle = (spread["vs_sgd_max"] + spread["vs_sgd_min"]) / 2
-        width = 100 * (spread["vs_sgd_max"] - spread["vs_sgd_min"]) / middle
-        text = (
-            f"the ratio to SGD spans {width.median():.0f}% of itself over the runs (median "
-            f"over configs), {width.max():.0f}% at most"
-        )
+        text = _ratio_spread(tables.vs_sgd_spread(raw))
+        if text is None:
+            return ONE_RUN
         errors = takeaways.read_result(results, "scaling_errors.csv") if name == "scaling" else None
         if errors is not None:
             held = takeaways.held_out_errors(errors)[0]
