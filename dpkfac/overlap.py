@@ -243,7 +243,7 @@ class OverlapEngine:
     def __init__(self, ctx: OverlapContext) -> None:
         self.ctx = ctx
         self.comm = ctx.comm
-        self.bcast_comm = self.comm.duplicate()
+        self.bcast_comm = self.comm.duplicate("exchange")
         self.layers = list(ctx.layers)
         self.layers_of: dict[int, list[KFACLayer]] = {}
         for layer in self.layers:
