@@ -2,17 +2,25 @@
 
 * the trace is JSON Perfetto reads: every event has a name, a phase, a time, a process
   and a thread; every collective's slice begins once and ends once, not before it began,
-  when its work's future completes or, without one, when the timeline sees it done.
+  when its work's future completes or, without one, when the timeline sees it done;
+* the benchmark's ``trace=true`` writes one trace of both ranks and both strategies.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from dpkfac.timeline import Timeline, merge
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def check_valid(trace: dict[str, Any]) -> None:
@@ -92,3 +100,28 @@ def test_a_paused_timeline_records_nothing_and_merged_ranks_stay_apart() -> None
     check_valid(merged)
     spans = [e for e in merged["traceEvents"] if e["ph"] == "X"]
     assert [e["pid"] for e in spans] == [1, 0]  # time-ordered, each rank its own process
+
+
+@pytest.mark.distributed
+def test_the_benchmark_writes_one_trace_of_every_rank_and_strategy(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [
+        "model=mlp",
+        "strategies=[none,dp_kfac_owner_overlap]",
+        "world_size=2",
+        "warmup=3",
+        "steps=2",
+        "trace=true",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    cmd = [sys.executable, "-m", "experiments.bench", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    check_valid(trace)
+    steps = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "step"]
+    seen = {(e["pid"], e["args"]["strategy"], e["args"]["step"]) for e in steps}
+    strategies = ("none", "dp_kfac_owner_overlap")
+    assert seen == {(r, s, i) for r in (0, 1) for s in strategies for i in (3, 4)}
+    tracks = {e["cat"] for e in trace["traceEvents"] if e["ph"] == "b"}
+    assert tracks == {"group main", "group exchange"}
