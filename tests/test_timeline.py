@@ -3,6 +3,12 @@
 * the trace is JSON Perfetto reads: every event has a name, a phase, a time, a process
   and a thread; every collective's slice begins once and ends once, not before it began,
   when its work's future completes or, without one, when the timeline sees it done;
+* on an overlapped owner-reduction step at P=2 (own hooks and DDP's), on a model whose
+  last bucket is a large non-K-FAC embedding, the events are in causal order: a bucket
+  is ready, then its collectives launch, complete and are seen reduced; its layers are
+  preconditioned after that, their updates launched after that and landed before
+  ``step()`` returns; and the engine launches every update exchange before it waits for
+  the embedding's all-reduce;
 * the benchmark's ``trace=true`` writes one trace of both ranks and both strategies.
 """
 
@@ -12,15 +18,22 @@ import json
 import os
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from dist_utils import run_ranks
+from strategy_cases import VOCAB, embed_batch, embed_net, make_preconditioner
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from dpkfac.timeline import Timeline, merge
 
 ROOT = Path(__file__).resolve().parents[1]
+CAP_MB = 256 / 2**20  # a bucket cap that gives each layer a bucket of its own
 
 
 def check_valid(trace: dict[str, Any]) -> None:
@@ -100,6 +113,92 @@ def test_a_paused_timeline_records_nothing_and_merged_ranks_stay_apart() -> None
     check_valid(merged)
     spans = [e for e in merged["traceEvents"] if e["ph"] == "X"]
     assert [e["pid"] for e in spans] == [1, 0]  # time-ordered, each rank its own process
+
+
+# --------------------------------------------------------------- distributed
+def _traced(rank: int, world_size: int, how: str | None) -> list[dict[str, Any]]:
+    """Four overlapped owner-reduction steps (the first places the layers, DDP rebuilds its
+    buckets after it); the trace of the last two and the layers each rank owns."""
+    inner = embed_net()
+    model: nn.Module = inner
+    if how == "ddp":
+        model = DistributedDataParallel(inner, bucket_cap_mb=CAP_MB)
+    pre = make_preconditioner(
+        model, "dp_kfac", grad_reduction="owner", overlap=True, bucket_cap_mb=CAP_MB
+    )
+    tl = Timeline(rank=rank, enabled=False)
+    pre.timeline = tl
+    for step in range(4):
+        tl.enabled = step >= 2  # DDP rebuilds its buckets after the first iteration
+        ids, y = embed_batch(step, rank)
+        with tl.span("step", "step", step=step):
+            with tl.span("backward", "step"):
+                F.cross_entropy(model(ids), y).backward()
+            with tl.span("pre.step()", "step"):
+                pre.step()
+        inner.zero_grad()
+    owned = [name for name, layer in pre.layers.items() if layer.owner == rank]
+    return [tl.trace(), owned]
+
+
+def _by_step(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    steps = [e for e in events if e["ph"] == "X" and e["name"] == "step"]
+    return [[e for e in events if s["ts"] <= e["ts"] <= s["ts"] + s["dur"]] for s in steps]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", [None, "ddp"])
+def test_an_overlapped_steps_events_are_in_causal_order(how: str | None) -> None:
+    results = run_ranks(_traced, 2, how)
+    merged = merge([trace for trace, _ in results])
+    check_valid(merged)
+    for rank, (trace, owned) in enumerate(results):
+        events = [e for e in trace["traceEvents"] if e["ph"] != "M"]
+        ends = {e["id"]: e for e in events if e["ph"] == "e"}
+        steps = _by_step(events)
+        assert len(steps) == 2
+        for step in steps:
+            assert _causal(step, ends, owned), rank
+
+
+def _causal(step: list[dict[str, Any]], ends: dict[int, dict[str, Any]], owned: list[str]) -> bool:
+    def one(name: str, **args: Any) -> dict[str, Any]:
+        (event,) = [e for e in step if e["name"] == name and args.items() <= e["args"].items()]
+        return event
+
+    backward, pre_step = one("backward"), one("pre.step()")
+    step_end = pre_step["ts"] + pre_step["dur"]
+    ready = [e for e in step if e["name"] == "bucket ready"]
+    buckets = [e["args"]["bucket"] for e in ready]
+    assert len(buckets) >= 3 and buckets == sorted(buckets)
+    launches = defaultdict(list)
+    for e in step:
+        if e["ph"] == "b":
+            launches[(e["args"].get("bucket"), e["args"]["part"])].append(e)
+    embedding = buckets[-1]  # the last bucket holds the embedding alone: no K-FAC layer
+    assert ready[-1]["args"]["params"] == 1 and not launches[(embedding, "kfac")]
+    (rest,) = launches[(embedding, "rest")]
+    assert rest["args"]["bytes"] == VOCAB * 8 * 8
+    preconditioned = [e for e in step if e["name"] == "precondition"]
+    assert sorted(e["args"]["layer"] for e in preconditioned) == sorted(owned)
+    for b, mark in zip(buckets, ready, strict=True):
+        assert backward["ts"] <= mark["ts"] <= backward["ts"] + backward["dur"]
+        kfac = launches[(b, "kfac")]
+        reduced = [e for e in step if e["name"] == "bucket K-FAC gradients reduced"]
+        (seen,) = [e for e in reduced if e["args"]["bucket"] == b]
+        for launch in kfac + launches[(b, "rest")]:
+            assert mark["ts"] <= launch["ts"] <= ends[launch["id"]]["ts"] <= step_end
+        assert all(ends[launch["id"]]["ts"] <= seen["ts"] for launch in kfac)
+        mine = [e for e in preconditioned if e["args"]["bucket"] == b]
+        assert all(seen["ts"] <= e["ts"] for e in mine)
+        for launch in launches[(b, "updates")]:
+            assert all(e["ts"] + e["dur"] <= launch["ts"] for e in mine)
+    # Every exchange is launched before the engine waits for the embedding's all-reduce.
+    waits = [e for e in step if e["name"] == "grad_comm" and e["args"].get("part") == "rest"]
+    (wait,) = [e for e in waits if e["args"]["bucket"] == embedding]
+    exchanges = [e for (_, part), es in launches.items() if part == "updates" for e in es]
+    assert exchanges and all(e["ts"] <= wait["ts"] for e in exchanges)
+    return True
 
 
 @pytest.mark.distributed
