@@ -24,16 +24,9 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from experiments.errors import ExperimentError
 from experiments.preconditioning import UPDATE_INTERVALS, node_options, uses_preconditioner
 from experiments.schedules import build_step_schedules
-
-
-class ExperimentError(Exception):
-    """A mistake in the configuration, the data or a checkpoint.
-
-    The entry points print these as one line and exit with status 2 instead of
-    showing a traceback: they are the user's to fix, not the code's.
-    """
 
 
 def plain(node: Any) -> Any:
@@ -172,6 +165,15 @@ TABLES = {
             "measured + predicted",
             "Iteration time at P=1, 2, 4 and predicted to 256; the cost model's per-phase error "
             "with the predicted world size held out (scaling_errors.csv).",
+        ),
+        Table(
+            "network",
+            "measured",
+            "experiments.bench.network_table:write_network",
+            "measured + predicted",
+            "SGD and every K-FAC config on an emulated cluster network (a namespace per rank, "
+            "links shaped to 1 Gbit/s and one more rate), exposed and hidden communication, "
+            "against each config's floor and the cost model's prediction from the link probe.",
         ),
         Table(
             "convergence",
@@ -376,7 +378,7 @@ def compose_config(config_name: str, overrides: Sequence[str] = ()) -> DictConfi
 
 
 #: Config groups whose keys are fixed by their files in conf/ (``+key`` additions refused).
-STRICT_GROUPS = ("trainer", "data", "logger", "paths", "launcher")
+STRICT_GROUPS = ("trainer", "data", "logger", "paths", "launcher", "network")
 
 
 def known_keys(group: str) -> set[str]:

@@ -34,6 +34,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from experiments import network as network_lib
 from experiments.config import ExperimentError, first_line, launcher_name, validate
 from experiments.data.loading import DataModule
 from experiments.distributed import (
@@ -250,6 +251,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     """
     validate(cfg)
     threaded = launcher_name(cfg) == "threads"
+    network = network_lib.from_config(cfg.get("network"))
+    if network is not None and "WORLD_SIZE" not in os.environ:
+        return _run_on_network(cfg, network, threaded)
     previous = torch.get_num_threads()
     torch.set_num_threads(
         threads_per_rank(cfg.trainer.get("threads", "auto"), 1 if threaded else None)
@@ -265,6 +269,51 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             return _run_rank(cfg, env)
     finally:
         torch.set_num_threads(previous)  # a caller's own setting (tests, notebooks)
+
+
+def _run_on_network(
+    cfg: DictConfig, network: network_lib.Network, threaded: bool
+) -> dict[str, Any]:
+    """``network=emulated``: ``network.world_size`` ranks, a node each; rank 0's result.
+
+    The ranks are those torchrun would start on a cluster of that many nodes (the
+    benchmark's launcher, :func:`experiments.bench.launch.launch`, one elastic agent per
+    node), each running :func:`run` on this config, resolved here so that every rank
+    writes to this run's folder. The host's cores are shared out among the ranks.
+
+    Raises:
+        ExperimentError: ``launcher=threads`` (its ranks share one process, so no network
+            lies between them), a world size that fills fewer than two nodes, or
+            (:class:`experiments.network.NetworkUnavailable`) a host that cannot build it.
+    """
+    from experiments.bench.launch import launch
+
+    if threaded:
+        raise ExperimentError(
+            "network=emulated with launcher=threads: threads of one process share no network; "
+            "use launcher=torchrun (the default)"
+        )
+    world_size = cfg.network.get("world_size")
+    if not isinstance(world_size, int) or isinstance(world_size, bool):
+        raise ExperimentError(
+            f"invalid value network.world_size={world_size!r}: expected a positive integer"
+        )
+    network.nodes(world_size)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    threads = max(1, available_cores() // world_size)
+    log.info("training on %s, %d rank(s), %d thread(s) each", network.label, world_size, threads)
+    spec = {"config": resolved}
+    result: dict[str, Any] = launch(
+        _network_rank, spec, world_size, threads=threads, network=network
+    )[0]
+    assert isinstance(resolved, dict)
+    log.info("%s", summary_line(result, Path(resolved["output_dir"])))
+    return result
+
+
+def _network_rank(spec: dict[str, Any]) -> dict[str, Any]:
+    """One rank of ``network=emulated`` (started by the elastic agent of its node)."""
+    return run(OmegaConf.create(spec["config"]))
 
 
 def _run_threads(cfg: DictConfig) -> dict[str, Any]:

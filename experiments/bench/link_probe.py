@@ -20,20 +20,40 @@ few probes in the step's conditions:
 They take well under a second per job and are stored in the job's rows
 (``link_probes``). :func:`experiments.bench.predict.probe_links` fits them;
 the scaling table's held-out predictions take their links from the probes of
-the world size they predict, never from that world size's phase timings.
+the world size they predict, never from that world size's phase timings. On an
+emulated network (:mod:`experiments.network`) they time that network at the job's
+rate, and are all the network table's predictions take from the run.
+
+There, every job also measures the highest rate the host carries faithfully
+(:func:`faithful_rate`): above some rate the cores cannot push the bytes through
+veth, bridge and gloo fast enough, and an "emulated" 10 Gbit/s link is really a
+few. Each node reshapes its link along a ladder of rates and times a 16 MiB
+all-reduce at each; the job's rate is restored before anything else runs.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["LINK_PROBE_KINDS", "LINK_PROBE_NUMELS", "probe_links", "sync"]
+from dpkfac.plan.hardware import wire_bytes
+from experiments.network import NodeLink
+
+__all__ = [
+    "FAITHFUL_LADDER",
+    "LINK_PROBE_KINDS",
+    "LINK_PROBE_NUMELS",
+    "faithful_rate",
+    "network_record",
+    "probe_links",
+    "sync",
+]
 
 #: Collective kinds probed (those of the strategies the tables measure on gloo).
 LINK_PROBE_KINDS = ("allreduce", "broadcast")
@@ -44,6 +64,15 @@ LINK_PROBE_NUMELS = (16384, 524288, 4194304)
 LINK_PROBE_REPEATS = 7
 #: Bytes of scratch memory written before each probe (beyond this machine's caches).
 FLUSH_BYTES = 64 * 2**20
+
+
+#: Rates (bits/s) of the faithful-rate ladder, the float32 elements timed at each (16 MiB),
+#: its timed repeats, and how much slower than its wire time an all-reduce may be and
+#: still count as carried faithfully.
+FAITHFUL_LADDER = (5 * 10**8, 10**9, 2 * 10**9, 3 * 10**9, 4 * 10**9, 6 * 10**9, 10**10)
+FAITHFUL_NUMEL = 4 * 2**20
+FAITHFUL_REPEATS = 3
+FAITHFUL_TOLERANCE = 1.15
 
 
 def sync(device: torch.device) -> None:
@@ -58,6 +87,29 @@ def _op(kind: str) -> Callable[[torch.Tensor], object]:
     if kind == "broadcast":
         return lambda t: dist.broadcast(t, src=0)
     raise ValueError(f"unknown probe kind {kind!r}; expected one of {LINK_PROBE_KINDS}")
+
+
+def _timed(
+    op: Callable[[torch.Tensor], object],
+    numel: int,
+    repeats: int,
+    device: torch.device,
+    scratch: torch.Tensor,
+) -> float:
+    """Median over ``repeats`` (after one untimed) of the least time over ranks of ``op``."""
+    times = []
+    for _ in range(repeats + 1):
+        buf = torch.ones(numel, device=device)
+        scratch.add_(1.0)
+        sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        op(buf)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    least = torch.tensor(times[1:], dtype=torch.float64, device=device)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    return statistics.median(least.tolist())
 
 
 def probe_links(
@@ -80,20 +132,65 @@ def probe_links(
     scratch = torch.zeros(FLUSH_BYTES // 4, device=device)
     out = []
     for kind in kinds:
-        op = _op(kind)
         for n in numels:
-            times = []
-            for _ in range(repeats + 1):
-                buf = torch.ones(n, device=device)
-                scratch.add_(1.0)
-                sync(device)
-                dist.barrier()
-                start = time.perf_counter()
-                op(buf)
-                sync(device)
-                times.append(time.perf_counter() - start)
-            least = torch.tensor(times[1:], dtype=torch.float64, device=device)
-            dist.all_reduce(least, op=dist.ReduceOp.MIN)
-            seconds = statistics.median(least.tolist())
+            seconds = _timed(_op(kind), n, repeats, device, scratch)
             out.append({"kind": kind, "nbytes": 4 * n, "seconds": seconds, "world_size": p})
     return out
+
+
+def faithful_rate(
+    device: torch.device,
+    link: NodeLink,
+    *,
+    ladder: Sequence[int] = FAITHFUL_LADDER,
+    numel: int = FAITHFUL_NUMEL,
+    repeats: int = FAITHFUL_REPEATS,
+) -> dict[str, Any]:
+    """The highest rate of ``ladder`` this host carries faithfully, on the job's own network.
+
+    At each rate every node's link (both ends) is reshaped by its first local rank and an
+    all-reduce of ``numel`` floats is timed as :func:`probe_links` times one. A rate is
+    faithful when that takes at most :data:`FAITHFUL_TOLERANCE` times its wire bytes at the
+    rate; the answer is the highest rate below which every rung was faithful (0: not even
+    the lowest). The link's own rate is restored before returning, also on error.
+
+    Returns:
+        ``faithful_bps`` and ``ladder``: per rung ``rate_bps``, ``seconds`` and
+        ``wire_seconds`` (the buffer's wire bytes at the rate).
+    """
+    p = dist.get_world_size()
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    scratch = torch.zeros(FLUSH_BYTES // 4, device=device)
+    rungs = []
+    try:
+        for rate in ladder:
+            if first:
+                link.set_rate(int(rate))
+            dist.barrier()
+            seconds = _timed(dist.all_reduce, numel, repeats, device, scratch)
+            wire = wire_bytes("allreduce", 4 * numel, p) * 8 / rate
+            rungs.append({"rate_bps": int(rate), "seconds": seconds, "wire_seconds": wire})
+    finally:
+        if first:
+            link.set_rate(link.rate_bps)
+        dist.barrier()
+    faithful = 0
+    for rung in rungs:
+        if rung["seconds"] > FAITHFUL_TOLERANCE * rung["wire_seconds"]:
+            break
+        faithful = rung["rate_bps"]
+    return {"faithful_bps": faithful, "ladder": rungs}
+
+
+def network_record(link: NodeLink | None, faithful: dict[str, Any] | None) -> dict[str, Any]:
+    """What a job's rows record of its network: loopback, or the emulated rate and the
+    faithful maximum measured on it (:func:`faithful_rate`'s answer and ladder)."""
+    if link is None:
+        return {"network": "loopback", "network_rate_bps": None, "network_faithful_bps": None,
+                "network_probe": None}  # fmt: skip
+    return {
+        "network": "emulated",
+        "network_rate_bps": link.rate_bps,
+        "network_faithful_bps": faithful["faithful_bps"] if faithful else None,
+        "network_probe": faithful["ladder"] if faithful else None,
+    }

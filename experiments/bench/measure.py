@@ -43,7 +43,9 @@ import torch.distributed as dist
 
 from dpkfac.memory import cuda_peak_bytes, process_memory, reset_cuda_peak
 from dpkfac.timeline import Timeline
-from experiments.bench.link_probe import probe_links, sync
+from experiments.bench.link_probe import faithful_rate, network_record, probe_links, sync
+from experiments.distributed import deadline
+from experiments.network import node_link
 
 #: The optimizer every strategy's steps use, as :data:`dpkfac.costmodel.OPTIMIZER_STATE`
 #: names it: what the predicted whole-process memory assumes (:class:`_Stepper`).
@@ -148,7 +150,9 @@ def process_group(device: str, timeout_s: float) -> Iterator[tuple[int, int, tor
         )
         return
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    # Joining has no timeout of its own that reliably fires when a peer is gone.
+    with deadline("init_process_group", timeout_s, os.environ.get("RANK", "?")):
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         yield dist.get_rank(), dist.get_world_size(), dev
     finally:
@@ -333,8 +337,11 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
     warmup = int(spec["warmup"])
     group = process_group(spec.get("device", "auto"), float(spec.get("timeout_s", 300)))
     with flushed_denormals(), group as (rank, size, device):
-        # The links as this job's steps meet them, before any model is built.
-        probes = probe_links(device) if spec.get("probe_links", True) else []
+        # On an emulated network, the highest rate it carries faithfully (its rate restored
+        # after); then the links as this job's steps meet them, before any model is built.
+        link, probing = node_link(), spec.get("probe_links", True)
+        faithful = faithful_rate(device, link) if link is not None and probing else None
+        probes = probe_links(device) if probing else []
         steppers = [_Stepper(spec, member, rank, device) for member in spec["strategies"]]
         records: dict[str, list[dict[str, Any]]] = {s.name: [] for s in steppers}
         # The measured steps' timeline (spec["trace"]), not the warm-up's.
@@ -355,6 +362,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
             "device": str(device),
             "backend": dist.get_backend() if dist.is_initialized() else "none",
             "link_probes": probes,
+            "network": network_record(link, faithful),
             "strategies": {s.name: s.summary(records[s.name]) for s in steppers},
             "trace": None if timeline is None else timeline.trace(),
         }

@@ -26,6 +26,7 @@ from typing import Any
 import matplotlib
 import pandas as pd
 from matplotlib import colors as mcolors
+from matplotlib import patches as mpatches
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
@@ -402,4 +403,68 @@ def ablation_bars(frame: pd.DataFrame) -> Figure:
             ax.set_title(f"{model}, {setting}: {title.format(p=p)}", fontsize=9)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside upper center", ncol=4, fontsize=8)
+    return fig
+
+
+def network_bars(frame: pd.DataFrame) -> Figure:
+    """Iteration per config on the emulated network, measured beside predicted, per panel.
+
+    One panel per (model, setting, rate). Each config has a solid bar of its measured
+    iteration, split into compute (its colour) and exposed communication (hatched), with
+    the range over runs as an error bar; beside it a hollow bar outlined in its colour, the
+    cost model's prediction from the probe alone; a black tick marks its floor.
+    """
+    from experiments.network import format_rate
+
+    panels = list(frame.groupby(["model", "setting", "rate_bps"], sort=False))
+    cols = min(len(panels), 4)
+    rows = -(-len(panels) // cols)
+    fig, axes = _figure(rows, cols, (4.4 * cols, 3.6 * rows))
+    predicted = "pred_iteration_ms" in frame
+    width = 0.4 if predicted else 0.7
+    for ax, ((model, setting, rate), g) in zip(axes.flat, panels, strict=False):
+        xs = list(range(len(g)))
+        colors = [strategy_color(s) for s in g["strategy"]]
+        measured = [x - width / 2 if predicted else x for x in xs]
+        computed = (g["iteration_ms"] - g["exposed_comm_ms"]).clip(lower=0.0)
+        ax.bar(measured, computed, width, color=colors)
+        ax.bar(measured, g["exposed_comm_ms"], width, bottom=computed, color=colors,
+               hatch="///", edgecolor="white", linewidth=0)  # fmt: skip
+        low = (g["iteration_ms"] - g["iteration_min_ms"]).clip(lower=0.0).fillna(0.0)
+        high = (g["iteration_max_ms"] - g["iteration_ms"]).clip(lower=0.0).fillna(0.0)
+        ax.errorbar(measured, g["iteration_ms"], yerr=[low, high], fmt="none", ecolor="black",
+                    capsize=2, linewidth=0.8)  # fmt: skip
+        if predicted:
+            ax.bar([x + width / 2 for x in xs], g["pred_iteration_ms"], width, fill=False,
+                   edgecolor=colors, linewidth=1.2)  # fmt: skip
+        ax.scatter(measured, g["floor_ms"], marker="D", s=16, facecolor="white",
+                   edgecolor="black", linewidth=0.8, zorder=3)  # fmt: skip
+        ax.set_xticks(xs, g["strategy"], rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("ms per iteration")
+        ax.set_title(f"{model}, {setting}, {format_rate(rate)}", fontsize=9)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    gray = "#888888"
+    handles = [
+        mpatches.Patch(color=gray, label="measured: compute"),
+        mpatches.Patch(
+            facecolor=gray, hatch="///", edgecolor="white", label="measured: exposed comm"
+        ),
+        Line2D(
+            [],
+            [],
+            marker="D",
+            markerfacecolor="white",
+            markeredgecolor="black",
+            linestyle="none",
+            markersize=5,
+            label="floor",
+        ),
+        Line2D([], [], color="black", linewidth=0.8, label="range over runs"),
+    ]
+    if predicted:
+        handles.insert(
+            2, mpatches.Patch(fill=False, edgecolor=gray, label="predicted (probe only)")
+        )
+    fig.legend(handles=handles, loc="outside upper center", ncol=len(handles), fontsize=8)
     return fig

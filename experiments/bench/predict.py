@@ -466,6 +466,17 @@ def probe_links(row: Mapping[str, Any]) -> dict[str, Link]:
     return {kind: fitted.links[kind] for kind in {e["kind"] for e in probes}}
 
 
+def probe_hardware(row: Mapping[str, Any]) -> Hardware:
+    """The hardware model of a row from its job's link probes alone: :data:`BASE_PRESET`'s
+    engines with the probes' links (:func:`probe_links`).
+
+    Nothing in it is fitted to any row's phase timings, so a prediction on it is held out
+    from every measured step; the network table predicts its rows this way.
+    """
+    base = PRESETS[BASE_PRESET]
+    return replace(base, name="probes", links={**base.links, **probe_links(row)})
+
+
 def phase_errors(errors: pd.DataFrame) -> pd.DataFrame:
     """The per-phase rows of :func:`scaling_frames`'s errors (without the iteration rows)."""
     return errors[errors["phase"] != ITERATION] if not errors.empty else errors

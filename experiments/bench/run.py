@@ -40,6 +40,7 @@ rows for a callback, each with its node of ``conf/benchmark.yaml`` (``task=<name
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -54,6 +55,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dpkfac.timeline import merge
 from dpkfac.timeline import write as write_trace
+from experiments import network as network_lib
 from experiments.bench.aggregate import aggregate, kind_weights
 from experiments.bench.measure import machine, step_kinds
 from experiments.config import (
@@ -187,6 +189,10 @@ def job_spec(
         "paper": plain(cfg.workload.get("paper")) or {},
     }
     spec["setting"] = plain(cfg.setting)
+    network = network_lib.from_config(plain(cfg.get("network")))
+    if network is not None:
+        network.nodes(int(cfg.world_size))  # refuses a world size that fills no two nodes
+    spec["network"] = None if network is None else dataclasses.asdict(network)
     spec["strategies"] = [_member(m) for m in members]
     spec["interleaved"] = len(members) > 1
     intervals = int(cfg.setting.factor_update_steps), int(cfg.setting.inv_update_steps)
@@ -259,6 +265,7 @@ def _timing_row(
         fusion_plan=json.dumps(first.get("fusion_plan")),
         measured_hardware=first.get("hardware") or "",
         link_probes=json.dumps(results[0].get("link_probes") or []),
+        **_network_columns(results[0].get("network")),
         configuration=first.get("configuration") or "",
     )
     for key, value in list(row.items()):
@@ -267,6 +274,19 @@ def _timing_row(
     row["kind_weights"] = json.dumps(kind_weights(*intervals))
     row["error"] = ""
     return row
+
+
+def _network_columns(record: dict[str, Any] | None) -> dict[str, Any]:
+    """The network a job ran on (:func:`experiments.bench.link_probe.network_record`), as
+    row columns: ``network``, ``network_rate_bps``, ``network_faithful_bps`` and the faithful
+    probe's ladder as JSON (``network_probe``)."""
+    record = record or {"network": "loopback"}
+    return {
+        "network": record["network"],
+        "network_rate_bps": record.get("network_rate_bps"),
+        "network_faithful_bps": record.get("network_faithful_bps"),
+        "network_probe": json.dumps(record.get("network_probe")),
+    }
 
 
 def _what_ran(spec: dict[str, Any], member: dict[str, Any]) -> dict[str, Any]:
@@ -347,21 +367,28 @@ def run(
         return convergence_scale.run_job(cfg, out)
     spec = job_spec(cfg, overrides, output_dir)
     names, size = "+".join(m["name"] for m in spec["strategies"]), spec["world_size"]
+    network = network_lib.Network(**spec["network"]) if spec["network"] else None
+    where = network.label if network is not None else "loopback"
     if spec["task"] == "timing":
         fn, make_rows = run_rank, timing_rows
         model, setting = spec["model"]["name"], spec["setting"]["name"]
-        log.info("timing %s on %s, P=%s, %s setting", names, model, size, setting)
+        log.info("timing %s on %s, P=%s, %s setting, %s", names, model, size, setting, where)
     else:
         fn, make_rows = run_convergence, convergence_rows
         experiment = spec["train_config"]["name"]
-        log.info("convergence: experiment=%s strategy=%s, P=%s", experiment, names, size)
+        log.info("convergence: experiment=%s strategy=%s, P=%s, %s", experiment, names, size, where)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # ranks started by torchrun
+        if network is not None:
+            raise ExperimentError(
+                "network=emulated starts every rank itself, one node per network namespace: "
+                "run python -m experiments.bench without torchrun"
+            )
         spec["world_size"] = int(os.environ["WORLD_SIZE"])
         spec["gather"] = True
         results = fn(spec)
         results = results if isinstance(results, list) else [results]
     else:
-        results = launch(fn, spec, int(spec["world_size"]), threads=int(spec["threads"]))
+        results = launch(fn, spec, int(size), threads=int(spec["threads"]), network=network)
     if spec.get("trace") and output_dir is not None and int(os.environ.get("RANK", "0")) == 0:
         path = write_trace(merge([r["trace"] for r in results]), Path(output_dir) / "trace.json")
         log.info("timeline of the measured steps: %s (open it at https://ui.perfetto.dev)", path)

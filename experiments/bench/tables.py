@@ -140,7 +140,7 @@ def vs_sgd_spread(df: pd.DataFrame) -> pd.DataFrame:
     rows["first_order"] = [first_order(r) for r in rows.to_dict("records")]
     if not rows["first_order"].any():
         return pd.DataFrame()
-    rows["ratio"] = _over_sgd(rows, [*JOB, "seed"], "iteration_s")
+    rows["ratio"] = over_sgd(rows, [*JOB, "seed"], "iteration_s")
     out = rows.dropna(subset=["ratio"]).groupby([*JOB, "strategy"], dropna=False, sort=False)
     return out.agg(
         vs_sgd_min=("ratio", "min"),
@@ -354,12 +354,12 @@ def breakdown_frame(df: pd.DataFrame) -> pd.DataFrame:
     wide = pd.DataFrame(rows)
     if wide.empty:
         return wide
-    wide["vs_sgd"] = _over_sgd(wide, ["model", "setting", "world_size"], "iteration_ms")
+    wide["vs_sgd"] = over_sgd(wide, ["model", "setting", "world_size"], "iteration_ms")
     wide = with_spread(wide, vs_sgd_spread(df), "world_size")
     return plots.in_order(wide, ["setting", "model", "world_size", "strategy"])
 
 
-def _over_sgd(frame: pd.DataFrame, group: list[str], column: str) -> pd.Series:
+def over_sgd(frame: pd.DataFrame, group: list[str], column: str) -> pd.Series:
     """``column`` over that of the group's (first) first-order row; NaN where it has none."""
     sgd = frame[frame["first_order"]].drop_duplicates(group).set_index(group)[column]
     keys = zip(*(frame[c] for c in group), strict=True)
@@ -510,7 +510,7 @@ def ablation_frame(df: pd.DataFrame, predict_at: int | None = ABLATION_P) -> pd.
     group = ["model", "setting", "P"]
     for column in ("iteration_ms", "pred_iteration_ms"):
         if column in frame:
-            ratio = _over_sgd(frame, group, column)
+            ratio = over_sgd(frame, group, column)
             at = frame.columns.get_loc(column) + 1
             frame.insert(at, column.removesuffix("iteration_ms") + "vs_sgd", ratio)
     # Groups in order of first appearance, rows in the sweep's order within each.

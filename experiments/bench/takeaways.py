@@ -146,6 +146,56 @@ def ablation(frame: pd.DataFrame) -> list[str]:
     return lines[:2]
 
 
+#: The configuration the network page states first (the project's answer at scale).
+NETWORK_FOCUS = "dp_kfac_owner_overlap"
+
+
+def network(frame: pd.DataFrame) -> list[str]:
+    """At most 5 lines: per model (practical setting, lowest rate) SGD, the focus config and
+    the fastest K-FAC config against their floors; the host's faithful maximum; the cost
+    model's held-out error per step."""
+    from experiments.network import format_rate
+
+    if frame.empty:
+        return []
+    lines = []
+    setting = "practical" if (frame["setting"] == "practical").any() else frame["setting"].iloc[0]
+    rate = frame["rate_bps"].min()
+    here = frame[(frame["setting"] == setting) & (frame["rate_bps"] == rate)]
+    for _, g in here.groupby("model", sort=False):
+        sgd, kfac = g[g["first_order"]], g[~g["first_order"]]
+        if sgd.empty or kfac.empty:
+            continue
+        best = kfac.loc[kfac["iteration_ms"].idxmin()]
+        focus = kfac[kfac["strategy"] == NETWORK_FOCUS]
+        shown = focus.iloc[0] if not focus.empty else best
+        parts = [
+            f"DDP SGD {sgd['iteration_ms'].iloc[0]:.0f} ms",
+            f"{_with_runs(str(shown['strategy']), shown)} SGD, {shown['vs_floor']:.2f}× its floor "
+            f"({shown['floor_vs_sgd']:.2f}× SGD)",
+        ]
+        if best["strategy"] != shown["strategy"]:
+            parts.append(f"fastest K-FAC: {_with_runs(str(best['strategy']), best)}")
+        label = g["label"].iloc[0]
+        lines.append(f"- **{label}, {setting}, {format_rate(rate)}**: " + "; ".join(parts) + ".")
+    jobs = frame.drop_duplicates(["model", "setting", "rate_bps"])
+    faithful = jobs["faithful_bps"].dropna()
+    if not faithful.empty:
+        lines.append(
+            f"- This host carries {format_rate(faithful.median())} faithfully (the median of "
+            f"the probes of {len(faithful)} job(s)); bandwidth is emulated per node both ways, "
+            "latency is the host's."
+        )
+    if "pred_error_%" in frame:
+        errors = frame["pred_error_%"].abs().dropna()
+        if not errors.empty:
+            lines.append(
+                f"- The cost model from the link probe alone misses a step by {errors.mean():.0f}% "
+                f"(mean over {len(errors)} rows; median {errors.median():.0f}%)."
+            )
+    return lines[:5]
+
+
 def convergence(summary: pd.DataFrame, final: pd.DataFrame) -> list[str]:
     """Final test accuracy per strategy (mean ± std over seeds) at each world size."""
     if summary.empty:

@@ -1,0 +1,130 @@
+"""The network table (experiments/bench/network_table.py), built from small rows written here.
+
+Rows of SGD, dp_kfac and an overlapped config at two emulated rates, three runs each (and
+a loopback row, which the table must leave out), with round numbers, so that every split of
+the step (compute, exposed and hidden communication), every floor and every range can be
+checked by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from test_benchmark_tables import COMMON, fake_row
+
+from dpkfac.plan.hardware import wire_bytes
+from experiments.bench import network_table, predict, tables
+
+OVERLAP = {"strategy": "dp_kfac", **COMMON, "grad_reduction": "owner", "overlap": True}
+
+
+def _row(strategy: str, rate: float, seed: int, iteration_ms: float, **over: object) -> dict:
+    """A row of ``strategy`` on the emulated network at ``rate``, run ``seed``."""
+    base = "dp_kfac_owner" if strategy == "dp_kfac_owner_overlap" else strategy
+    row = fake_row(base, 2, setting="practical")
+    row.update(
+        strategy=strategy,
+        seed=seed,
+        iteration_s=iteration_ms / 1e3,
+        network="emulated",
+        network_rate_bps=rate,
+        network_faithful_bps=3e9,
+        network_probe="[]",
+        link_probes="[]",
+        **over,
+    )
+    if strategy == "dp_kfac_owner_overlap":
+        row["kfac_options"] = json.dumps(OVERLAP)
+    return row
+
+
+def _rows() -> pd.DataFrame:
+    rows = []
+    # At 1 Gbit/s a step's 1.5 MB take 12 ms on the wire; at 2 Gbit/s 6 ms.
+    for rate, slow in ((1e9, 1.0), (2e9, 0.5)):
+        for seed, jitter in ((0, 0.0), (1, 2.0), (2, -1.0)):
+            wire = {"wire_grad_allreduce": 1_500_000}
+            rows.append(_row("none", rate, seed, 10 + 12 * slow + jitter, fwd_bwd_s=0.008, **wire))
+            rows.append(_row("dp_kfac", rate, seed, 20 + 12 * slow + jitter, **wire))
+            rows.append(_row("dp_kfac_owner_overlap", rate, seed, 16 + jitter, **wire))
+    rows.append({**_row("dp_kfac", 1e9, 0, 99.0), "network": "loopback"})
+    return pd.DataFrame(rows)
+
+
+def test_each_step_is_split_into_compute_exposed_and_hidden_communication() -> None:
+    frame = network_table.network_frame(_rows())
+    assert len(frame) == 6  # 3 configs x 2 rates; the loopback row is not the network's
+    one = frame[frame["rate_bps"] == 1e9].set_index("strategy")
+    # dp_kfac's forward/backward (4 ms, no transfer inside) is every row's pure compute;
+    # K-FAC compute 1 + 3 + 0.5 ms; after the last transfer: optimizer 1 ms + other 1 ms.
+    assert one.loc["none", "compute_ms"] == pytest.approx(4 + 1)
+    assert one.loc["dp_kfac", "compute_ms"] == pytest.approx(4 + 4.5 + 2)
+    assert one.loc["dp_kfac", "wire_ms"] == pytest.approx(12.0)
+    # The median run (seed 0: totals 22+32+16 against 24+34+18 and 21+31+15).
+    assert one.loc["dp_kfac", "iteration_ms"] == pytest.approx(32.0)
+    assert one.loc["dp_kfac", "exposed_comm_ms"] == pytest.approx(32 - 10.5)
+    assert one.loc["dp_kfac", "hidden_comm_ms"] == 0.0
+    overlap = one.loc["dp_kfac_owner_overlap"]
+    assert overlap["exposed_comm_ms"] == pytest.approx(16 - 10.5)
+    assert overlap["hidden_comm_ms"] == pytest.approx(12 - 5.5)
+    # Floor: the longer of compute (10.5) and wire + forward (4/3) + after (2).
+    assert overlap["floor_ms"] == pytest.approx(12 + 4 / 3 + 2)
+    assert overlap["vs_floor"] == pytest.approx(16 / (12 + 4 / 3 + 2))
+    assert overlap["floor_vs_sgd"] == pytest.approx((12 + 4 / 3 + 2) / 22)
+    # Ranges over the three runs, each ratio taken within its run.
+    assert (overlap["iteration_min_ms"], overlap["iteration_max_ms"]) == (15.0, 18.0)
+    assert overlap["vs_sgd"] == pytest.approx(16 / 22)
+    assert overlap["vs_sgd_min"] == pytest.approx(min(16 / 22, 18 / 24, 15 / 21))
+    assert int(overlap["runs"]) == 3
+    # The last gradient bucket (DDP's rule; the whole tiny MLP here) goes out after the backward.
+    shapes, _ = predict.row_shapes(_row("dp_kfac", 1e9, 0, 1.0))
+    last = 1e3 * wire_bytes("allreduce", 4 * shapes.num_params, 2) * 8 / 1e9
+    assert overlap["last_bucket_ms"] == pytest.approx(last)
+    assert overlap["floor_ms"] == max(10.5, 4 / 3 + 12 + 2, 4 + last + 2)
+    two = frame[frame["rate_bps"] == 2e9].set_index("strategy")
+    assert two.loc["dp_kfac", "wire_ms"] == pytest.approx(6.0)
+    assert two.loc["dp_kfac", "floor_ms"] == pytest.approx(10.5)  # compute-bound there
+
+
+def test_the_cost_model_predicts_every_row_from_its_probe_alone() -> None:
+    frame = network_table.network_frame(_rows())
+    assert frame["pred_iteration_ms"].gt(0).all()
+    sgd = frame[frame["first_order"]].set_index("rate_bps")["pred_iteration_ms"]
+    for r in frame.itertuples():
+        assert r.pred_vs_sgd == pytest.approx(r.pred_iteration_ms / sgd[r.rate_bps])
+    # Nothing of the rows' timings enters it: slower measured steps, same prediction.
+    slower = _rows()
+    slower["iteration_s"] *= 3
+    again = network_table.network_frame(slower)
+    assert again["pred_iteration_ms"].tolist() == pytest.approx(frame["pred_iteration_ms"].tolist())
+
+
+def test_the_page_opens_with_its_answer_then_the_figure(tmp_path: Path) -> None:
+    paths = tables.write_table("network", _rows(), tmp_path)
+    assert {"csv", "md", "png", "raw"} <= set(paths)
+    lines = paths["md"].read_text().splitlines()
+    assert lines[0].startswith("# K-FAC on an emulated cluster network")
+    figure = next(i for i, x in enumerate(lines) if x.startswith("!["))
+    answer = [x for x in lines[1:figure] if x.strip()]
+    assert 1 <= len(answer) <= 5
+    assert answer[0].startswith("- **mlp label, practical, 1gbit**: DDP SGD 22 ms")
+    assert "dp_kfac_owner_overlap 0.73× (0.71–0.75)" in answer[0]
+    assert any("carries 3gbit faithfully (the median of the probes of 2 job(s)" in x for x in answer)
+    for rate in ("1gbit", "2gbit"):
+        assert f"## mlp label, practical setting, {rate}" in lines
+    headers = [x for x in lines if x.startswith("| strategy | iteration ms")]
+    assert len(headers) == 2 and all(x.count("|") - 1 <= 8 for x in headers)
+    assert "| dp_kfac_owner_overlap | 16 (15–18) | 0.73 (0.71–0.75) |" in paths["md"].read_text()
+    # The committed rows render to the same page (the CSV read back as the sweep's rows).
+    again = tables.write_table("network", tables.load_rows([paths["raw"]]), tmp_path / "again")
+    assert again["md"].read_text() == paths["md"].read_text()
+
+
+def test_a_sweep_without_network_rows_writes_an_empty_page(tmp_path: Path) -> None:
+    rows = pd.DataFrame([{**_row("dp_kfac", 1e9, 0, 30.0), "network": "loopback"}])
+    paths = tables.write_table("network", rows, tmp_path)
+    assert "png" not in paths
+    assert paths["md"].read_text().startswith("# K-FAC on an emulated cluster network")
