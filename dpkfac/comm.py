@@ -326,7 +326,10 @@ class Communicator:
         named after this communicator's :attr:`label`)."""
         timeline = self.timer.timeline
         if timeline is not None and timeline.enabled:
-            timeline.collective(f"{category} {kind}", f"group {self.label}", work, bytes=nbytes)
+            # A CUDA work's future completes at enqueue: its end is when it is seen done.
+            on_cuda = self.device.type == "cuda"
+            name, track = f"{category} {kind}", f"group {self.label}"
+            timeline.collective(name, track, work, future=not on_cuda, bytes=nbytes)
 
     def ddp_hook(
         self, category: str = "grad_allreduce"

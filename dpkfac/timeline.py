@@ -23,9 +23,10 @@ Timestamps are the host's monotonic clock (``time.perf_counter_ns``, one clock f
 every process of a machine), so the traces of a job's ranks merge into one
 (:func:`merge`), one process per rank. On a GPU the same clock records when the
 host issued and observed work, never a device synchronisation: nothing here reads
-a device value, and a collective's future there completes when it is enqueued, so
-on CUDA a collective's end is taken when it was waited on (use ``torch.profiler``
-beside it for kernel times).
+a device value. A CUDA collective's future completes when it is enqueued, so its
+future is not used (``future=False``): its end is when the host first sees the work
+complete (``is_completed()``, an event query, at the next event recorded) or waits
+for it (use ``torch.profiler`` beside it for kernel times).
 
 Recording is cheap (a dict per event, no lock: appends to a list are atomic in
 CPython) but not free; a run without a timeline records nothing.
@@ -144,18 +145,23 @@ class Timeline:
         finally:
             self._local.tags = old
 
-    def collective(self, name: str, track: str, work: Any, **args: Any) -> int | None:
+    def collective(
+        self, name: str, track: str, work: Any, *, future: bool = True, **args: Any
+    ) -> int | None:
         """Record a collective launched now on ``track`` (its process group); its end is
-        recorded when ``work`` completes (module docstring). Returns the slice's id, for
-        :meth:`observed` (None when not recording)."""
+        recorded when ``work`` completes (module docstring): from its future's callback,
+        or with ``future=False`` (a CUDA work, whose future completes at enqueue) when
+        the timeline sees it complete or it is waited for. Returns the slice's id (None
+        when not recording)."""
         if not self.enabled:
             return None
         ident = next(self._ids)
         self.events.append(self._async("b", name, track, ident, _now_us(), self._args(args)))
-        future = None
-        with suppress(RuntimeError, AttributeError):  # gloo's reduce-scatter has none
-            future = work.get_future()
-        if future is None:
+        done: Any = None
+        if future:
+            with suppress(RuntimeError, AttributeError):  # gloo's reduce-scatter has none
+                done = work.get_future()
+        if done is None:
             with self._lock:
                 self._unwatched.append((work, ident, name, track))
             return ident
@@ -163,7 +169,7 @@ class Timeline:
         def ended(_: object) -> None:
             self.events.append(self._async("e", name, track, ident, _now_us(), {}))
 
-        future.then(ended)
+        done.then(ended)
         return ident
 
     def _async(

@@ -99,6 +99,22 @@ def test_a_collective_ends_when_its_future_completes_or_when_it_is_seen_done() -
     assert names == {"rank 3", "main 0"}
 
 
+def test_a_cuda_collective_ends_when_seen_done_not_when_its_future_completes() -> None:
+    """An NCCL work's future completes when it is enqueued: not the collective's end."""
+    tl = Timeline()
+    future: torch.futures.Future[Any] = torch.futures.Future()
+    work = _Work(future)
+    tl.collective("grad_allreduce all_reduce", "group main", work, future=False)
+    future.set_result(None)
+    tl.sweep()
+    assert not [e for e in tl.events if e["ph"] == "e"]
+    work.done = True
+    tl.sweep()
+    (end,) = [e for e in tl.events if e["ph"] == "e"]
+    assert end["args"] == {"seen": "polled"}
+    check_valid(tl.trace())
+
+
 def test_a_paused_timeline_records_nothing_and_merged_ranks_stay_apart() -> None:
     quiet = Timeline(rank=0, enabled=False)
     with quiet.span("step", "step"):
