@@ -185,6 +185,8 @@ class Communicator:
         self.stats = stats if stats is not None else CommStats()
         self.timer = timer if timer is not None else PhaseTimer()
         self._isolate = False
+        #: The name of this communicator's process group on a timeline (its track).
+        self.label = "main"
         self._parent: Communicator | None = None
         self._in_flight: set[int] = set()
 
@@ -234,6 +236,7 @@ class Communicator:
                 assert isinstance(group, dist.ProcessGroup), "a member gets the group itself"
                 sub = self._sibling(group)
                 sub._parent = self
+                sub.label = "ranks " + ",".join(map(str, ranks))
                 out[index] = sub
         return out
 
@@ -251,13 +254,14 @@ class Communicator:
         sibling.tables = self.tables
         return sibling
 
-    def duplicate(self) -> Communicator:
+    def duplicate(self, label: str) -> Communicator:
         """A communicator over a new process group of the same ranks, sharing everything else.
 
         Its collectives run beside this one's without ordering against them
         (dp_kfac's overlap broadcasts on it while gradients are reduced here).
         A collective at construction (every rank calls it). With one rank, or
         no process group, this communicator itself (it never communicates).
+        ``label`` names its group on a timeline.
         """
         if not self.active:
             return self
@@ -268,7 +272,9 @@ class Communicator:
             use_local_synchronization=True,
         )
         assert isinstance(group, dist.ProcessGroup), "every rank is a member of its duplicate"
-        return self._sibling(group)
+        sibling = self._sibling(group)
+        sibling.label = label
+        return sibling
 
     def _solo(self) -> Communicator:
         """A communicator of this rank alone: every call is a no-op that records nothing."""
@@ -308,9 +314,22 @@ class Communicator:
         """
         check_device(flat, self.device, handle.category)
         kind = "allreduce" if fn is dist.all_reduce else "rooted"
-        self.record(handle.category, kind, flat.numel() * flat.element_size())
+        nbytes = flat.numel() * flat.element_size()
+        self.record(handle.category, kind, nbytes)
         self._isolated(handle)
-        handle.works.append(fn(flat, group=self.group, async_op=True, **kwargs))
+        work = fn(flat, group=self.group, async_op=True, **kwargs)
+        handle.works.append(work)
+        self._traced(handle.category, getattr(fn, "__name__", kind), nbytes, work)
+
+    def _traced(self, category: str, kind: str, nbytes: int, work: object) -> None:
+        """Record a launched collective on the timer's timeline, if it has one (on a track
+        named after this communicator's :attr:`label`)."""
+        timeline = self.timer.timeline
+        if timeline is not None and timeline.enabled:
+            # A CUDA work's future completes at enqueue: its end is when it is seen done.
+            on_cuda = self.device.type == "cuda"
+            name, track = f"{category} {kind}", f"group {self.label}"
+            timeline.collective(name, track, work, future=not on_cuda, bytes=nbytes)
 
     def ddp_hook(
         self, category: str = "grad_allreduce"
@@ -330,6 +349,8 @@ class Communicator:
             self.record(category, "allreduce", flat.numel() * flat.element_size())
             flat.div_(self.size)
             work = dist.all_reduce(flat, group=self.group, async_op=True)
+            nbytes = flat.numel() * flat.element_size()
+            self._traced(category, "all_reduce", nbytes, work)
             return work.get_future().then(lambda fut: fut.value()[0])
 
         # DDP checks the hook's annotations as objects; this module's are strings.
@@ -427,6 +448,8 @@ class Communicator:
                         f"dpkfac: {handle.category} collective failed or did not complete "
                         f"within {self.timeout:g}s on rank {self.rank} (phase {phase}): {err}"
                     ) from err
+            if self.timer.timeline is not None:
+                self.timer.timeline.observed(handle.works)
             for finish in handle.finish:
                 finish()
         handle.done = True
@@ -660,6 +683,8 @@ class Communicator:
                 out_list = [out if r == self.rank else f for r, f in enumerate(flats)]
                 handle.finish.append(self._spread(out_list, parts, only=self.rank, scale=True))
             handle.works.append(work)
+            nbytes = sum(f.numel() for f in flats) * like.element_size()
+            self._traced(category, "all_gather" if gather else "reduce_scatter", nbytes, work)
         if not async_op:
             self.wait(handle)
         return handle

@@ -22,27 +22,35 @@ One engine, two sources of gradient buckets:
 
 Either way, on the step's last micro-batch (``accumulation_steps``):
 
-* **Gradient reduction, per bucket.** With ``grad_reduction="allreduce"`` the
-  bucket is all-reduced. With ``grad_reduction="owner"`` its K-FAC layers'
-  gradients are reduce-scattered onto their owners (uneven shards, one per
-  owner, no padding) and the rest is all-reduced. Category ``grad_allreduce``.
+* **Gradient reduction, per bucket**, in two parts launched in this order (category
+  ``grad_allreduce``): what the bucket's K-FAC layers need, and the rest. With
+  ``grad_reduction="allreduce"`` the first is the bucket's all-reduce and there is no
+  rest. With ``grad_reduction="owner"`` the first reduces the K-FAC layers' gradients
+  onto their owners (uneven shards, one per owner, no padding; under DDP one rooted
+  reduce per owner where the backend's reduce-scatter has no future) and the rest is
+  the all-reduce of the other gradients. A layer waits for the first part only: a
+  large non-K-FAC gradient in its bucket (BERT's word embedding, last in the backward
+  pass) stays on the wire while the layer is preconditioned and its update sent.
 * **Factors.** Once every parameter of a layer has its local gradient (its G
   hook, on the output tensor, fired before), the layer's owner folds the
-  pending batch factors into the running averages and, on decomposition
-  steps, decomposes them, while the bucket is in flight.
-* **Preconditioning.** Later hooks poll the launched buckets without blocking,
-  in order. Once a bucket is reduced, the layers it completes are
-  preconditioned by their owners and exchanged (category
-  ``precond_broadcast``): one fused broadcast per owner, or with the owner
-  reduction one all-gather of uneven shards (broadcasts per owner on gloo,
-  which cannot all-gather uneven shards). The exchanges run on a second
-  process group over the same ranks: their launch time depends on when each
-  rank's poll sees its bucket complete, and two groups keep each group's order
-  identical on every rank.
+  pending batch factors into the running averages, so they are not held.
+* **Preconditioning**, once the backward pass has launched every bucket (in the
+  hook that launches the last one, or in ``step()``): the buckets' K-FAC parts
+  are settled in order, and the layers each completes are decomposed (on
+  decomposition steps) and preconditioned by their owners and exchanged
+  (category ``precond_broadcast``): one fused broadcast per owner, or with the
+  owner reduction one all-gather of uneven shards (broadcasts per owner on gloo,
+  which cannot all-gather uneven shards). Not earlier: a hook runs on the
+  backward pass's thread (on a GPU, its stream), so work there delays the launch
+  of every later bucket, whose transfer is the step's critical path where it is
+  large; after the last launch it runs in the shadow of the transfers still on
+  the wire. The exchanges run on a second process group over the same ranks:
+  their launch times differ between ranks, and two groups keep each group's
+  order identical on every rank.
 * **step()** launches what the hooks could not (own buckets holding a
-  parameter without a gradient), waits for the buckets and exchanges left,
-  applies the KL clip and writes the gradients (:meth:`OverlapEngine.finish`).
-  Only the work of the buckets reduced after the last hook remains.
+  parameter without a gradient), does what the last hook did not, waits for
+  the other gradients and the exchanges, applies the KL clip and writes the
+  gradients (:meth:`OverlapEngine.finish`).
 
 Under DDP a non-owner's bucket keeps its local gradients of the layers it does
 not own (DDP copies them into ``.grad``); ``step()`` overwrites them with the
@@ -70,6 +78,7 @@ the hook then all-reduces every bucket, as DDP's default hook does).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -187,26 +196,35 @@ def backward_buckets(params: Sequence[nn.Parameter], cap_bytes: int) -> list[lis
 class _Launched:
     """One gradient bucket whose reduction is in flight.
 
+    A bucket's collectives come in two parts, launched in this order: ``kfac``, what
+    its K-FAC layers' preconditioning waits for (with the owner reduction the
+    reduce-scatter onto the owners, else the bucket's one all-reduce), and ``rest``,
+    the all-reduce of its other gradients, which no layer needs before ``step()``.
+    They are waited for separately, so a layer is preconditioned and its update
+    exchanged while a large bucket of other gradients (BERT's word embedding, the
+    last in the backward pass) is still on the wire.
+
     Attributes:
+        index: the bucket's position in the step's launch order.
         params: the bucket's parameters.
         grads: the tensors reduced in place, one per parameter (``.grad``, or
             DDP's views of its bucket, which DDP copies into ``.grad`` at the
             end of the backward pass).
-        handles: the communicator's handles of the bucket's collectives.
-        future: under DDP, completes once the handles are settled (None: settle
-            the handles with :meth:`Communicator.wait`).
+        kfac: the communicator's handles of the K-FAC part.
+        rest: the handles of the other gradients' all-reduce (empty without the
+            owner reduction).
+        kfac_future: under DDP, completes once ``kfac`` is settled (None: settle the
+            handles with :meth:`Communicator.wait`).
+        future: under DDP, completes once the whole bucket is settled (what DDP waits for).
     """
 
+    index: int
     params: list[torch.Tensor]
     grads: list[torch.Tensor]
-    handles: list[Handle]
+    kfac: list[Handle]
+    rest: list[Handle]
+    kfac_future: torch.futures.Future[torch.Tensor] | None = None
     future: torch.futures.Future[torch.Tensor] | None = None
-
-    def ready(self) -> bool:
-        """Whether the reduction is complete (never blocks)."""
-        if self.future is not None:
-            return self.future.done()
-        return all(w.is_completed() for h in self.handles for w in h.works)
 
 
 class _StepState:
@@ -220,12 +238,15 @@ class _StepState:
         self.layer_left: dict[str, int] = {}
         # Parameters of each layer still without their reduced gradient.
         self.unreduced: dict[str, int] = {}
-        # The reduced gradient of each parameter, once its bucket is settled.
+        # The reduced gradient of each K-FAC layer's parameter, once its bucket's K-FAC part
+        # is settled.
         self.reduced: dict[int, torch.Tensor] = {}
         self.launched: list[_Launched] = []
         self.ddp_buckets: set[int] = set()
-        self.done = 0  # buckets settled (reduced, their layers preconditioned and sent)
-        self.prepared: set[str] = set()
+        # Buckets whose K-FAC part is settled (their layers preconditioned and sent).
+        self.done = 0
+        self.folded: set[str] = set()  # layers whose batch factors are folded
+        self.prepared: set[str] = set()  # layers also decomposed (on decomposition steps)
         self.results: dict[str, Preconditioned] = {}
         self.sends: list[tuple[list[KFACLayer], list[torch.Tensor], Handle]] = []
         # The factors folded this step, per layer, with their device finiteness flags.
@@ -243,7 +264,7 @@ class OverlapEngine:
     def __init__(self, ctx: OverlapContext) -> None:
         self.ctx = ctx
         self.comm = ctx.comm
-        self.bcast_comm = self.comm.duplicate()
+        self.bcast_comm = self.comm.duplicate("exchange")
         self.layers = list(ctx.layers)
         self.layers_of: dict[int, list[KFACLayer]] = {}
         for layer in self.layers:
@@ -328,10 +349,11 @@ class OverlapEngine:
                 f"number {n} since the last step()"
             )
         st.left[self.bucket_of[key]] -= 1
-        ready = self._arrived([param])
+        for layer in self._arrived([param]):
+            self._fold(layer)
         self._launch_own(ready_only=True)
-        self._prepare_all(ready)
-        self._poll(block=False)
+        if len(st.launched) == st.n_buckets:  # the backward pass launched every bucket
+            self._drain()
 
     @torch.no_grad()
     def _ddp_hook(self, _: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -352,12 +374,18 @@ class OverlapEngine:
         st.ddp_buckets.add(index)
         params = list(bucket.parameters())
         grads = list(bucket.gradients())
-        launched = _Launched(params, grads, self._reduce(params, grads))
+        launched = self._launch(params, grads)
         buffer = bucket.buffer()
-        launched.future = self.comm.settled(launched.handles, buffer)
-        st.launched.append(launched)
-        self._prepare_all(self._arrived(params))
-        self._poll(block=False)
+        # One future per part, so each handle is unpacked by one callback only.
+        launched.kfac_future = self.comm.settled(launched.kfac, buffer)
+        rest = self.comm.settled(launched.rest, buffer)
+        launched.future = torch.futures.collect_all([launched.kfac_future, rest]).then(
+            lambda _: buffer
+        )
+        for layer in self._arrived(params):
+            self._fold(layer)
+        if bucket.is_last():  # DDP launched every bucket; it waits for them after this hook
+            self._drain()
         return launched.future
 
     def _arrived(self, params: Sequence[torch.Tensor]) -> list[KFACLayer]:
@@ -375,29 +403,54 @@ class OverlapEngine:
         return ready
 
     # ------------------------------------------------------------- the work
+    def _launch(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> _Launched:
+        """Launch the next bucket's reduction (:meth:`_reduce`) and note it launched."""
+        st = self.state
+        assert st is not None
+        index = len(st.launched)
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        self._instant("bucket ready", bucket=index, params=len(params), bytes=nbytes)
+        kfac, rest = self._reduce(index, params, grads)
+        launched = _Launched(index, params, grads, kfac, rest)
+        st.launched.append(launched)
+        return launched
+
     def _reduce(
-        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
-    ) -> list[Handle]:
-        """Launch one bucket's reduction: an all-reduce, or with the owner reduction a
-        reduce-scatter of the K-FAC layers' gradients onto their owners and an all-reduce of
-        the rest."""
+        self, index: int, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+    ) -> tuple[list[Handle], list[Handle]]:
+        """Launch one bucket's reduction, its K-FAC part first (:class:`_Launched`): an
+        all-reduce, or with the owner reduction a reduce-scatter of the K-FAC layers'
+        gradients onto their owners and then an all-reduce of the rest."""
         cat = "grad_allreduce"
-        if not self.ctx.flags.owner:
-            return [self.comm.allreduce_mean(grads, cat, async_op=True, overlapped=True)]
-        shards: list[list[torch.Tensor]] = [[] for _ in range(self.comm.size)]
-        others = []
-        for p, g in zip(params, grads, strict=True):
-            layers = self.layers_of.get(id(p))
-            if layers:
-                shards[self._sender(layers[0])].append(g)
-            else:
-                others.append(g)
-        return [
-            self.comm.reduce_scatter_mean(
+        with self._tags(bucket=index, part="kfac"):
+            if not self.ctx.flags.owner:
+                whole = self.comm.allreduce_mean(grads, cat, async_op=True, overlapped=True)
+                return [whole], []
+            shards: list[list[torch.Tensor]] = [[] for _ in range(self.comm.size)]
+            others = []
+            for p, g in zip(params, grads, strict=True):
+                layers = self.layers_of.get(id(p))
+                if layers:
+                    shards[self._sender(layers[0])].append(g)
+                else:
+                    others.append(g)
+            kfac = self.comm.reduce_scatter_mean(
                 shards, cat, async_op=True, overlapped=True, futures=self.ctx.ddp is not None
-            ),
-            self.comm.allreduce_mean(others, cat, async_op=True, overlapped=True),
-        ]
+            )
+        with self._tags(bucket=index, part="rest"):
+            rest = self.comm.allreduce_mean(others, cat, async_op=True, overlapped=True)
+        return [kfac], [rest]
+
+    # ------------------------------------------------------------- timeline
+    def _tags(self, **args: object) -> AbstractContextManager[None]:
+        """Tag the collectives launched inside with ``args`` on the timeline, if any."""
+        timeline = self.ctx.timer.timeline
+        return nullcontext() if timeline is None else timeline.tags(**args)
+
+    def _instant(self, name: str, **args: object) -> None:
+        timeline = self.ctx.timer.timeline
+        if timeline is not None:
+            timeline.instant(name, "overlap", **args)
 
     def _launch_own(self, *, ready_only: bool) -> None:
         """Reduce the next own buckets in order (complete ones only when ``ready_only``)."""
@@ -411,32 +464,47 @@ class OverlapEngine:
                 self.params[i] for i in self.buckets[b] if self.params[i].grad is not None
             ]
             grads = [g for p in params if (g := p.grad) is not None]
-            st.launched.append(_Launched(params, grads, self._reduce(params, grads)))
+            self._launch(params, grads)
 
-    def _poll(self, *, block: bool) -> None:
-        """Settle reduced buckets in order; without ``block`` stop at the first one in flight."""
+    def _drain(self) -> None:
+        """Settle the K-FAC parts of the launched buckets in order (waiting for each),
+        preconditioning and sending the layers each completes; every rank thus launches
+        the exchanges in the same order."""
         st = self.state
         assert st is not None
         while st.done < len(st.launched):
             launched = st.launched[st.done]
-            if not block and not launched.ready():
-                return
             self._settle(launched)
             st.done += 1
-            self._send(self._completed(launched))
+            with self._tags(bucket=launched.index):
+                self._send(self._completed(launched))
 
     def _settle(self, launched: _Launched) -> None:
-        """Wait for a bucket's reduction (timed as grad_comm) and note its reduced gradients."""
+        """Wait for a bucket's K-FAC part (timed as grad_comm) and note its layers' reduced
+        gradients."""
         st = self.state
         assert st is not None
-        if launched.future is not None:
-            with self.ctx.timer.phase("grad_comm"):
-                launched.future.wait()
+        if launched.kfac_future is not None:
+            with self.ctx.timer.phase("grad_comm", bucket=launched.index, part="kfac"):
+                launched.kfac_future.wait()
         else:
-            for handle in launched.handles:
-                self.comm.wait(handle)
+            with self._tags(bucket=launched.index, part="kfac"):
+                for handle in launched.kfac:
+                    self.comm.wait(handle)
+        self._instant("bucket K-FAC gradients reduced", bucket=launched.index)
         for p, g in zip(launched.params, launched.grads, strict=True):
-            st.reduced[id(p)] = g
+            if id(p) in self.layers_of:
+                st.reduced[id(p)] = g
+
+    def _settle_rest(self, launched: _Launched) -> None:
+        """Wait for the rest of a bucket (timed as grad_comm): under DDP the bucket's future."""
+        with self._tags(bucket=launched.index, part="rest"):
+            if launched.future is not None:
+                with self.ctx.timer.phase("grad_comm", bucket=launched.index, part="rest"):
+                    launched.future.wait()
+                return
+            for handle in launched.rest:
+                self.comm.wait(handle)
 
     def _completed(self, launched: _Launched) -> list[KFACLayer]:
         """The layers whose last unreduced parameter was in this bucket, in module order."""
@@ -450,24 +518,32 @@ class OverlapEngine:
                     done.add(layer.name)
         return [x for x in self.layers if x.name in done]
 
-    def _prepare_all(self, layers: Sequence[KFACLayer]) -> None:
-        for layer in layers:
-            self._prepare(layer)
-
-    def _prepare(self, layer: KFACLayer) -> None:
-        """Fold the owner's pending batch factors; decompose on decomposition steps."""
+    def _fold(self, layer: KFACLayer) -> None:
+        """Fold the owner's pending batch factors into the running averages (once a step):
+        from the hook that completes the layer's local gradients, so that its batch factors
+        are not held until the end of the backward pass."""
         st = self.state
         assert st is not None
-        if layer.name in st.prepared:
+        if layer.name in st.folded:
             return
-        st.prepared.add(layer.name)
+        st.folded.add(layer.name)
         flags = self.ctx.flags
         if flags.capture:  # batch factors are pending on capture steps only
             self.ctx.note_buffers(sum(x.pending_nbytes() for x in self.layers))
+        self._instant("fold", layer=layer.name)
         records = layer.fold_masked(flags.decay, keep=self.ctx.scaled)
         st.folds += [(layer, record) for record in records]
-        if flags.decompose:
-            self.ctx.decompose(layer, flags.damping)
+
+    def _prepare(self, layer: KFACLayer) -> None:
+        """Fold (if the hooks did not) and, on decomposition steps, decompose (once a step)."""
+        st = self.state
+        assert st is not None
+        self._fold(layer)
+        if layer.name in st.prepared:
+            return
+        st.prepared.add(layer.name)
+        if self.ctx.flags.decompose:
+            self.ctx.decompose(layer, self.ctx.flags.damping)
 
     def _valid(self, layer: KFACLayer) -> torch.Tensor | None:
         """Device flag: no factor of the layer was built from scratch out of a non-finite batch."""
@@ -489,7 +565,7 @@ class OverlapEngine:
 
     def _precondition(self, layer: KFACLayer) -> Preconditioned:
         """As ``KFACPreconditioner._precondition`` for one layer (its gradient is averaged)."""
-        with self.ctx.timer.phase("precondition"):
+        with self.ctx.timer.phase("precondition", layer=layer.name):
             grad = self._grad_matrix(layer)
             res = precondition_layer(layer, grad, self.ctx.flags.damping)
             valid = self._valid(layer)
@@ -522,8 +598,16 @@ class OverlapEngine:
                     st.results[layer.name] = res
                 buffers += update_buffers(layer, res, with_kl=with_kl)
             buffers_by.append(buffers)
-        if not self.comm.active:
-            return
+        if self.comm.active:
+            with self._tags(part="updates"):
+                self._exchange(sent_by, buffers_by)
+
+    def _exchange(
+        self, sent_by: list[list[KFACLayer]], buffers_by: list[list[torch.Tensor]]
+    ) -> None:
+        """Launch the exchange of one settled bucket's updates (on the second group)."""
+        st = self.state
+        assert st is not None
         cap = self.ctx.bucket_cap_bytes
         if not self.ctx.flags.owner:
             for owner, (sent, buffers) in enumerate(zip(sent_by, buffers_by, strict=True)):
@@ -567,12 +651,17 @@ class OverlapEngine:
                 return None
         self.state = st
         try:
+            if self.ctx.ddp is None:
+                self._launch_own(ready_only=False)
+            # Every K-FAC part first, in order (where the last hook did not): the last
+            # buckets' layers are preconditioned and their updates exchanged while the other
+            # gradients are still on the wire.
+            self._drain()
             for layer in self.layers:
                 if self._plan().captures(self.comm.rank, layer.name):
                     self._prepare(layer)  # layers without gradients still fold their factors
-            if self.ctx.ddp is None:
-                self._launch_own(ready_only=False)
-            self._poll(block=True)
+            for launched in st.launched:
+                self._settle_rest(launched)
             final = self._collect(st)
             self._check_factors(st, final)
         finally:
@@ -586,7 +675,8 @@ class OverlapEngine:
         with_kl = self.ctx.with_kl
         out: dict[str, Preconditioned] = {}
         for sent, buffers, handle in st.sends:
-            self.bcast_comm.wait(handle)
+            with self._tags(part="updates"):
+                self.bcast_comm.wait(handle)
             if sent:
                 out.update(received_updates(sent, buffers, with_kl=with_kl))
         return out

@@ -58,6 +58,7 @@ from dpkfac.state import load_state, save_state
 from dpkfac.stats import CommStats, PhaseTimer
 from dpkfac.strategies import Preconditioned, Strategy
 from dpkfac.strategies.base import layer_shape, precondition_layer
+from dpkfac.timeline import Timeline
 
 
 def _scheme_and_options(
@@ -569,7 +570,7 @@ class KFACPreconditioner:
         mine = [w for w in due if self.strategy.decomposes(layer, w)]
         if not mine:
             return
-        with self._timer.phase("decomposition"):
+        with self._timer.phase("decomposition", layer=layer.name):
             for which in mine:
                 self._decompose(layer, which, damping)
 
@@ -710,6 +711,22 @@ class KFACPreconditioner:
     def timings(self) -> dict[str, float]:
         """Seconds per phase on this rank since :meth:`reset_stats`."""
         return self._timer.as_dict()
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """Where this rank records its timeline (None, the default: nowhere).
+
+        Set a :class:`dpkfac.timeline.Timeline` to record, from then on, every
+        timed phase (with the layer) and every collective (launched, completed,
+        per process group), and in the overlapped mode when each bucket became
+        ready and was seen reduced; ``pre.timeline.save("trace.json")`` writes
+        what Perfetto opens. It is kept across :meth:`reset_stats`.
+        """
+        return self._timer.timeline
+
+    @timeline.setter
+    def timeline(self, timeline: Timeline | None) -> None:
+        self._timer.timeline = timeline
 
     def fidelity(self) -> dict[str, dict[str, float | int]]:
         """The curvature-fidelity probe's latest values per probed layer (same on every rank).

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 import torch
 
+from dpkfac.timeline import Timeline
+
 COMM_CATEGORIES = (
     "grad_allreduce",
     "factor_allreduce",
@@ -108,6 +110,12 @@ class PhaseTimer:
             not kernels) or "off" (nothing is timed; ``as_dict`` reports
             zeros). "host" and "off" are the seams for runs that have no CUDA
             context, such as dry runs on fake CUDA tensors.
+
+    Attributes:
+        timeline: where every timed phase is also recorded as a span, with its
+            arguments (None: nowhere). It survives :meth:`reset`, which the
+            benchmark calls every step, and is shared by every communicator
+            timed here, which records its collectives there too.
     """
 
     #: Unresolved event pairs above which completed ones are folded in.
@@ -119,6 +127,7 @@ class PhaseTimer:
         on_cuda = device is not None and torch.device(device).type == "cuda"
         self.mode = ("events" if on_cuda else "host") if mode == "auto" else mode
         self.cuda = self.mode == "events"
+        self.timeline: Timeline | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -126,8 +135,18 @@ class PhaseTimer:
         self._pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Time the enclosed block into ``name``."""
+    def phase(self, name: str, **args: object) -> Iterator[None]:
+        """Time the enclosed block into ``name``; ``args`` (the layer, the bucket) go to the
+        :attr:`timeline` only."""
+        if self.timeline is not None and self.timeline.enabled:
+            with self.timeline.span(name, "phase", **args), self._timed(name):
+                yield
+            return
+        with self._timed(name):
+            yield
+
+    @contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
         if self.mode == "off":
             yield
             return

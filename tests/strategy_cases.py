@@ -44,6 +44,35 @@ class TinyNet(nn.Module):
         return self.fc2(x)
 
 
+#: EmbedNet's vocabulary: its 4000 x 8 float64 table (256 KB) is the last gradient of the
+#: backward pass and, like BERT's word embedding, no K-FAC layer.
+VOCAB = 4000
+
+
+class EmbedNet(nn.Module):
+    """Token ids -> embedding (no K-FAC layer, last in the backward pass) -> two Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(self.embed(ids).mean(1))))
+
+
+def embed_net(seed: int = 0) -> EmbedNet:
+    torch.manual_seed(seed)
+    return EmbedNet().double()
+
+
+def embed_batch(step: int, source: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (8 sequences of 5) and labels identified by (step, source)."""
+    g = torch.Generator().manual_seed(1000 * step + source)
+    return torch.randint(0, VOCAB, (8, 5), generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
 def make_model(seed: int = 0) -> TinyNet:
     torch.manual_seed(seed)
     return TinyNet().double()

@@ -344,17 +344,14 @@ def test_one_rank_of_a_large_job_hands_over_the_predicted_bytes(
 
 
 def test_the_overlap_reduces_and_broadcasts_inside_the_driven_backward() -> None:
-    """dp_kfac's overlap reduces gradient buckets from the gradient hooks, on fake CUDA.
-
-    The fake group's works never report completion, so the owners' preconditioning
-    and broadcasts, which wait for a bucket to be reduced, run in ``step()`` here
-    (the same code as in the hooks on a real group).
-    """
+    """dp_kfac's overlap reduces gradient buckets from the gradient hooks, on fake CUDA,
+    and the hook that launches the last bucket preconditions and broadcasts (waiting on
+    the fake group's works returns at once), so ``step()`` sends nothing more."""
     strategy, options = _variant("dp_kfac_overlap")
     mode = fake_mode()
     model = on_fake_cuda(mode, ResNetLike)
     with fake_process_group(1, 4), mode:
-        # Small buckets: each is reduced, and its layers sent, as soon as it is complete.
+        # Small buckets: each is reduced as soon as it is complete.
         pre = dry_run_preconditioner(
             model, strategy=strategy, kl_clip=0.01, bucket_cap_mb=1e-4, **options
         )
@@ -366,8 +363,7 @@ def test_the_overlap_reduces_and_broadcasts_inside_the_driven_backward() -> None
         drive_backward(model, outputs)
         in_backward = pre.comm_stats()
         assert in_backward["grad_allreduce"]["calls"] > 1, in_backward
+        assert in_backward["precond_broadcast"]["calls"] > 0, in_backward
         pre.step()
-        after = pre.comm_stats()
-        assert after["grad_allreduce"] == in_backward["grad_allreduce"]
-        assert after["precond_broadcast"]["calls"] > 0
+        assert pre.comm_stats() == in_backward
         _assert_on_device(pre)

@@ -18,13 +18,15 @@ dp_kfac step (all-reduce, no overlap, no DDP):
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_ranks
-from strategy_cases import batch, make_model, make_preconditioner
+from strategy_cases import batch, embed_batch, embed_net, make_model, make_preconditioner
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -356,3 +358,103 @@ def _twice(rank: int, world_size: int) -> str:
 def test_a_second_synchronised_backward_names_no_sync() -> None:
     for message in run_ranks(_twice, 2):
         assert "no_sync" in message and "twice" in message
+
+
+# ------------------------------------------------- a bucket whose rest lands late
+DELAY_S = 0.5  # how long the embedding's all-reduce is held back after it completes
+
+
+class _Late:
+    """A work that completes :data:`DELAY_S` after it was launched, whatever the wire did:
+    what the embedding's all-reduce is on a slow link, made deterministic."""
+
+    def __init__(self, work: Any, due: float) -> None:
+        self.work, self.due = work, due
+
+    def is_completed(self) -> bool:
+        return time.monotonic() >= self.due and bool(self.work.is_completed())
+
+    def wait(self, timeout: Any = None) -> bool:
+        time.sleep(max(0.0, self.due - time.monotonic()))
+        return bool(self.work.wait(timeout=timeout))
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """Completes at the due time, set from a timer thread (a callback that slept would
+        hold one of gloo's worker threads, and with it other collectives)."""
+        out: torch.futures.Future[Any] = torch.futures.Future()
+
+        def held(fut: torch.futures.Future[Any]) -> None:
+            delay = max(0.0, self.due - time.monotonic())
+            threading.Timer(delay, out.set_result, [fut.value()]).start()
+
+        self.work.get_future().then(held)
+        return out
+
+
+def _late_rest(rank: int, world_size: int, how: str | None) -> dict[str, Any]:
+    """Overlapped owner-reduction steps on EmbedNet (one bucket: the two Linears and the
+    embedding) with the all-reduce of the bucket's non-K-FAC part held back; when each
+    layer was preconditioned and each exchange launched, against when the held all-reduce
+    was due; the gradients step() wrote, against the ordinary dp_kfac step's."""
+    inner = embed_net()
+    model: nn.Module = DistributedDataParallel(inner) if how else inner
+    pre = make_preconditioner(model, "dp_kfac", grad_reduction="owner", overlap=True)
+    engine = pre.overlap
+    assert engine is not None
+    due: list[float] = []
+    events: list[tuple[str, float]] = []
+    allreduce, exchange = engine.comm.allreduce_mean, engine.bcast_comm.all_gather
+
+    def held(tensors: Any, category: str, **kw: Any) -> Any:
+        handle = allreduce(tensors, category, **kw)
+        if kw.get("overlapped"):  # the engine's all-reduce of a bucket's other gradients
+            due.append(time.monotonic() + DELAY_S)
+            handle.works = [_Late(w, due[-1]) for w in handle.works]
+        return handle
+
+    def sent(*args: Any, **kw: Any) -> Any:
+        events.append(("exchange", time.monotonic()))
+        return exchange(*args, **kw)
+
+    precondition = engine._precondition
+
+    def preconditioned(layer: Any) -> Any:
+        events.append(("precondition", time.monotonic()))
+        return precondition(layer)
+
+    engine.comm.allreduce_mean = held  # type: ignore[method-assign]
+    engine.bcast_comm.all_gather = sent  # type: ignore[method-assign]
+    engine._precondition = preconditioned  # type: ignore[method-assign]
+    reference = embed_net()
+    plain = make_preconditioner(reference, "dp_kfac")
+    out: dict[str, Any] = {"errors": [], "early": [], "due": due}
+    for step in range(4):
+        for net, p in ((model, pre), (reference, plain)):
+            ids, y = embed_batch(step, rank)
+            F.cross_entropy(net(ids), y).backward()
+            p.step()
+        out["errors"].append(_rel(_grads(inner), _grads(reference)))
+        inner.zero_grad()
+        reference.zero_grad()
+        if step >= 2 and due:  # DDP rebuilds its buckets after the first iteration
+            out["early"].append([(kind, t < due[-1]) for kind, t in events])
+        events.clear()
+    return out
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", [None, "ddp"])
+def test_a_late_bucket_rest_holds_back_no_preconditioning_or_exchange(how: str | None) -> None:
+    """The one bucket's K-FAC layers are preconditioned and their updates sent before the
+    all-reduce of its embedding is due: the layers wait for their own gradients only."""
+    for out in run_ranks(_late_rest, 2, how):
+        assert max(out["errors"]) < TOL, out["errors"]
+        assert out["early"] and len(out["due"]) >= 3
+        for step in out["early"]:
+            kinds = {kind for kind, _ in step}
+            assert kinds == {"precondition", "exchange"}, step
+            assert all(early for _, early in step), step

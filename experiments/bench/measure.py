@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dpkfac.memory import cuda_peak_bytes, process_memory, reset_cuda_peak
+from dpkfac.timeline import Timeline
 from experiments.bench.link_probe import faithful_rate, network_record, probe_links, sync
 from experiments.distributed import deadline
 from experiments.network import node_link
@@ -191,6 +192,15 @@ class _Stepper:
                 self.model.register_comm_hook(None, self.comm.ddp_hook())
         comm = self.pre.comm if self.pre is not None else self.comm
         comm.isolate = bool(spec.get("isolate_comm", False))
+        self.timeline: Timeline | None = None
+
+    def trace_into(self, timeline: Timeline) -> None:
+        """Record this strategy's steps, phases and collectives on ``timeline``."""
+        self.timeline = timeline
+        if self.pre is not None:
+            self.pre.timeline = timeline
+        else:
+            self.timer.timeline = timeline
 
     def summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """The measured ``records`` with what the row records of the model and strategy."""
@@ -209,6 +219,12 @@ class _Stepper:
             "configuration": "" if strategy is None else strategy.scheme.describe(strategy.options),
         }
 
+    def _span(self, name: str, **args: Any) -> contextlib.AbstractContextManager[None]:
+        """A span of the step on the timeline, if one records (else nothing)."""
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        return self.timeline.span(name, "step", strategy=self.name, **args)
+
     def step(self, index: int) -> dict[str, Any]:
         """Run and time one training step; everything is read after a fresh reset."""
         if dist.is_initialized():
@@ -220,22 +236,29 @@ class _Stepper:
             self.stats.reset()
             self.timer.reset()
         reset_cuda_peak(self.device)
-        t0 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.bench.loss(self.model, self.batch)
-        loss.backward()
-        sync(self.device)
-        t1 = time.perf_counter()
-        # Phases timed inside the forward and backward hooks (factors, and with dp_kfac's
-        # overlap also reductions, decompositions and preconditioning).
-        in_fwd_bwd = self.pre.timings() if self.pre is not None else {}
-        if self.pre is not None:
-            self.pre.step()
-        sync(self.device)
-        t2 = time.perf_counter()
-        self.optimizer.step()
-        sync(self.device)
-        t3 = time.perf_counter()
+        kind = self.kinds[index % len(self.kinds)] if self.pre is not None else "decomp"
+        span = self._span
+        with span("step", step=index, kind=kind):
+            t0 = time.perf_counter()
+            self.optimizer.zero_grad(set_to_none=True)
+            with span("forward"):
+                loss = self.bench.loss(self.model, self.batch)
+            with span("backward"):
+                loss.backward()
+                sync(self.device)
+            t1 = time.perf_counter()
+            # Phases timed inside the forward and backward hooks (factors, and with dp_kfac's
+            # overlap also reductions, decompositions and preconditioning).
+            in_fwd_bwd = self.pre.timings() if self.pre is not None else {}
+            if self.pre is not None:
+                with span("pre.step()"):
+                    self.pre.step()
+                    sync(self.device)
+            t2 = time.perf_counter()
+            with span("optimizer.step()"):
+                self.optimizer.step()
+                sync(self.device)
+            t3 = time.perf_counter()
         if self.pre is not None:
             phases, comm = self.pre.timings(), self.pre.comm_stats()
             memory = self.pre.memory_usage()
@@ -244,7 +267,7 @@ class _Stepper:
             memory = {"factors_bytes": 0, "decompositions_bytes": 0, "buffers_bytes": 0}
         return {
             "step": index,
-            "kind": self.kinds[index % len(self.kinds)] if self.pre is not None else "decomp",
+            "kind": kind,
             "loss": float(loss.detach()),
             "fwd_bwd_wall": t1 - t0,
             "phases_in_fwd_bwd": in_fwd_bwd,
@@ -289,7 +312,13 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
         probes = probe_links(device) if probing else []
         steppers = [_Stepper(spec, member, rank, device) for member in spec["strategies"]]
         records: dict[str, list[dict[str, Any]]] = {s.name: [] for s in steppers}
+        # The measured steps' timeline (spec["trace"]), not the warm-up's.
+        timeline = Timeline(rank=rank, enabled=False) if spec.get("trace") else None
+        for stepper in steppers if timeline is not None else ():
+            stepper.trace_into(timeline)
         for index in range(warmup + int(spec["steps"])):
+            if timeline is not None:
+                timeline.enabled = index >= warmup
             for k in range(len(steppers)):
                 stepper = steppers[(index + k) % len(steppers)]
                 record = stepper.step(index)
@@ -303,6 +332,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
             "link_probes": probes,
             "network": network_record(link, faithful),
             "strategies": {s.name: s.summary(records[s.name]) for s in steppers},
+            "trace": None if timeline is None else timeline.trace(),
         }
         if spec.get("gather") and dist.is_initialized():
             everyone: list[Any] = [None] * size

@@ -53,6 +53,8 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from dpkfac.timeline import merge
+from dpkfac.timeline import write as write_trace
 from experiments import network as network_lib
 from experiments.bench.aggregate import aggregate, kind_weights
 from experiments.bench.machine import machine
@@ -168,7 +170,17 @@ def job_spec(
             f"task={cfg.task} writes its table itself and has no job spec (run_table_task)"
         )
     members = member_configs(cfg, overrides)
-    keys = ("task", "world_size", "seed", "isolate_comm", "lr", "threads", "device", "timeout_s")
+    keys = (
+        "task",
+        "world_size",
+        "seed",
+        "isolate_comm",
+        "lr",
+        "threads",
+        "device",
+        "timeout_s",
+        "trace",
+    )
     spec: dict[str, Any] = {key: plain(cfg[key]) for key in keys}
     spec["model"] = {
         "name": str(cfg.workload.name),
@@ -378,6 +390,9 @@ def run(
         results = results if isinstance(results, list) else [results]
     else:
         results = launch(fn, spec, int(size), threads=int(spec["threads"]), network=network)
+    if spec.get("trace") and output_dir is not None and int(os.environ.get("RANK", "0")) == 0:
+        path = write_trace(merge([r["trace"] for r in results]), Path(output_dir) / "trace.json")
+        log.info("timeline of the measured steps: %s (open it at https://ui.perfetto.dev)", path)
     return make_rows(spec, results)
 
 
