@@ -62,9 +62,11 @@ class GradientLedger:
         # id(weight) -> backward passes that wrote its gradient since the last reset.
         self._passes: dict[int, int] = {}
         self._consumed = False
-        #: Set by the preconditioner's first ``step()``: the next optimizer step is the first
-        #: to apply K-FAC's updates, and an optimizer already holding state then has stepped
-        #: before (a resume that restored the optimizer but not the preconditioner).
+        #: Set by a fresh preconditioner: the next optimizer step holding its weights is the
+        #: first of the run (before the first update, or, for an optimizer that runs the
+        #: backward pass in its closure as Lightning does, around it), and an optimizer already
+        #: holding state then has stepped before (a resume that restored the optimizer but not
+        #: the preconditioner).
         self.first_update = False
         self._warned_stale_optimizer = False
 

@@ -303,6 +303,9 @@ class KFACPreconditioner:
         # What the backward passes since the last step() left in the K-FAC gradients, and
         # whether an optimizer stepped with them first (the order of calls, checked per step).
         self._ledger = GradientLedger()
+        # The first optimizer step of a fresh preconditioner: one holding state then has
+        # stepped before (load_state_dict disarms it).
+        self._ledger.first_update = True
         WATCH.watch(self._ledger, [x.helper.module.weight for x in self._layer_list])
         # The device flag "some K-FAC gradient is nonzero" of this step, read with the
         # factor step's finiteness checks (None: no zero_grad can have zeroed them).
@@ -476,8 +479,6 @@ class KFACPreconditioner:
             return
         self._check_accumulation()
         self._check_order()
-        # Before the first update: an optimizer that already holds state has stepped before.
-        self._ledger.first_update = self.steps == 0
         self._capture.forget_loss_scale()  # the next backward may run under another scale
         step = self.steps
         strat = self.strategy
@@ -893,6 +894,7 @@ class KFACPreconditioner:
             allow_world_size_change=allow_world_size_change,
         )
         self.steps = loaded.steps
+        self._ledger.first_update = False
         if loaded.resized:
             self._decompose_next = loaded.decompose_next
         self._arm(self.steps)

@@ -108,12 +108,13 @@ def optimizer_and_schedule(
 
 def batches(dataset: Any, rank: int = 0, world_size: int = 1) -> Iterator[dict[str, Any]]:
     """Sequential batches as Trainer's sequential sampler and accelerate's sharding give
-    them: batch j of the whole sequence goes to rank j % world_size."""
+    them, epoch after epoch: batch j of the whole sequence goes to rank j % world_size."""
     from transformers import default_data_collator
 
     n = len(dataset) // BATCH
-    for j in range(rank, n - n % world_size, world_size):
-        yield default_data_collator([dataset[i] for i in range(j * BATCH, (j + 1) * BATCH)])
+    while True:
+        for j in range(rank, n - n % world_size, world_size):
+            yield default_data_collator([dataset[i] for i in range(j * BATCH, (j + 1) * BATCH)])
 
 
 def reference_run(
