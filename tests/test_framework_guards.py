@@ -148,3 +148,16 @@ def test_optimizer_with_state_at_the_first_update_warns_once() -> None:
             F.cross_entropy(model(x), y).backward()
             pre.step()
             opt.step()
+
+
+def test_import_dpkfac_imports_no_framework() -> None:
+    """The integrations import their frameworks themselves: ``import dpkfac`` needs torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dpkfac, dpkfac.integrations; "
+        "print(sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

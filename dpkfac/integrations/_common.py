@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from dpkfac.preconditioner import KFACPreconditioner
+from dpkfac import KFACPreconditioner
 
 #: The options a framework decides, with where each comes from (the user may not set them).
 FRAMEWORK_OPTIONS = {

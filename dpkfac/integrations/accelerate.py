@@ -30,9 +30,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from dpkfac import KFACPreconditioner
 from dpkfac.compile import unwrap_compiled
 from dpkfac.integrations._common import build, check_options, follow_lr
-from dpkfac.preconditioner import KFACPreconditioner
 
 __all__ = ["prepare"]
 

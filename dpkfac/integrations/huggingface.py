@@ -52,8 +52,8 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
+from dpkfac import KFACPreconditioner
 from dpkfac.integrations._common import build, check_options, follow_lr
-from dpkfac.preconditioner import KFACPreconditioner
 
 __all__ = ["STATE_FILE", "KFACCallback"]
 

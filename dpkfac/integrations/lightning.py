@@ -23,8 +23,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from dpkfac import KFACPreconditioner
 from dpkfac.integrations._common import build, check_options
-from dpkfac.preconditioner import KFACPreconditioner
 
 __all__ = ["KFACCallback"]
 
