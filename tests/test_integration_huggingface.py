@@ -136,8 +136,8 @@ def test_loss_with_labels_is_divided_like_the_project_loop(tmp_path: Path) -> No
     trainer = _trainer(model, dataset, tmp_path, callback, max_grad_norm=1e9)
     assert trainer.model_accepts_loss_kwargs  # plain Trainer would pass num_items_in_batch
     trainer.train()
-    assert not trainer.model_accepts_loss_kwargs
     assert max_difference(params_of(model), reference["params"]) < TOLERANCE
+    assert not trainer.model_accepts_loss_kwargs
 
 
 def test_options_the_trainer_decides_are_refused() -> None:
