@@ -554,7 +554,8 @@ class KFACPreconditioner:
         """
         self._capture.watch_wrapper = False
         ddp, self._capture.wrapper = self._capture.wrapper, None
-        if ddp is None or unwrap_compiled(ddp.module) is not self.module:
+        # DDP wraps this module or a module holding it (Lightning wraps the LightningModule).
+        if ddp is None or not any(m is self.module for m in ddp.module.modules()):
             return
         ranks = dist.get_world_size(ddp.process_group)
         if self._overlap is not None or ranks != self.comm.size:

@@ -49,6 +49,10 @@ def _wrapped_later(rank: int, world_size: int) -> dict[str, Any]:
     ddp = DistributedDataParallel(model)
     built = make_preconditioner(ddp, "dp_kfac")
     params_built = _train(ddp, built, rank)
+    # DDP around a module that holds the model (as Lightning wraps the LightningModule).
+    model = make_model()
+    inside = make_preconditioner(model, "dp_kfac")
+    _train(DistributedDataParallel(torch.nn.Sequential(model)), inside, rank)
     # The overlapped mode reduces from its own hooks: following DDP is not exact, so refuse.
     model = make_model()
     overlap = make_preconditioner(model, "dp_kfac", overlap=True)
@@ -66,6 +70,8 @@ def _wrapped_later(rank: int, world_size: int) -> dict[str, Any]:
         "late": params_late,
         "built": params_built,
         "ddp": late.ddp,
+        "ddp_inside": inside.ddp,
+        "inside_bytes": inside.comm_stats().get("grad_allreduce", {}).get("bytes", 0),
         "grad_bytes": late.comm_stats().get("grad_allreduce", {}).get("bytes", 0),
         "built_bytes": built.comm_stats().get("grad_allreduce", {}).get("bytes", 0),
         "refused": refused,
@@ -77,6 +83,7 @@ def test_ddp_added_after_construction_is_followed_or_refused() -> None:
     for out in run_ranks(_wrapped_later, 2):
         assert out["ddp"], "the preconditioner did not follow the DDP wrapper"
         assert out["grad_bytes"] == out["built_bytes"] == 0  # DDP alone reduced the gradients
+        assert out["ddp_inside"] and out["inside_bytes"] == 0
         for a, b in zip(out["late"], out["built"], strict=True):
             assert torch.equal(a, b)
         assert "wrapped in DistributedDataParallel after" in out["refused"]
