@@ -122,3 +122,31 @@ def test_lightning_matches_the_project_loop_and_resumes_bitwise(tmp_path: Path) 
     assert resumed_cb.pre is not None and resumed_cb.pre.steps == STEPS
     for name, value in params_of(resumed.model).items():
         assert torch.equal(value, params_of(module.model)[name]), name
+
+
+def test_lightning_resumed_at_an_epochs_end_is_warned_about(tmp_path: Path) -> None:
+    """Lightning 2.6 resumed (with a plain DataLoader) from a checkpoint written at an epoch's
+    last step runs one more micro-batch of the old epoch as a whole optimizer step: the core
+    names it."""
+    from torch.utils.data import DataLoader
+    from transformers import default_data_collator
+
+    callback = KFACCallback(**KFAC)
+    epochs = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1)
+    rows = ClassificationRows(2 * K * BATCH)  # one epoch = 2 optimizer steps
+    short = DataLoader(rows, batch_size=BATCH, shuffle=False, collate_fn=default_data_collator)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        accumulate_grad_batches=K,
+        callbacks=[callback, epochs],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Classifier(), short)
+    resumed = lightning_trainer(STEPS, KFACCallback(**KFAC), devices=1)
+    partial = r"after 1 backward pass\(es\), but accumulation_steps=2"
+    with pytest.warns(RuntimeWarning, match=partial):
+        resumed.fit(Classifier(), short, ckpt_path=tmp_path / "epoch=0-step=2.ckpt")
