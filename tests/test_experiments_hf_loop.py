@@ -15,6 +15,7 @@ pytest.importorskip("accelerate")
 from dpkfac.integrations.huggingface import STATE_FILE
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # max_grad_norm=0 preconditions too
 def test_squad_bert_runs_through_the_hf_integration(train, tiny, tmp_path) -> None:
     out = tmp_path / "run"
     result = train(
