@@ -5,7 +5,7 @@ tests/integration_ranks.py OUT``.
 On every rank: the project's reference loop on a DDP model, then the same training through
 the Hugging Face Trainer (tiny BertForQuestionAnswering on the project's SQuAD JSON),
 accelerate and Lightning (``strategy="ddp"``, tiny BERT classifier), each compared with its
-reference; Trainer and accelerate also save at step 2 and resume. Each rank writes what it
+reference; each also saves at step 2 and resumes. Each rank writes what it
 measured to ``OUT/rank<r>.json``.
 """
 
@@ -117,15 +117,20 @@ def lightning(rank: int, world: int, scratch: Path) -> dict[str, Any]:
         rank=rank,
         world_size=world,
     )
+    folder = scratch / "lightning"  # the same on every rank; rank 0 writes the checkpoints
     module, callback = lt.Classifier(), lt.KFACCallback(**lt.KFAC)
-    trainer = lt.lightning_trainer(STEPS, callback, devices=world, strategy="ddp")
+    trainer = lt.lightning_trainer(STEPS, callback, folder, devices=world, strategy="ddp")
     trainer.fit(module, lt.ResumableBatches(rank, world))
+    resumed, resumed_cb = lt.Classifier(), lt.KFACCallback(**lt.KFAC)
+    again = lt.lightning_trainer(STEPS, resumed_cb, devices=world, strategy="ddp")
+    again.fit(resumed, lt.ResumableBatches(rank, world), ckpt_path=folder / "epoch=0-step=2.ckpt")
     assert callback.pre is not None
     return {
         "difference": max_difference(params_of(module.model), reference["params"]),
         "ddp": callback.pre.ddp,
         "grad_bytes": _kfac_grad_bytes(callback.pre),
         "pre_steps": callback.pre.steps,
+        "resumed_bitwise": _same(params_of(resumed.model), params_of(module.model)),
     }
 
 

@@ -1,7 +1,7 @@
 """The integrations on two processes under torchrun (gloo, CPU): Hugging Face Trainer,
 accelerate and Lightning ``strategy="ddp"`` each equal to the project's loop on a DDP model
 (1e-10, float64), the preconditioner following DDP with no second all-reduce (problem 2),
-and the Trainer and accelerate resumes bitwise. tests/integration_ranks.py is the rank.
+and every resume bitwise. tests/integration_ranks.py is the rank.
 """
 
 from __future__ import annotations
@@ -69,5 +69,6 @@ def test_lightning_ddp_on_two_processes(ranks: list[dict[str, Any]]) -> None:
         lt = result["lightning"]
         assert lt["difference"] < TOLERANCE
         assert lt["ddp"] and lt["grad_bytes"] == 0 and lt["pre_steps"] == 4
+        assert lt["resumed_bitwise"]
         # Nothing the core warns about (accumulation, no_sync, stale optimizer) happened.
         assert result["runtime_warnings"] == []
