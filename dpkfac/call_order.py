@@ -31,6 +31,7 @@ The first two raise a ``RuntimeError``; see :data:`CALL_ORDER`.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -58,28 +59,59 @@ class GradientLedger:
     def __init__(self) -> None:
         # id(weight) -> (weight, id(grad), grad._version) as its last backward left them.
         self._arrivals: dict[int, tuple[nn.Parameter, int, int]] = {}
+        # id(weight) -> backward passes that wrote its gradient since the last reset.
+        self._passes: dict[int, int] = {}
         self._consumed = False
+        #: Set by a fresh preconditioner: the next optimizer step holding its weights is the
+        #: first of the run (before the first update, or, for an optimizer that runs the
+        #: backward pass in its closure as Lightning does, around it), and an optimizer already
+        #: holding state then has stepped before (a resume that restored the optimizer but not
+        #: the preconditioner).
+        self.first_update = False
+        self._warned_stale_optimizer = False
 
     @property
     def fresh(self) -> bool:
         """Whether a backward pass wrote a K-FAC gradient since the last :meth:`reset`."""
         return bool(self._arrivals)
 
+    @property
+    def passes(self) -> int:
+        """Backward passes since the last :meth:`reset`: the most any K-FAC weight received
+        (a layer some micro-batch does not use receives fewer)."""
+        return max(self._passes.values(), default=0)
+
     def arrived(self, weight: nn.Parameter) -> None:
         """A backward pass accumulated ``weight.grad`` (its post-accumulate-grad hook)."""
         grad = weight.grad
         if grad is not None:
             self._arrivals[id(weight)] = (weight, id(grad), grad._version)
+        self._passes[id(weight)] = self._passes.get(id(weight), 0) + 1
         self._consumed = False  # this gradient is newer than any optimizer step so far
 
-    def optimizer_stepped(self) -> None:
+    def optimizer_stepped(self, optimizer: Optimizer) -> None:
         """An optimizer holding K-FAC weights is about to step."""
         if self._arrivals:
             self._consumed = True
+        if self.first_update:
+            self.first_update = False
+            if optimizer.state and not self._warned_stale_optimizer:
+                self._warned_stale_optimizer = True
+                warnings.warn(
+                    "dpkfac: the optimizer already holds state (it has stepped, or its "
+                    "state_dict was loaded) while the preconditioner takes its first step: a "
+                    "resumed run that restored the optimizer but not the preconditioner starts "
+                    "K-FAC's factors from nothing and takes another trajectory. Save "
+                    "pre.state_dict() with the checkpoint and call pre.load_state_dict(state) "
+                    "on resume (dpkfac.integrations do it for Trainer, accelerate and Lightning)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
 
     def reset(self) -> None:
         """``step()`` took (or refused) the gradients: the next ones are the next backward's."""
         self._arrivals = {}
+        self._passes = {}
         self._consumed = False
 
     def misuse(self) -> str | None:
@@ -174,7 +206,7 @@ class OptimizerWatch:
         for ref in self._ledgers(optimizer):
             ledger = ref()
             if ledger is not None:
-                ledger.optimizer_stepped()
+                ledger.optimizer_stepped(optimizer)
 
 
 #: The process's one watch.

@@ -109,6 +109,11 @@ class Capture:
         self._probe = probe
         self.active = False
         self.hooks_active = False
+        #: Whether the forward hooks look for a DistributedDataParallel running the model (set
+        #: by a multi-rank preconditioner built on the bare module, until its first step).
+        self.watch_wrapper = False
+        #: The DDP module whose forward ran a K-FAC layer while :attr:`watch_wrapper` was set.
+        self.wrapper: nn.parallel.DistributedDataParallel | None = None
         # 1/s of the loss scaler per device, for the G hooks of the current step.
         self._inverse_scales: dict[torch.device, torch.Tensor] = {}
         for layer in self._layers:
@@ -166,6 +171,11 @@ class Capture:
             # nothing of the schedule, and serves every step.
             active = torch.is_grad_enabled() and self.hooks_active
             return self._sites[layer.name].in_graph(active, args, kwargs, output)
+        if self.watch_wrapper and self.wrapper is None:
+            # DDP's forward announces itself in a class attribute (torch.compile's DDP
+            # optimizer reads the same); read softly: a torch without it detects nothing.
+            ddp = nn.parallel.DistributedDataParallel
+            self.wrapper = getattr(ddp, "_active_ddp_module", None)
         hooks = self._capture_input(layer, args, kwargs, grad_enabled=torch.is_grad_enabled())
         if hooks and isinstance(output, torch.Tensor) and output.requires_grad:
             for hook in hooks:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import inspect
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import fields
 from functools import cache
 from typing import Any
@@ -304,6 +304,9 @@ class KFACPreconditioner:
         # What the backward passes since the last step() left in the K-FAC gradients, and
         # whether an optimizer stepped with them first (the order of calls, checked per step).
         self._ledger = GradientLedger()
+        # The first optimizer step of a fresh preconditioner: one holding state then has
+        # stepped before (load_state_dict disarms it).
+        self._ledger.first_update = True
         WATCH.watch(self._ledger, [x.helper.module.weight for x in self._layer_list])
         # The device flag "some K-FAC gradient is nonzero" of this step, read with the
         # factor step's finiteness checks (None: no zero_grad can have zeroed them).
@@ -331,6 +334,13 @@ class KFACPreconditioner:
         )
         #: The overlapped execution mode, where the options ask for it or "auto" may.
         self._overlap: OverlapEngine | None = self._install_overlap() if overlaps else None
+        # Built on the bare module with several ranks: the first step() looks whether a DDP
+        # wrapper ran it since (Trainer, accelerate and Lightning wrap the model they are given).
+        self._capture.watch_wrapper = self.comm.active and not self.ddp
+        #: Set by an integration whose loop calls ``step()`` on every micro-batch (accelerate's
+        #: ``accelerator.sync_gradients``): while it returns False, ``step()`` returns at once
+        #: and the gradients keep accumulating. None: every call is an optimizer step's.
+        self.synced: Callable[[], bool] | None = None
         self._arm(0)
 
     def _install_overlap(self) -> OverlapEngine:
@@ -445,7 +455,19 @@ class KFACPreconditioner:
             RuntimeError: the loop calls it out of order (:data:`CALL_ORDER`): an
                 optimizer stepped with the last backward pass's gradients, or
                 ``zero_grad()`` cleared them, before this call. Nothing is done.
+                Or, at the first step: the model was wrapped in DDP after the
+                preconditioner was built on it, where following the wrapper is not
+                exact (the overlapped mode reduces from hooks of its own).
+
+        Warns (RuntimeWarning, at every such call) when the number of backward
+        passes since the last ``step()`` is not ``accumulation_steps``, or when
+        called inside DDP's ``no_sync()``: the gradients are then partial, or G
+        is scaled for another number of micro-batches.
         """
+        if self.synced is not None and not self.synced():
+            return
+        if self._capture.watch_wrapper:
+            self._follow_wrapper()
         if self._layer_list and not self._ledger.fresh:
             warnings.warn(
                 "dpkfac: step() was called without a backward pass since the last step() "
@@ -456,6 +478,7 @@ class KFACPreconditioner:
                 stacklevel=3,
             )
             return
+        self._check_accumulation()
         self._check_order()
         self._capture.forget_loss_scale()  # the next backward may run under another scale
         step = self.steps
@@ -522,6 +545,73 @@ class KFACPreconditioner:
 
         self.steps += 1
         self._arm(self.steps)
+
+    def _follow_wrapper(self) -> None:
+        """At the first step of a preconditioner built on the bare module with several ranks:
+        follow the DDP wrapper that ran the model since, or refuse where that is not exact.
+
+        Without this, ``step()`` would all-reduce the gradients DDP already averaged: the same
+        bits, twice the traffic, nothing to notice.
+        """
+        self._capture.watch_wrapper = False
+        ddp, self._capture.wrapper = self._capture.wrapper, None
+        # DDP wraps this module or a module holding it (Lightning wraps the LightningModule).
+        if ddp is None or not any(m is self.module for m in ddp.module.modules()):
+            return
+        ranks = dist.get_world_size(ddp.process_group)
+        if self._overlap is not None or ranks != self.comm.size:
+            why = (
+                "the overlapped mode reduces the gradients from hooks installed at construction"
+                if self._overlap is not None
+                else f"DDP spans {ranks} ranks and the preconditioner {self.comm.size}"
+            )
+            raise RuntimeError(
+                "dpkfac: the model was wrapped in DistributedDataParallel after the "
+                f"preconditioner was built on the bare module, and {why}: both would reduce "
+                "the gradients. Build the preconditioner on the DDP model "
+                "(KFACPreconditioner(ddp_model, ...), e.g. trainer.model_wrapped, or "
+                "accelerator.prepare(model)'s result), or use dpkfac.integrations"
+            )
+        # Exact: DDP averages in the backward pass, and step() leaves the gradients to it.
+        self.model = ddp
+        self.ddp = True
+
+    def _check_accumulation(self) -> None:
+        """Warn where this step's gradients are not those of ``accumulation_steps`` whole,
+        synchronised backward passes (host counters only, no device read)."""
+        k = self.options.accumulation_steps
+        passes = self._ledger.passes
+        unsynced = self.ddp and not getattr(self.model, "require_backward_grad_sync", True)
+        fix = (
+            "call pre.step() once per optimizer step, after the last micro-batch's backward "
+            "pass (with accelerate: under `if accelerator.sync_gradients:`, or build it with "
+            "dpkfac.integrations.accelerate.prepare, which skips the other calls)"
+        )
+        if unsynced:
+            warnings.warn(
+                f"dpkfac: step() at step {self.steps} was called inside DDP's no_sync(): the "
+                "gradients are this rank's own, not yet averaged, and K-FAC preconditions them "
+                f"as if they were; {fix}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        elif passes < k:
+            warnings.warn(
+                f"dpkfac: step() at step {self.steps} came after {passes} backward pass(es), "
+                f"but accumulation_steps={k}: mid-accumulation, the gradients are partial; {fix}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        elif passes > k:
+            warnings.warn(
+                f"dpkfac: step() at step {self.steps} came after {passes} backward passes, but "
+                f"accumulation_steps={k}: G is scaled for {k} micro-batches of loss/{k} each. "
+                f"Pass accumulation_steps={passes} (the trainer's accumulation setting; "
+                "dpkfac.integrations read it) or call pre.step() after every "
+                f"{k} backward pass(es)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _check_order(self) -> None:
         """Refuse gradients the optimizer already used or ``zero_grad()`` cleared; arm the
@@ -822,6 +912,7 @@ class KFACPreconditioner:
             allow_world_size_change=allow_world_size_change,
         )
         self.steps = loaded.steps
+        self._ledger.first_update = False
         if loaded.resized:
             self._decompose_next = loaded.decompose_next
         self._arm(self.steps)

@@ -91,6 +91,7 @@ _TRAINING: Checks = {
     "trainer.accumulate_grad_batches": (_positive_int, "a positive integer"),
     "trainer.precision": (lambda v: v in PRECISIONS, "32, bf16 or fp16"),
     "trainer.threads": (lambda v: v == "auto" or _positive_int(v), "auto or a positive integer"),
+    "trainer.loop": (lambda v: v in ("project", "hf"), "project or hf"),
     "data.batch_size": (_positive_int, "a positive integer"),
     "data.eval_batch_size": (_positive_int, "a positive integer"),
     "data.num_workers": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),

@@ -44,6 +44,7 @@ from experiments.distributed import (
     threads_per_rank,
     wrap_ddp,
 )
+from experiments.hf_loop import fit_with_hf_trainer
 from experiments.loggers import NullLogger
 from experiments.preconditioning import strategy_name, uses_preconditioner
 from experiments.schedules import build_step_schedules
@@ -375,7 +376,9 @@ def _run_rank(cfg: DictConfig, env: DistEnv) -> dict[str, Any]:
 
         # Same seed on every rank: identical initial replicas without a broadcast.
         model = _instantiate(cfg.model, "model", **data.model_kwargs()).to(env.device)
-        model = _wrap_model(model, cfg, env)
+        hf_loop = cfg.trainer.get("loop", "project") == "hf"
+        if not hf_loop:  # Hugging Face Trainer wraps the model itself
+            model = _wrap_model(model, cfg, env)
         lr = cfg.optimizer.lr * (env.world_size if cfg.trainer.scale_lr else 1)
         optimizer = _instantiate(cfg.optimizer, "optimizer", model.parameters(), lr=lr)
         scheduler = _instantiate(
@@ -388,14 +391,28 @@ def _run_rank(cfg: DictConfig, env: DistEnv) -> dict[str, Any]:
         preconditioner = None
         log.info(
             "strategy %s, %d rank(s), precision %s, %d micro-batch(es) per step, "
-            "%d thread(s) per rank of %d core(s)",
+            "%d thread(s) per rank of %d core(s)%s",
             strategy_name(cfg.strategy),
             env.world_size,
             cfg.trainer.get("precision", 32),
             accumulate,
             torch.get_num_threads(),
             available_cores(),
+            ", Hugging Face Trainer with dpkfac's KFACCallback" if hf_loop else "",
         )
+        if hf_loop:
+            result = fit_with_hf_trainer(
+                cfg=cfg,
+                env=env,
+                data=data,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                output_dir=output_dir,
+            )
+            if env.is_main:
+                log.info("%s", summary_line(result, output_dir))
+            return result
         if uses_preconditioner(cfg.strategy):
             preconditioner = _build_preconditioner(cfg, model, optimizer, steps_per_epoch, scaler)
             log.info("%r", preconditioner)

@@ -90,13 +90,15 @@ def test_accumulation_equals_the_whole_batch_on_two_ranks(variant: str) -> None:
 
 
 def test_undeclared_micro_batches_are_not_the_whole_batch() -> None:
-    """Without ``accumulation_steps`` G is k² too small: the option is what fixes it."""
+    """Without ``accumulation_steps`` G is k² too small: the option is what fixes it, and
+    ``step()`` says so, naming both numbers."""
     whole = _accumulated_run(0, 1, "d_kfac", 1)
     model = make_model()
     pre = make_preconditioner(model, "d_kfac")
     for x, y in [batch(0, 0), batch(1, 0)]:
         (F.cross_entropy(model(x), y) / 2).backward()
-    pre.step()
+    with pytest.warns(RuntimeWarning, match=r"after 2 backward passes, but accumulation_steps=1"):
+        pre.step()
     g, g_whole = pre.layers["fc1"].g_factor, whole["factors"][0]["fc1/G"]
     ratio = float(g.trace() / g_whole.trace())
     assert ratio == pytest.approx(0.5, rel=1e-9)  # summed over 2 captures, each 1/4

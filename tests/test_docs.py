@@ -3,8 +3,8 @@
 The README is short: what dpkfac is, the two commands (`make train`, `make
 test`, the first commands on the page, which CI runs), a minimal example, the
 generated headline results (tests/test_benchmark_tables.py checks that block)
-and links to docs/usage.md, docs/experiments.md and docs/reproduction.md, which
-hold the rest. Links between them must resolve.
+and links to docs/usage.md, docs/integrations.md, docs/experiments.md and
+docs/reproduction.md, which hold the rest. Links between them must resolve.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-PAGES = ("usage.md", "experiments.md", "reproduction.md")
+PAGES = ("usage.md", "integrations.md", "experiments.md", "reproduction.md")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
