@@ -206,7 +206,7 @@ def from_config(node: Mapping[str, Any] | None) -> Network | None:
     if node is None:
         return None
     name = node.get("name")
-    if name in (None, "none", "loopback"):
+    if name is None or name == "loopback":
         return None
     if name != "emulated":
         raise ExperimentError(f"invalid value network.name={name!r}: expected emulated or null")

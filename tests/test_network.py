@@ -67,7 +67,9 @@ def test_rates_print_as_written() -> None:
 
 def test_the_config_node_becomes_a_network() -> None:
     assert net.from_config(None) is None
-    assert net.from_config({"name": "none"}) is None
+    assert net.from_config({"name": "loopback"}) is None
+    with pytest.raises(ExperimentError, match=r"network.name='none': expected emulated or null"):
+        net.from_config({"name": "none"})  # "none" is the first-order strategy's name
     got = net.from_config({"name": "emulated", "rate": "1gbit", "ranks_per_node": 2})
     assert got == net.Network(10**9, 2)
     assert got.label == "emulated 1gbit" and got.nodes(4) == 2
