@@ -231,6 +231,18 @@ def network(frame: pd.DataFrame) -> list[str]:
     return lines[:5]
 
 
+def _network_line(frame: pd.DataFrame) -> str:
+    """The README's line on the emulated network: the network page's per-model answers."""
+    per_model = [x.removeprefix("- ") for x in network(frame) if x.startswith("- **") and "×" in x]
+    if not per_model:
+        return ""
+    return (
+        "- **Measured on an emulated cluster network** (P=2, one network namespace per rank, "
+        "bandwidth shaped both ways, latency the host's; `results/network.md`): "
+        + " ".join(x.replace("**", "") for x in per_model)
+    )
+
+
 def convergence(summary: pd.DataFrame, final: pd.DataFrame) -> list[str]:
     """Final test accuracy per strategy (mean ± std over seeds) at each world size."""
     if summary.empty:
@@ -453,6 +465,8 @@ def headline(results: Path) -> list[str]:
                 f"{held.median():.0f}%){whole}; it carries the tables to 64 GPUs"
                 " (`results/ablation.md`, P=64 columns)."
             )
+    if (net := read_result(results, "network.csv")) is not None and (line := _network_line(net)):
+        lines.append(line)
     cells = read_result(results, "convergence_scale_cells.csv")
     if cells is not None and (line := convergence_scale.headline(cells)):
         lines.append(line)
