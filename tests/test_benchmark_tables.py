@@ -627,9 +627,14 @@ def test_results_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     rows = pd.DataFrame([fake_row(s, p) for s in ("none", "dp_kfac") for p in (1, 2)])
     tables.write_table("scaling", rows, results)
     tables.write_table("ablation", ablation_rows(), results)
-    from test_convergence_scale import _rows as convergence_scale_rows
+    from test_convergence_scale import _STUDY, _compose_node, _study_rows
 
-    tables.write_table("convergence_scale", convergence_scale_rows(), results)
+    from experiments.bench import convergence_scale
+
+    # The convergence study's writer plans from the rows with the study's settings: the
+    # small study the rows were made for.
+    monkeypatch.setattr(convergence_scale, "study_node", lambda overrides=(): _compose_node(_STUDY))
+    tables.write_table("convergence_scale", _study_rows(lambda seed: 300 + seed), results)
     (results / "fidelity.csv").write_text(
         "run,world_size,strategy,step,layer,cosine,rel_error\n"
         "digits_cnn,2,dp_kfac,1,conv,0.99,0.01\ndigits_cnn,2,dp_kfac,3,fc,0.8,0.5\n"
