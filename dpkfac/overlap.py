@@ -70,7 +70,10 @@ decomposition steps, as without overlap.
 Requirements: without DDP, exactly ``accumulation_steps`` backward passes
 per ``step()`` (a further backward raises); under DDP, one synchronised
 backward per ``step()`` (``no_sync`` on the other micro-batches; a second
-synchronised one raises). No ``grad_scaler``. The first step (placement not
+synchronised one raises). With a ``grad_scaler``, ``step()`` takes the gradients
+still scaled and runs before ``scaler.step``: the scaler then unscales the exchanged
+updates and skips a step alike on every rank, which reverts its factor folds. The first
+step (placement not
 final) and steps of the fidelity probe run the ordinary ``step()`` (under DDP
 the hook then all-reduces every bucket, as DDP's default hook does).
 """
