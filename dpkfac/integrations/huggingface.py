@@ -111,8 +111,8 @@ class KFACCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer, resume = _calling_trainer(self)
         if getattr(trainer.accelerator, "scaler", None) is not None:
-            raise NotImplementedError(
-                "dpkfac KFACCallback: fp16 (a GradScaler) is not supported yet: the scaler "
+            raise ValueError(
+                "dpkfac KFACCallback refuses fp16 (a GradScaler): the scaler "
                 "unscales inside the clip that K-FAC must precede; train with bf16=True"
             )
         self._settle_loss_scaling(trainer)
