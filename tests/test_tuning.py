@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -278,3 +279,16 @@ def test_the_paired_bootstrap_interval_and_verdicts() -> None:
     assert unpaired.high - unpaired.low > 2 * (ratio.high - ratio.low)
     with pytest.raises(ValueError, match="paired values"):
         intervals.paired_bootstrap([1.0], [1.0, 2.0], intervals.mean_difference)
+
+
+def test_a_run_is_claimed_once_and_a_dead_drivers_claim_is_taken_over(tmp_path: Path) -> None:
+    import os
+
+    from experiments.bench import tune
+
+    point = Point("m", "dp_kfac", 4, 1.0, 0.01, 0, "lr")
+    folder = tune._claim(tmp_path, point)
+    assert folder is not None and (folder / "claimed_by").read_text() == str(os.getpid())
+    assert tune._claim(tmp_path, point) is None  # this (live) process holds it
+    (folder / "claimed_by").write_text("999999999")  # no such process
+    assert tune._claim(tmp_path, point) == folder

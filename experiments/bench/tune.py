@@ -63,14 +63,19 @@ def _claim(workdir: Path, point: Point) -> Path | None:
     try:
         folder.mkdir(parents=True)
     except FileExistsError:
-        try:
-            pid = int(owner.read_text())
-            os.kill(pid, 0)
-            return None  # alive: its run
-        except (OSError, ValueError):
-            pass  # its driver is gone: take it over
+        if _alive(owner):
+            return None  # another live driver's run; a dead driver's is taken over
     owner.write_text(str(os.getpid()))
     return folder
+
+
+def _alive(owner: Path) -> bool:
+    """Whether the process named in a claim file still runs (False: unreadable or gone)."""
+    try:
+        os.kill(int(owner.read_text()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def job_overrides(point: Point) -> list[str]:
