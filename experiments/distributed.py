@@ -130,17 +130,33 @@ class DistEnv:
         dist.all_gather_object(out, obj)
         return out
 
-    def mean(self, value: torch.Tensor) -> torch.Tensor:
-        """Average a tensor over ranks (returns a new tensor, on ``value``'s device).
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over ranks (returns a new tensor, on ``value``'s device).
 
-        Reduced on this rank's device: NCCL accepts only CUDA tensors of the rank's GPU.
+        One all-reduce, whatever the tensor's size: pack several values into one
+        tensor rather than reducing each (a collective of ``launcher=threads`` is a
+        rendezvous of every rank).
         """
         if not self.distributed:
             return value.detach().clone()
-        work = value.detach().to(self.device, copy=True)
-        dist.all_reduce(work)
+        return self._all_reduced(value).to(value.device)
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Average a tensor over ranks (returns a new tensor, on ``value``'s device)."""
+        if not self.distributed:
+            return value.detach().clone()
+        work = self._all_reduced(value)
         work /= self.world_size
         return work.to(value.device)
+
+    def _all_reduced(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of ``value`` over ranks, a new tensor on this rank's device.
+
+        Reduced on this rank's device: NCCL accepts only CUDA tensors of the rank's GPU.
+        """
+        work = value.detach().to(self.device, copy=True)
+        dist.all_reduce(work)
+        return work
 
 
 def _pick_device(setting: str, local_rank: int) -> torch.device:

@@ -46,7 +46,7 @@ from experiments.data.loading import DataModule, epoch_sampler
 from experiments.distributed import DistEnv, broadcast_buffers, check_replicas, unwrap
 from experiments.loggers import NullLogger, fidelity_metrics, flatten_stats, write_json
 from experiments.preconditioning import strategy_name
-from experiments.tasks.base import evaluate, to_device
+from experiments.tasks.base import evaluate_sets, to_device
 
 log = logging.getLogger(__name__)
 
@@ -324,11 +324,12 @@ class Trainer:
             seconds: Wall-clock seconds of this run so far.
         """
         broadcast_buffers(self.model, self.env)
+        loaders = [self.eval_loader, *([self.val_loader] if self.val_loader is not None else [])]
         with self._autocast():
-            metrics = evaluate(self.task, self.model, self.eval_loader, self.env)
-            if self.val_loader is not None:
-                val = evaluate(self.task, self.model, self.val_loader, self.env)
-                metrics.update({f"val_{k}": v for k, v in val.items()})
+            # Both sets in one round of collectives (one rendezvous of every rank, not two).
+            metrics, *val = evaluate_sets(self.task, self.model, loaders, self.env)
+        if val:
+            metrics.update({f"val_{k}": v for k, v in val[0].items()})
         epoch = self.step / self.steps_per_epoch
         self.history.append(
             {

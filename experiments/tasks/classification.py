@@ -1,4 +1,11 @@
-"""Image classification: cross-entropy (optionally label-smoothed) and top-1 accuracy."""
+"""Image classification: cross-entropy (optionally label-smoothed) and top-1 accuracy.
+
+Top-1 accuracy is a ratio of two counts, so evaluation sums them per rank and
+all-reduces them (:class:`~experiments.tasks.base.SummableTask`); the records
+path (:meth:`ClassificationTask.predict`, :meth:`ClassificationTask.score`,
+torchmetrics' micro-averaged accuracy) defines the value, which the counts
+reproduce bit for bit.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.functional.classification import multiclass_accuracy
 
-from experiments.tasks.base import Task
+from experiments.tasks.base import SummableTask
 
 
-class ClassificationTask(Task):
+class ClassificationTask(SummableTask):
     """Batches are ``(images, labels)``; the model returns logits.
 
     Args:
@@ -21,6 +28,8 @@ class ClassificationTask(Task):
     """
 
     primary_metric = "accuracy"
+    #: Correct top-1 predictions and examples.
+    num_statistics = 2
 
     def __init__(self, num_classes: int, label_smoothing: float = 0.0) -> None:
         self.num_classes = num_classes
@@ -42,3 +51,20 @@ class ClassificationTask(Task):
         target = torch.cat([t for _, t in records])
         acc = multiclass_accuracy(preds, target, num_classes=self.num_classes, average="micro")
         return {"accuracy": float(acc), "examples": float(target.numel())}
+
+    def statistics(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """(correct top-1 predictions, examples) of the batch, as float64 on its device."""
+        images, labels = batch
+        correct = (model(images).argmax(dim=1) == labels).sum()
+        return torch.stack((correct, correct.new_tensor(labels.numel()))).to(torch.float64)
+
+    def score_statistics(self, sums: torch.Tensor) -> dict[str, float]:
+        """:meth:`score`'s values from the summed counts.
+
+        torchmetrics' micro accuracy is ``tp / (tp + fn)`` with both counts cast
+        to float32 and 0 for an empty set; ``tp + fn`` is the number of
+        examples. The same float32 division here gives the same bits.
+        """
+        correct, examples = sums.to(torch.int64).float()
+        acc = correct / examples if examples != 0 else torch.zeros(())
+        return {"accuracy": float(acc), "examples": float(sums[1])}
