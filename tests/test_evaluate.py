@@ -6,18 +6,22 @@ accuracy) defines the values. Here the two agree exactly for every count up to a
 few hundred examples and at the sizes of real runs, and on 1 and 4 rank threads
 for two evaluation sets scored together, one of them smaller than the world (a
 rank with an empty shard). A task without the hook keeps the records path; both
-paths make one round of collectives for all sets.
+paths make one round of collectives for all sets. Held-out loaders fetch a
+``TensorDataset`` a batch at a time, with the batches the per-example loader made.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torchmetrics.functional.classification import multiclass_accuracy
 
 from experiments.distributed import DistEnv
@@ -184,6 +188,57 @@ def test_one_round_of_collectives_for_all_sets(monkeypatch: pytest.MonkeyPatch) 
         # gather_object's own size exchange and broadcast_object_list's inner broadcasts
         # go to dist.all_gather and dist.broadcast, not counted here.
         assert calls[rank] == ["all_reduce", "|", "gather_object", "broadcast_object_list"]
+
+
+class _Plain(Dataset):
+    """A dataset that is not a TensorDataset: fetched an example at a time."""
+
+    def __init__(self, inner: TensorDataset) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.inner[i]
+
+
+def _per_example(dataset: Dataset, env: DistEnv, batch_size: int) -> DataLoader:
+    """The held-out loader as it was: per-example fetching and default collation."""
+    shard = list(range(env.rank, len(dataset), env.world_size))  # type: ignore[arg-type]
+    return DataLoader(dataset, batch_size=batch_size, sampler=shard)
+
+
+def _same(a: Iterator[Any], b: Iterator[Any]) -> None:
+    a_batches, b_batches = list(a), list(b)
+    assert len(a_batches) == len(b_batches)
+    for x, y in zip(a_batches, b_batches, strict=True):
+        assert type(x) is type(y) and len(x) == len(y)
+        for u, v in zip(x, y, strict=True):
+            assert u.dtype == v.dtype and u.shape == v.shape and u.is_contiguous()
+            assert torch.equal(u, v)
+
+
+@pytest.mark.parametrize("world", [1, 3, 7])
+def test_held_out_batches_are_fetched_whole_and_unchanged(tmp_path: Path, world: int) -> None:
+    from experiments.data.digits import DigitsData
+
+    kw = {"root": None, "fake": False, "batch_size": 16, "num_workers": 0}
+    data = DigitsData(**kw, eval_batch_size=7, val_fraction=0.1)
+    data.setup(DistEnv(), tmp_path)
+    assert isinstance(data.eval_dataset, TensorDataset)
+    for rank in range(world):
+        env = DistEnv(rank, world)
+        fast = data.eval_loader(env)
+        assert fast.batch_size is None  # whole batches from the TensorDataset
+        _same(iter(fast), iter(_per_example(data.eval_dataset, env, 7)))
+        val = data.val_loader(env)
+        assert val is not None
+        _same(iter(val), iter(_per_example(data.val_dataset, env, 7)))
+        plain = _Plain(data.eval_dataset)
+        slow = data._held_out_loader(plain, env)
+        assert slow.batch_size == 7  # any other dataset: an example at a time, as before
+        _same(iter(slow), iter(_per_example(plain, env, 7)))
 
 
 def test_summable_hook_is_the_dispatch() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, TensorDataset
 
 from experiments.config import ExperimentError
 from experiments.distributed import DistEnv
@@ -251,13 +251,29 @@ class DataModule(abc.ABC):
         return None if self.val_dataset is None else self._held_out_loader(self.val_dataset, env)
 
     def _held_out_loader(self, dataset: Dataset, env: DistEnv) -> DataLoader:
+        """Batches of this rank's shard, in order: examples r, r + P, r + 2P, ...
+
+        A ``TensorDataset`` under the default collation is indexed a batch at a
+        time (``dataset[indices]``: one gather per tensor) instead of an example
+        at a time and then stacked: the same tensors, bit for bit, without a
+        Python call per example. Every evaluation reads the whole held-out
+        split; on MNIST-1D at P=64 fetching example by example took 2.2 to 4.6
+        times as long.
+        """
         shard = list(range(env.rank, len(dataset), env.world_size))  # type: ignore[arg-type]
+        collate = self.collate(train=False)
+        batching: dict[str, Any] = {"batch_size": self.eval_batch_size, "sampler": shard}
+        if isinstance(dataset, TensorDataset) and collate is None:
+            # batch_size=None: each of the sampler's lists of indices is fetched as a batch.
+            batching = {
+                "batch_size": None,
+                "sampler": BatchSampler(shard, self.eval_batch_size, drop_last=False),
+            }
         return DataLoader(
             dataset,
-            batch_size=self.eval_batch_size,
-            sampler=shard,
+            **batching,
             num_workers=self.num_workers,
-            collate_fn=self.collate(train=False),
+            collate_fn=collate,
             pin_memory=env.device.type == "cuda",
             generator=torch.Generator(),
         )
