@@ -134,11 +134,13 @@ def _evaluate_both(rank: int, world: int, sizes: list[int], batch: int) -> dict[
     model, labels = _sets(sizes)
     sets = [_batches(y, rank, world, batch) for y in labels]
     model.train()
+    before = torch.get_rng_state()
     out = {"summed": evaluate_sets(task, model, sets, env)}
     assert model.training  # the training mode is restored
     out["records"] = evaluate_sets(RecordsOnly(task), model, sets, env)
     out["one_by_one"] = [evaluate(task, model, s, env) for s in sets]
     out["median"] = evaluate_sets(MedianTask(), model, sets, env)
+    assert torch.equal(torch.get_rng_state(), before)  # training's stream is not drawn from
     return out
 
 
@@ -206,7 +208,7 @@ class _Plain(Dataset):
 def _per_example(dataset: Dataset, env: DistEnv, batch_size: int) -> DataLoader:
     """The held-out loader as it was: per-example fetching and default collation."""
     shard = list(range(env.rank, len(dataset), env.world_size))  # type: ignore[arg-type]
-    return DataLoader(dataset, batch_size=batch_size, sampler=shard)
+    return DataLoader(dataset, batch_size=batch_size, sampler=shard, generator=torch.Generator())
 
 
 def _same(a: Iterator[Any], b: Iterator[Any]) -> None:
@@ -227,6 +229,7 @@ def test_held_out_batches_are_fetched_whole_and_unchanged(tmp_path: Path, world:
     data = DigitsData(**kw, eval_batch_size=7, val_fraction=0.1)
     data.setup(DistEnv(), tmp_path)
     assert isinstance(data.eval_dataset, TensorDataset)
+    before = torch.get_rng_state()
     for rank in range(world):
         env = DistEnv(rank, world)
         fast = data.eval_loader(env)
@@ -239,6 +242,7 @@ def test_held_out_batches_are_fetched_whole_and_unchanged(tmp_path: Path, world:
         slow = data._held_out_loader(plain, env)
         assert slow.batch_size == 7  # any other dataset: an example at a time, as before
         _same(iter(slow), iter(_per_example(plain, env, 7)))
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_summable_hook_is_the_dispatch() -> None:
