@@ -523,3 +523,16 @@ def test_ranks_in_one_process_resolve_auto_once(tmp_path: Path, monkeypatch: Any
     placement._RESOLVED.clear()
     _trained(tmp_path, "grouped_auto", 4, steps=2)
     assert calls == [4]
+
+
+def test_a_study_in_progress_keeps_one_column_per_heading(tmp_path: Path) -> None:
+    """The committed rows (a study under way: some cells chosen, others still running) give
+    main tables of at most 8 columns, each heading once (a chosen and an unchosen row once
+    made two "steps to target" columns)."""
+    raw = Path(__file__).resolve().parents[1] / "results" / "raw" / "convergence_scale.csv"
+    md = tables.write_table("convergence_scale", pd.read_csv(raw), tmp_path)["md"].read_text()
+    headers = [line for line in md.split("\n") if line.startswith("| configuration")]
+    assert headers
+    for line in headers:
+        names = [c.strip() for c in line.strip("|").split("|")]
+        assert len(names) <= 8 and len(names) == len(set(names)), line

@@ -884,7 +884,7 @@ def _markdown_frame(cells: pd.DataFrame) -> pd.DataFrame:
                 "P": int(r.P),
                 "lr (×), damping": point,
                 "seeds": int(r.seeds) if chosen else int(r.runs),
-                f"steps to {r.target:.2f}" if chosen else "steps to target": _steps_cell(r),
+                "steps to target": _steps_cell(r),
                 "steps to high target": (
                     "–"
                     if not chosen
@@ -898,8 +898,7 @@ def _markdown_frame(cells: pd.DataFrame) -> pd.DataFrame:
                 "notes": _cell_notes(r),
             }
         )
-    frame = pd.DataFrame(rows)
-    return frame.rename(columns=lambda c: "steps to target" if c.startswith("steps to 0") else c)
+    return pd.DataFrame(rows)
 
 
 def _paired_table(cells: pd.DataFrame) -> pd.DataFrame:
