@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader
     from transformers import Trainer
 
+    from dpkfac.integrations.huggingface import KFACCallback
     from experiments.train import Components
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ def _trainer_class() -> type[Trainer]:
 
 def hf_trainer(
     cfg: DictConfig, env: DistEnv, parts: Components, output_dir: Path
-) -> tuple[Trainer, Any]:
+) -> tuple[Trainer, KFACCallback | None]:
     """The Trainer of ``trainer.loop=hf`` on ``parts`` (the model bare: Trainer wraps it),
     untrained, and its ``KFACCallback`` (None for first order)."""
     from transformers import TrainingArguments
