@@ -89,6 +89,7 @@ _TRAINING: Checks = {
     "trainer.keep_checkpoints": (_positive_int, "a positive integer"),
     "trainer.dist_timeout_s": (_positive, "a positive number of seconds"),
     "trainer.accumulate_grad_batches": (_positive_int, "a positive integer"),
+    "trainer.max_grad_norm": (_optional(_positive), "a positive number or null"),
     "trainer.precision": (lambda v: v in PRECISIONS, "32, bf16 or fp16"),
     "trainer.threads": (lambda v: v == "auto" or _positive_int(v), "auto or a positive integer"),
     "trainer.loop": (lambda v: v in ("project", "hf"), "project or hf"),

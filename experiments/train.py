@@ -23,6 +23,7 @@ import os
 import random
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -355,40 +356,75 @@ def _run_threads(cfg: DictConfig) -> dict[str, Any]:
     return results[0]
 
 
+@dataclass
+class Components:
+    """What a run trains, whichever loop trains it: data, model, optimizer, schedule.
+
+    Attributes:
+        data: The set-up data module.
+        model: The model on the run's device, not wrapped in DDP (each loop wraps it).
+        optimizer: The first-order optimizer over the model's parameters.
+        scheduler: The per-step learning-rate schedule.
+        steps_per_epoch: Optimizer steps of an epoch (``trainer.accumulate_grad_batches``
+            micro-batches each).
+    """
+
+    data: DataModule
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    steps_per_epoch: int
+
+
+def build_components(cfg: DictConfig, env: DistEnv, scratch: Path) -> Components:
+    """Data, model, optimizer and schedule of ``cfg``, seeded as a run seeds them.
+
+    One function for the project loop, ``trainer.loop=hf`` and the integration tests'
+    accelerate and Lightning loops, so that every loop starts from the same weights on the
+    same data and can be compared with the others update for update.
+
+    Args:
+        cfg: The composed (validated) configuration.
+        env: This process's place in the run.
+        scratch: A private folder for fake data and caches, alive while the data is used.
+
+    Raises:
+        ExperimentError: Missing data, an epoch shorter than one step, or a group that
+            cannot be built.
+    """
+    _seed(cfg.seed)
+    data: DataModule = _instantiate(cfg.data, "data")
+    data.setup(env, scratch)
+    accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
+    steps_per_epoch = data.steps_per_epoch(env, accumulate)
+    batches = data.steps_per_epoch(env)
+    if batches and not steps_per_epoch:
+        raise ExperimentError(
+            f"{data.name}: an epoch has {batches} batch(es) of data.batch_size="
+            f"{data.batch_size} per rank, fewer than trainer.accumulate_grad_batches="
+            f"{accumulate}"
+        )
+    # Same seed on every rank: identical initial replicas without a broadcast.
+    model = _instantiate(cfg.model, "model", **data.model_kwargs()).to(env.device)
+    lr = cfg.optimizer.lr * (env.world_size if cfg.trainer.scale_lr else 1)
+    optimizer = _instantiate(cfg.optimizer, "optimizer", model.parameters(), lr=lr)
+    scheduler = _instantiate(
+        cfg.scheduler,
+        "scheduler",
+        optimizer,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps(cfg.trainer, steps_per_epoch),
+    )
+    return Components(data, model, optimizer, scheduler, steps_per_epoch)
+
+
 def _run_rank(cfg: DictConfig, env: DistEnv) -> dict[str, Any]:
     """One rank of a run, in a joined process group (or alone): build everything, train."""
     with tempfile.TemporaryDirectory(prefix="dpkfac-") as scratch:
         output_dir = _output_dir(cfg, env)
-        _seed(cfg.seed)
-
-        data: DataModule = _instantiate(cfg.data, "data")
-        data.setup(env, Path(scratch))
+        parts = build_components(cfg, env, Path(scratch))
         accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
-        steps_per_epoch = data.steps_per_epoch(env, accumulate)
-        batches = data.steps_per_epoch(env)
-        if batches and not steps_per_epoch:
-            raise ExperimentError(
-                f"{data.name}: an epoch has {batches} batch(es) of data.batch_size="
-                f"{data.batch_size} per rank, fewer than trainer.accumulate_grad_batches="
-                f"{accumulate}"
-            )
-        autocast_dtype, scaler = _precision(cfg, env)
-
-        # Same seed on every rank: identical initial replicas without a broadcast.
-        model = _instantiate(cfg.model, "model", **data.model_kwargs()).to(env.device)
         hf_loop = cfg.trainer.get("loop", "project") == "hf"
-        if not hf_loop:  # Hugging Face Trainer wraps the model itself
-            model = _wrap_model(model, cfg, env)
-        lr = cfg.optimizer.lr * (env.world_size if cfg.trainer.scale_lr else 1)
-        optimizer = _instantiate(cfg.optimizer, "optimizer", model.parameters(), lr=lr)
-        scheduler = _instantiate(
-            cfg.scheduler,
-            "scheduler",
-            optimizer,
-            steps_per_epoch=steps_per_epoch,
-            total_steps=total_steps(cfg.trainer, steps_per_epoch),
-        )
-        preconditioner = None
         log.info(
             "strategy %s, %d rank(s), precision %s, %d micro-batch(es) per step, "
             "%d thread(s) per rank of %d core(s)%s",
@@ -401,20 +437,17 @@ def _run_rank(cfg: DictConfig, env: DistEnv) -> dict[str, Any]:
             ", Hugging Face Trainer with dpkfac's KFACCallback" if hf_loop else "",
         )
         if hf_loop:
-            result = fit_with_hf_trainer(
-                cfg=cfg,
-                env=env,
-                data=data,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                output_dir=output_dir,
-            )
+            result = fit_with_hf_trainer(cfg, env, parts, output_dir)
             if env.is_main:
                 log.info("%s", summary_line(result, output_dir))
             return result
+        autocast_dtype, scaler = _precision(cfg, env)
+        model = _wrap_model(parts.model, cfg, env)  # Hugging Face Trainer wraps its own
+        preconditioner = None
         if uses_preconditioner(cfg.strategy):
-            preconditioner = _build_preconditioner(cfg, model, optimizer, steps_per_epoch, scaler)
+            preconditioner = _build_preconditioner(
+                cfg, model, parts.optimizer, parts.steps_per_epoch, scaler
+            )
             log.info("%r", preconditioner)
             log.info("gradients: %s", preconditioner.gradient_path)
         # From here on, ranks draw from streams of their own (dropout, ...).
@@ -436,10 +469,10 @@ def _run_rank(cfg: DictConfig, env: DistEnv) -> dict[str, Any]:
             trainer = Trainer(
                 cfg=cfg,
                 env=env,
-                data=data,
+                data=parts.data,
                 model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
+                optimizer=parts.optimizer,
+                scheduler=parts.scheduler,
                 preconditioner=preconditioner,
                 logger=logger,
                 output_dir=output_dir,

@@ -7,7 +7,8 @@ first-order optimizer applies momentum and weight decay. With
 ``trainer.accumulate_grad_batches=k`` the backward pass runs on k micro-batches
 first (loss divided by k, DDP synchronising on the last one only); with
 ``trainer.precision=fp16`` the loss is scaled by a ``GradScaler`` and the
-gradients unscaled before ``pre.step()``. Progress is counted in optimizer
+gradients unscaled before ``pre.step()``; with ``trainer.max_grad_norm`` the
+preconditioned gradients are clipped before ``optimizer.step()``. Progress is counted in optimizer
 steps; the epoch and the position inside it follow from the step, which is
 what lets a resumed run continue bitwise.
 """
@@ -110,6 +111,8 @@ class Trainer:
         self.scaler = scaler
         self.autocast_dtype = autocast_dtype
         self.accumulate = int(self.settings.get("accumulate_grad_batches", 1))
+        clip = self.settings.get("max_grad_norm")
+        self.max_grad_norm = None if clip is None else float(clip)
         # The strategy config's name (``none`` for first order), as runs report it.
         self.strategy = strategy_name(cfg.strategy) if preconditioner is not None else "none"
         self.train_loader = data.train_loader(env, cfg.seed)
@@ -240,7 +243,10 @@ class Trainer:
         overlapped mode (``pre.takes_scaled_gradients``), where a rank holds
         unreduced gradients of the layers it does not own until ``pre.step()``
         has exchanged the updates, ``pre.step()`` comes first and ``scaler.step``
-        unscales and decides on gradients every rank holds alike.
+        unscales and decides on gradients every rank holds alike. With
+        ``trainer.max_grad_norm`` the clip comes after ``pre.step()``: it bounds the
+        preconditioned, unscaled update the optimizer applies (as Hugging Face
+        Trainer's ``max_grad_norm`` does under dpkfac's ``KFACCallback``).
         """
         k = len(batches)
         ddp = isinstance(self.model, nn.parallel.DistributedDataParallel)
@@ -262,6 +268,12 @@ class Trainer:
             self.scaler.unscale_(self.optimizer)
         if self.pre is not None:
             self.pre.step()
+        if self.max_grad_norm is not None:
+            if self.scaler is not None and scaled:
+                # Every rank holds the same updates now: unscaled here (scaler.step does not
+                # unscale twice), the clip bounds true values.
+                self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

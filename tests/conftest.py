@@ -111,3 +111,24 @@ def single_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def project_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The parameters the project's own trainer ends the integration case with
+    (tests/integration_cases.py), shared by the Hugging Face, accelerate and Lightning tests."""
+    from integration_cases import project_params, train_case
+
+    out = tmp_path_factory.mktemp("project_reference")
+    train_case(out)
+    return project_params(out)
+
+
+@pytest.fixture(scope="session")
+def project_fp16_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The same in fp16 (autocast and a GradScaler, on the CPU)."""
+    from integration_cases import project_params, train_case
+
+    out = tmp_path_factory.mktemp("project_fp16_reference")
+    train_case(out, "trainer.precision=fp16")
+    return project_params(out)

@@ -155,6 +155,30 @@ def test_epoch_sampler_shards_cover_once_and_resume_midway():
     assert list(sampler) != shards[1]
 
 
+def test_round_robin_loader_deals_each_rank_its_own_batches(tmp_path):
+    """One loader of every rank's batches, dealt in turn (batch j to rank j % P, as
+    accelerate's prepare deals them): rank r gets train_loader's batches, epoch by epoch,
+    each epoch cut to the trainer's steps (3 ranks, 2 micro-batches per step)."""
+    from experiments.data.digits import DigitsData
+
+    data = DigitsData(root=None, fake=True, batch_size=7, eval_batch_size=8, num_workers=0)
+    data.setup(DistEnv(), tmp_path)
+    world, k = 3, 2
+    steps = data.steps_per_epoch(DistEnv(0, world), k)
+    dealt = data.round_robin_train_loader(DistEnv(0, world), seed=5, accumulate_grad_batches=k)
+    for epoch in range(2):
+        dealt.sampler.set_epoch(epoch)
+        batches = list(dealt)
+        # 160 training images: 7 batches of 7 per rank, 3 steps of 2; the 7th is left out.
+        assert (steps, len(batches)) == (3, world * steps * k)
+        for rank in range(world):
+            own = data.train_loader(DistEnv(rank, world), seed=5)
+            own.batch_sampler.sampler.set_epoch(epoch)
+            wanted = list(own)[: steps * k]
+            for got, want in zip(batches[rank::world], wanted, strict=True):
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_seeded_dataset_makes_augmentation_reproducible():
     class Noisy(torch.utils.data.Dataset):
         def __len__(self):

@@ -2,6 +2,7 @@
 
 * ``trainer.precision=bf16|fp16`` trains (autocast; fp16 with a checkpointed loss
   scaler, resumed bitwise) and, on the full digits preset, reaches 95% accuracy.
+* ``trainer.max_grad_norm`` bounds the preconditioned (and, with fp16, unscaled) update.
 * ``trainer.accumulate_grad_batches=2`` with half the batch equals the whole batch.
 * K-FAC hyperparameters take schedules of the step (``experiments.schedules``),
   checked before anything is built and resumed bitwise.
@@ -99,6 +100,40 @@ def test_mixed_precision_reaches_the_presets_accuracy(precision, train, tmp_path
     """The whole default preset (10 epochs of the real digits, about 25 s each)."""
     result = train("data.fake=false", f"trainer.precision={precision}", out=tmp_path / "run")
     assert result["accuracy"] >= 0.95, result
+
+
+@pytest.mark.parametrize(
+    ("precision", "strategy"),
+    [("32", "dp_kfac"), ("fp16", "dp_kfac"), ("fp16", "dp_kfac_owner_overlap")],
+)
+def test_max_grad_norm_bounds_the_preconditioned_update(
+    precision, strategy, train, compose, tmp_path
+):
+    """``trainer.max_grad_norm`` clips after ``pre.step()``: one SGD step (lr 1, no momentum
+    or weight decay) moves the weights by the bound itself. With fp16 the clip sees unscaled
+    gradients, also under the overlapped mode, where ``pre.step()`` takes them scaled."""
+    from experiments.distributed import DistEnv
+    from experiments.train import build_components
+
+    bound = 1e-3
+    common = [
+        *DIGITS,
+        f"strategy={strategy}",
+        f"trainer.precision={precision}",
+        "scheduler.warmup_epochs=0",
+        "optimizer.lr=1.0",
+        "optimizer.momentum=0.0",
+        "optimizer.weight_decay=0.0",
+        f"trainer.max_grad_norm={bound}",
+        "trainer.max_steps=1",
+    ]
+    train(*common, out=tmp_path / "run")
+    after = _ckpt(tmp_path / "run")["model"]
+    parts = build_components(compose("data.fake=true", *common), DistEnv(), tmp_path / "data")
+    moved = torch.cat(
+        [(after[n] - p.detach()).flatten() for n, p in parts.model.named_parameters()]
+    )
+    assert float(moved.norm()) == pytest.approx(bound, rel=1e-3)
 
 
 def test_bad_precision_is_named(train):

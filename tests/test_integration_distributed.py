@@ -1,7 +1,9 @@
-"""The integrations on two processes under torchrun (gloo, CPU): Hugging Face Trainer,
-accelerate and Lightning ``strategy="ddp"`` each equal to the project's loop on a DDP model
-(1e-10, float64), the preconditioner following DDP with no second all-reduce (problem 2),
-and every resume bitwise. tests/integration_ranks.py is the rank.
+"""The integrations on two processes under torchrun (gloo, CPU): Hugging Face Trainer
+(``trainer.loop=hf``), accelerate and Lightning ``strategy="ddp"`` each give the project's own
+trainer's parameters on the case of tests/integration_cases.py (the project trainer averaging
+the gradients in K-FAC's ``step()``, the frameworks through DDP), the preconditioner following
+DDP with no second all-reduce (problem 2), and every resume bitwise.
+tests/integration_ranks.py is the rank.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ from typing import Any
 
 import pytest
 from dist_utils import free_port
+from integration_cases import STEPS, TOLERANCE
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("lightning")
 
-TOLERANCE = 1e-10
 RANK_SCRIPT = Path(__file__).resolve().parent / "integration_ranks.py"
 
 
@@ -47,10 +49,11 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 @pytest.mark.distributed
 def test_trainer_on_two_processes(ranks: list[dict[str, Any]]) -> None:
     for result in ranks:
+        assert result["project_gradient_path"] == "all-reduced in step(), after the backward pass"
         hf = result["hf"]
-        assert hf["difference"] < TOLERANCE
-        assert hf["grad_norms"] == pytest.approx(hf["reference_norms"], rel=1e-9)
-        assert hf["ddp"] and hf["grad_bytes"] == 0  # built on model_wrapped: one all-reduce
+        assert hf["difference"] <= TOLERANCE
+        # Built on model_wrapped: DDP reduces the gradients, K-FAC does not again (problem 2).
+        assert hf["gradient_path"].startswith("all-reduced by DDP")
         assert hf["resumed_bitwise"]
 
 
@@ -58,8 +61,8 @@ def test_trainer_on_two_processes(ranks: list[dict[str, Any]]) -> None:
 def test_accelerate_on_two_processes(ranks: list[dict[str, Any]]) -> None:
     for result in ranks:
         acc = result["accelerate"]
-        assert acc["difference"] < TOLERANCE
-        assert acc["ddp"] and acc["pre_steps"] == 4  # one step() per optimizer step
+        assert acc["difference"] <= TOLERANCE
+        assert acc["ddp"] and acc["pre_steps"] == STEPS  # one step() per optimizer step
         assert acc["resumed_bitwise"]
 
 
@@ -67,8 +70,8 @@ def test_accelerate_on_two_processes(ranks: list[dict[str, Any]]) -> None:
 def test_lightning_ddp_on_two_processes(ranks: list[dict[str, Any]]) -> None:
     for result in ranks:
         lt = result["lightning"]
-        assert lt["difference"] < TOLERANCE
-        assert lt["ddp"] and lt["grad_bytes"] == 0 and lt["pre_steps"] == 4
+        assert lt["difference"] <= TOLERANCE
+        assert lt["ddp"] and lt["grad_bytes"] == 0 and lt["pre_steps"] == STEPS
         assert lt["resumed_bitwise"]
         # Nothing the core warns about (accumulation, no_sync, stale optimizer) happened.
         assert result["runtime_warnings"] == []

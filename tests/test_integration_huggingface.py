@@ -1,11 +1,15 @@
-"""Hugging Face Trainer with ``KFACCallback``: the project's own loop's updates, bitwise resume,
-and each of issue 44's silent problems fixed (float64, 1e-10 against the reference loop).
+"""Hugging Face Trainer with ``KFACCallback``: the project's own trainer's updates, bitwise
+resume, fp16, and each of issue 44's silent problems fixed.
 
-One process here; tests/test_integration_distributed.py runs two under torchrun.
+The reference is the project's trainer on the case of tests/integration_cases.py; Trainer runs
+it through ``experiments.train trainer.loop=hf`` (:mod:`experiments.hf_loop`). One process
+here; tests/test_integration_distributed.py runs two under torchrun.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import warnings
 from pathlib import Path
@@ -18,126 +22,184 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from integration_cases import (
-    BATCH,
-    KFAC,
+    CLIP,
+    STEPS,
+    TOLERANCE,
     ClassificationRows,
     cls_model,
+    compose_case,
+    hf_params,
     max_difference,
-    optimizer_and_schedule,
     params_of,
-    qa_model,
-    reference_run,
-    squad_features,
+    same,
+    train_case,
 )
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from dpkfac.integrations.huggingface import STATE_FILE, KFACCallback
+from experiments.distributed import DistEnv
+from experiments.hf_loop import hf_trainer
+from experiments.train import build_components
 
-STEPS, K, CLIP = 4, 2, 0.5
-TOLERANCE = 1e-10  # float64 throughout; the same operations in the same order
-
-
-@pytest.fixture(scope="module")
-def squad(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, int, int]:
-    return squad_features(tmp_path_factory.mktemp("squad"))
+#: K-FAC options of the direct Trainer runs (factors every step, an active KL clip).
+KFAC = {"strategy": "dp_kfac", "damping": 0.01, "kl_clip": 1e-4, "factor_decay": 0.9}
 
 
-def _trainer(
-    model: torch.nn.Module,
-    dataset: Any,
-    out: Path,
-    callback: KFACCallback,
-    *,
-    steps: int = STEPS,
-    accumulation: int = K,
-    max_grad_norm: float = CLIP,
+def test_trainer_loop_equals_the_project_trainer_and_resumes_bitwise(
+    project_reference: dict[str, torch.Tensor], tmp_path: Path
+) -> None:
+    """``experiments.train trainer.loop=hf`` gives the project trainer's parameters: K-FAC
+    before Trainer's clip (problem 1), accumulation from the arguments (4), the KL clip's lr
+    following the schedule (7); K-FAC's state is in Trainer's checkpoints and a resume is
+    bitwise (5)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no accumulation or order warning
+        result = train_case(tmp_path / "run", "trainer.loop=hf")
+    assert result["loop"] == "hf" and result["steps"] == STEPS
+    # Scored by the project's task, recorded as the project loop records it.
+    assert math.isfinite(result["f1"])
+    assert json.loads((tmp_path / "run/metrics.json").read_text())["final"]["f1"] == result["f1"]
+    straight = hf_params(tmp_path / "run")
+    assert max_difference(straight, project_reference) <= TOLERANCE
+    history = json.loads((tmp_path / "run/hf/checkpoint-4/trainer_state.json").read_text())
+    norms = [entry["grad_norm"] for entry in history["log_history"] if "grad_norm" in entry]
+    assert len(norms) == STEPS and min(norms) > CLIP  # the clip bound every step
+    checkpoint = tmp_path / "run/hf/checkpoint-2"
+    assert torch.load(checkpoint / STATE_FILE, weights_only=False)["steps"] == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        train_case(tmp_path / "resumed", "trainer.loop=hf", f"trainer.resume={checkpoint}")
+    assert same(hf_params(tmp_path / "resumed"), straight)
+    # A checkpoint written without the callback's state is refused, naming what is lost.
+    os.remove(checkpoint / STATE_FILE)
+    with pytest.raises(FileNotFoundError, match="K-FAC's factors and step count are lost"):
+        train_case(tmp_path / "again", "trainer.loop=hf", f"trainer.resume={checkpoint}")
+
+
+def _cpu_fp16(trainer: Trainer, **scaler: float) -> torch.amp.GradScaler:
+    """Give Trainer's accelerator the fp16 machinery accelerate builds on a GPU.
+
+    On a CPU ``fp16=True`` makes accelerate skip both (no loss scaler, no autocast: float32
+    throughout), so the test sets what ``Accelerator.__init__`` sets on a GPU, a
+    ``GradScaler`` and ``native_amp``, before ``train()`` prepares the model (autocast) and
+    the optimizer (the scaler's step): Trainer's fp16 path then runs on the CPU as is.
+    """
+    accelerator = trainer.accelerator
+    assert accelerator.mixed_precision == "fp16" and accelerator.scaler is None
+    accelerator.scaler = torch.amp.GradScaler("cpu", **scaler)
+    accelerator.native_amp = True
+    return accelerator.scaler
+
+
+def test_fp16_equals_the_project_trainers_fp16(
+    project_fp16_reference: dict[str, torch.Tensor], tmp_path: Path, single_thread: None
+) -> None:
+    """fp16 (autocast, a GradScaler): Trainer's scaled backward, the unscale inside its clip
+    (before which the callback preconditions) and ``scaler.step`` give the project loop's
+    fp16 updates; K-FAC was built with Trainer's scaler (G from unscaled gradients)."""
+    cfg = compose_case("trainer.precision=fp16")
+    parts = build_components(cfg, DistEnv(), tmp_path / "scratch")
+    trainer, callback = hf_trainer(cfg, DistEnv(), parts, tmp_path)
+    scaler = _cpu_fp16(trainer)
+    trainer.train()
+    assert callback is not None and callback.pre is not None
+    assert callback.pre.grad_scaler is scaler
+    assert scaler.get_scale() == 2.0**16  # no step overflowed, in this run or the project's
+    assert max_difference(params_of(parts.model), project_fp16_reference) <= TOLERANCE
+
+
+class _Record(TrainerCallback):
+    """The weights, K-FAC's running factors and the gradients' norm at each step."""
+
+    def __init__(self, callback: KFACCallback) -> None:
+        self.callback = callback
+        self.steps: list[dict[str, Any]] = []
+        self.norms: list[float] = []
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        grads = [p.grad for p in kwargs["model"].parameters() if p.grad is not None]
+        self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        assert self.callback.pre is not None
+        factors = [
+            f.running for layer in self.callback.pre.layers.values() for f in layer.factors.values()
+        ]
+        self.steps.append({"weights": params_of(kwargs["model"]), "factors": factors})
+
+
+def test_a_step_the_scaler_skips_keeps_the_weights_and_the_factors(
+    tmp_path: Path, single_thread: None
+) -> None:
+    """fp16 whose first step overflows (a loss scale of 2**40): the scaler skips the update,
+    and K-FAC, built with the scaler, skips the factor update with it; the next step (the
+    scale backed off) trains."""
+    cfg = compose_case("trainer.precision=fp16", "trainer.max_steps=2")
+    parts = build_components(cfg, DistEnv(), tmp_path / "scratch")
+    initial = params_of(parts.model)
+    trainer, callback = hf_trainer(cfg, DistEnv(), parts, tmp_path)
+    assert callback is not None
+    _cpu_fp16(trainer, init_scale=2.0**40, backoff_factor=2.0**-30)
+    record = _Record(callback)
+    trainer.add_callback(record)
+    trainer.train()
+    skipped, trained = record.steps
+    assert same(skipped["weights"], initial)
+    assert all(f is None for f in skipped["factors"])  # no factor update yet
+    assert all(f is not None for f in trained["factors"])
+    assert max_difference(trained["weights"], initial) > 0
+
+
+def _cls_trainer(
+    out: Path, callback: KFACCallback, *extra: TrainerCallback, batch: int, accumulation: int
 ) -> Trainer:
+    model = cls_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - 0.2 * s)
     args = TrainingArguments(
         output_dir=str(out),
-        per_device_train_batch_size=BATCH,
+        per_device_train_batch_size=batch,
         gradient_accumulation_steps=accumulation,
-        max_steps=steps,
-        max_grad_norm=max_grad_norm,
+        max_steps=STEPS,
+        max_grad_norm=1e9,  # measured (and logged), never binding
         logging_steps=1,
-        save_strategy="steps",
-        save_steps=2,
+        save_strategy="no",
         report_to=[],
         use_cpu=True,
         train_sampling_strategy="sequential",
         dataloader_num_workers=0,
         disable_tqdm=True,
-        seed=0,
     )
     return Trainer(
         model=model,
         args=args,
-        train_dataset=dataset,
-        optimizers=optimizer_and_schedule(model, steps),
-        callbacks=[callback],
+        train_dataset=ClassificationRows(),
+        optimizers=(optimizer, schedule),
+        callbacks=[callback, *extra],
     )
 
 
-def _grad_norms(trainer: Trainer) -> list[float]:
-    return [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
-
-
-def test_trainer_matches_the_project_loop_and_resumes_bitwise(
-    squad: tuple[Any, int, int], tmp_path: Path
+def test_labels_loss_is_divided_and_the_logged_norm_is_the_preconditioned_one(
+    tmp_path: Path,
 ) -> None:
-    """Clipping after K-FAC (problem 1), accumulation read from the arguments (4), the KL
-    clip's lr following the schedule (7), K-FAC state in checkpoints (5)."""
-    dataset, vocab, pad = squad
-    assert len(dataset) >= STEPS * K * BATCH
-    reference = reference_run(
-        qa_model(vocab, pad), dataset, steps=STEPS, accumulation=K, max_grad_norm=CLIP
-    )
-    callback = KFACCallback(**KFAC)
-    model = qa_model(vocab, pad)
-    trainer = _trainer(model, dataset, tmp_path / "run", callback)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # no accumulation or order warning
-        trainer.train()
-    assert max_difference(params_of(model), reference["params"]) < TOLERANCE
-    # Trainer logs the norm of the preconditioned gradient, the one it clipped.
-    assert _grad_norms(trainer) == pytest.approx(reference["grad_norms"], rel=1e-9)
-    assert min(reference["grad_norms"]) > CLIP  # the clip was active at every step
-    pre = callback.pre
-    assert pre is not None and pre.steps == STEPS
-    assert pre.options.accumulation_steps == K
-    # The KL clip reads the optimizer's (decayed) lr, not a number fixed at construction.
-    assert pre.options.at("lr", 0) == trainer.optimizer.param_groups[0]["lr"] < 0.5 * 0.05
-    # Saved with the checkpoint; a resumed run continues bitwise.
-    checkpoint = tmp_path / "run" / "checkpoint-2"
-    assert (checkpoint / STATE_FILE).is_file()
-    resumed_cb = KFACCallback(**KFAC)
-    resumed_model = qa_model(vocab, pad, seed=1)  # the checkpoint's weights replace these
-    resumed = _trainer(resumed_model, dataset, tmp_path / "resumed", resumed_cb)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert resumed_cb.pre is not None and resumed_cb.pre.steps == STEPS
-    for name, value in params_of(resumed_model).items():
-        assert torch.equal(value, params_of(model)[name]), name
-    # A checkpoint written without the callback's state is refused, naming what is lost.
-    os.remove(checkpoint / STATE_FILE)
-    again = _trainer(qa_model(vocab, pad), dataset, tmp_path / "again", KFACCallback(**KFAC))
-    with pytest.raises(FileNotFoundError, match="K-FAC's factors and step count are lost"):
-        again.train(resume_from_checkpoint=str(checkpoint))
-
-
-def test_loss_with_labels_is_divided_like_the_project_loop(tmp_path: Path) -> None:
     """Problem 6: a model that accepts loss kwargs, with ``labels`` in its batches, gets a
-    loss Trainer would not divide by the accumulation steps; under the callback it is, so G
-    (and the update) are those of the project's loop."""
-    dataset = ClassificationRows()
-    reference = reference_run(cls_model(), dataset, steps=STEPS, accumulation=K, max_grad_norm=1e9)
+    loss Trainer would not divide by the accumulation steps. Under the callback it is, so 2
+    micro-batches of 4 train as one batch of 8 (float64; accumulation equals the whole
+    batch, tests/test_core_accumulation.py); and the ``grad_norm`` Trainer logs is the norm
+    of the preconditioned gradient the optimizer receives (problem 1)."""
+    whole_cb = KFACCallback(**KFAC)
+    whole = _cls_trainer(tmp_path / "whole", whole_cb, batch=8, accumulation=1)
+    whole.train()
     callback = KFACCallback(**KFAC)
-    model = cls_model()
-    trainer = _trainer(model, dataset, tmp_path, callback, max_grad_norm=1e9)
+    record = _Record(callback)
+    trainer = _cls_trainer(tmp_path / "micro", callback, record, batch=4, accumulation=2)
     assert trainer.model_accepts_loss_kwargs  # plain Trainer would pass num_items_in_batch
     trainer.train()
-    assert max_difference(params_of(model), reference["params"]) < TOLERANCE
     assert not trainer.model_accepts_loss_kwargs
+    assert max_difference(params_of(trainer.model), params_of(whole.model)) < 1e-10
+    logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+    assert logged == pytest.approx(record.norms, rel=1e-9)
+    assert callback.pre is not None and callback.pre.options.accumulation_steps == 2
 
 
 def test_options_the_trainer_decides_are_refused() -> None:
@@ -145,3 +207,5 @@ def test_options_the_trainer_decides_are_refused() -> None:
         KFACCallback(accumulation_steps=2)
     with pytest.raises(ValueError, match=r"\['lr'\].*scheduler"):
         KFACCallback(lr=0.1)
+    with pytest.raises(ValueError, match=r"\['grad_scaler'\].*loss scaler"):
+        KFACCallback(grad_scaler=torch.amp.GradScaler("cpu"))

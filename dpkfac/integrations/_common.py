@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -14,6 +15,7 @@ from dpkfac import KFACPreconditioner
 FRAMEWORK_OPTIONS = {
     "accumulation_steps": "the framework's gradient accumulation setting",
     "lr": "the optimizer's learning rate at each step (the scheduler's)",
+    "grad_scaler": "the framework's fp16 loss scaler",
 }
 
 
@@ -46,10 +48,15 @@ def build(
     *,
     accumulation_steps: int,
     lr: Callable[[int], float] | float | None,
+    grad_scaler: torch.amp.GradScaler | None = None,
 ) -> KFACPreconditioner:
-    """The preconditioner on ``model`` with the framework's settings and the user's options."""
+    """The preconditioner on ``model`` with the framework's settings and the user's options
+    (``grad_scaler``: the framework's fp16 loss scaler, which the framework unscales with
+    before ``pre.step()``)."""
     options = dict(kfac_options)
     options["accumulation_steps"] = int(accumulation_steps)
     if lr is not None:
         options["lr"] = lr
+    if grad_scaler is not None:
+        options["grad_scaler"] = grad_scaler
     return KFACPreconditioner(model, **options)

@@ -19,7 +19,9 @@ registers the preconditioner with ``accelerator.register_for_checkpointing``, so
 ``accelerator.save_state``/``load_state`` keep it (every process calls both, as accelerate
 asks; the state is a collective under dp_kfac). With ``optimizer=`` the KL clip reads that
 optimizer's learning rate at every step (its scheduler's). Clipping after ``pre.step()``
-clips the update that is applied. Needs ``accelerate`` (``pip install 'dpkfac[accelerate]'``).
+clips the update that is applied. fp16 is refused: accelerate unscales inside
+``clip_grad_norm_``, after ``pre.step()`` (bf16 needs no scaler). Needs ``accelerate``
+(``pip install 'dpkfac[accelerate]'``).
 """
 
 from __future__ import annotations
@@ -55,11 +57,18 @@ def prepare(
             ``accumulation_steps`` (the accelerator's) and, with ``optimizer``, ``lr``.
 
     Raises:
-        ValueError: an option the accelerator decides was given, or a multi-process run
-            passed the model before ``accelerator.prepare`` wrapped it.
+        ValueError: an option the accelerator decides was given, a multi-process run
+            passed the model before ``accelerator.prepare`` wrapped it, or fp16 (a loss
+            scaler: its unscale comes inside ``clip_grad_norm_``, after ``pre.step()``).
     """
     decided = ("accumulation_steps", "lr") if optimizer is not None else ("accumulation_steps",)
     check_options(kfac_options, "accelerate", decided)
+    if accelerator.scaler is not None:
+        raise ValueError(
+            "dpkfac.integrations.accelerate.prepare refuses fp16 (accelerator.scaler): "
+            "accelerator.clip_grad_norm_ unscales the gradients after pre.step(), which would "
+            "precondition them still scaled; use mixed_precision='bf16'"
+        )
     if accelerator.num_processes > 1 and not isinstance(
         unwrap_compiled(model), DistributedDataParallel
     ):

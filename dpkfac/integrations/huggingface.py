@@ -13,12 +13,22 @@ at every step (so it follows the scheduler).
 callback event of the step (``on_pre_optimizer_step`` comes after the clip), so a callback
 alone would clip the raw gradient and let the preconditioned one through unclipped. The
 callback therefore wraps, on this Trainer's own accelerator instance only, its public
-``clip_grad_norm_``: the wrapper runs ``pre.step()`` and then the original. Trainer calls it
-once per optimizer step, after the last micro-batch's backward pass (with ``max_grad_norm=0``
-too, to measure the norm it logs), so ``max_grad_norm`` clips the update that is applied and
-the logged ``grad_norm`` is the preconditioned gradient's. Should a Trainer path not call it
-(a mixed device-mesh model), ``on_pre_optimizer_step`` preconditions and warns that the clip
-came first. The wrapper is removed at ``on_train_end``.
+``unscale_gradients``, which accelerate's ``clip_grad_norm_`` calls first thing: the wrapper
+unscales (a no-op without fp16), then runs ``pre.step()``, and the clip follows. Trainer
+clips once per optimizer step, after the last micro-batch's backward pass (with
+``max_grad_norm=0`` too, to measure the norm it logs), so ``max_grad_norm`` clips the update
+that is applied and the logged ``grad_norm`` is the preconditioned gradient's. Should a
+Trainer path not clip through it (a mixed device-mesh model), ``on_pre_optimizer_step``
+unscales and preconditions and warns that the clip came first. The wrapper is removed at
+``on_train_end``.
+
+**fp16.** Under ``fp16=True`` (a ``GradScaler``: accelerate makes one on a GPU, none on a
+CPU, where fp16 trains in float32) the preconditioner is built with Trainer's scaler
+(``grad_scaler``), and the wrapper's order makes ``pre.step()`` see unscaled gradients: G is
+built from unscaled output gradients, and a step whose gradients overflowed keeps its
+factors, as the scaler skips its optimizer step. Under the overlapped mode
+(``pre.takes_scaled_gradients``) ``pre.step()`` runs first and the unscale after it, as that
+mode asks.
 
 **Loss scaling.** K-FAC's G assumes each micro-batch's loss is its mean divided by the
 accumulation steps (:class:`dpkfac.KFACPreconditioner`, ``accumulation_steps``). Trainer does
@@ -38,7 +48,7 @@ every rank calls it) as ``dpkfac_preconditioner.pt`` in the checkpoint folder;
 Trainer passes callbacks no reference to itself: the callback finds the Trainer that calls
 its ``on_train_begin`` on the call stack (the Trainer whose callback list holds this
 callback) and reads the checkpoint being resumed from that call. Needs ``transformers``
-(``pip install 'dpkfac[hf]'``); fp16 (a ``GradScaler``) is not supported yet: use bf16.
+(``pip install 'dpkfac[hf]'``).
 """
 
 from __future__ import annotations
@@ -91,30 +101,25 @@ class KFACCallback(TrainerCallback):
 
     Args:
         **kfac_options: :class:`dpkfac.KFACPreconditioner`'s keyword options (``strategy``,
-            ``damping``, ...), except ``accumulation_steps`` and ``lr``, which come from the
-            TrainingArguments and the optimizer (ValueError if given).
+            ``damping``, ...), except ``accumulation_steps``, ``lr`` and ``grad_scaler``, which
+            come from the TrainingArguments, the optimizer and Trainer's accelerator
+            (ValueError if given).
 
     Attributes:
         pre: the preconditioner, from ``on_train_begin`` on (None before).
     """
 
     def __init__(self, **kfac_options: Any) -> None:
-        check_options(kfac_options, "huggingface", ("accumulation_steps", "lr"))
+        check_options(kfac_options, "huggingface", ("accumulation_steps", "lr", "grad_scaler"))
         self.kfac_options = kfac_options
         self.pre: KFACPreconditioner | None = None
         self._accelerator: Any = None
-        self._original_clip: Any = None
         self._preconditioned = False
         self._warned_late = False
 
     # ------------------------------------------------------------------ train begin
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer, resume = _calling_trainer(self)
-        if getattr(trainer.accelerator, "scaler", None) is not None:
-            raise ValueError(
-                "dpkfac KFACCallback refuses fp16 (a GradScaler): the scaler "
-                "unscales inside the clip that K-FAC must precede; train with bf16=True"
-            )
         self._settle_loss_scaling(trainer)
         model = trainer.model_wrapped
         if self.pre is None or self.pre.model is not model:
@@ -123,10 +128,11 @@ class KFACCallback(TrainerCallback):
                 self.kfac_options,
                 accumulation_steps=args.gradient_accumulation_steps,
                 lr=follow_lr(trainer.optimizer),
+                grad_scaler=trainer.accelerator.scaler,  # None but under fp16
             )
         if resume is not None:
             self._load(resume)
-        self._install_clip(trainer.accelerator)
+        self._install(trainer.accelerator)
 
     def _settle_loss_scaling(self, trainer: Any) -> None:
         """Make Trainer divide each micro-batch's mean loss by the accumulation steps, as G
@@ -162,23 +168,29 @@ class KFACCallback(TrainerCallback):
         self.pre.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
 
     # --------------------------------------------------------------- preconditioning
-    def _install_clip(self, accelerator: Any) -> None:
-        """Run ``pre.step()`` first whenever Trainer clips (or measures) the gradients."""
-        self._remove_clip()
-        original = accelerator.clip_grad_norm_
+    def _install(self, accelerator: Any) -> None:
+        """Run ``pre.step()`` whenever Trainer unscales the gradients, which accelerate's
+        ``clip_grad_norm_`` does before it clips (or measures) them: after the unscale, or
+        before it where the preconditioner takes scaled gradients (the overlapped mode)."""
+        self._remove()
+        original = accelerator.unscale_gradients
 
-        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+        def unscale_gradients(*args: Any, **kwargs: Any) -> Any:
+            if self.pre is not None and self.pre.takes_scaled_gradients:
+                self._precondition()
+                return original(*args, **kwargs)
+            result = original(*args, **kwargs)
             self._precondition()
-            return original(*args, **kwargs)
+            return result
 
-        accelerator.clip_grad_norm_ = clip_grad_norm_
-        self._accelerator, self._original_clip = accelerator, original
+        accelerator.unscale_gradients = unscale_gradients
+        self._accelerator = accelerator
 
-    def _remove_clip(self) -> None:
+    def _remove(self) -> None:
         if self._accelerator is not None:
             # The wrapper is an instance attribute: deleting it restores the method.
-            self._accelerator.__dict__.pop("clip_grad_norm_", None)
-        self._accelerator = self._original_clip = None
+            self._accelerator.__dict__.pop("unscale_gradients", None)
+        self._accelerator = None
 
     def _precondition(self) -> None:
         if not self._preconditioned and self.pre is not None:
@@ -197,13 +209,15 @@ class KFACCallback(TrainerCallback):
                 RuntimeWarning,
                 stacklevel=2,
             )
+        if self._accelerator is not None:
+            self._accelerator.unscale_gradients()  # the wrapper: unscale, then precondition
         self._precondition()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._preconditioned = False
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._remove_clip()
+        self._remove()
 
     # ------------------------------------------------------------------ checkpoints
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

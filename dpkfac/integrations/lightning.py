@@ -12,7 +12,12 @@ once per optimizer step, after the last micro-batch's backward pass and before i
 clipping (``gradient_clip_val``), so the clip bounds the update that is applied. The
 preconditioner's state is the callback's state in Lightning's checkpoints
 (``state_dict``/``load_state_dict``; a collective under dp_kfac, which Lightning's saving,
-run on every rank, satisfies), so ``trainer.fit(ckpt_path=...)`` continues bitwise.
+run on every rank, satisfies), so ``trainer.fit(ckpt_path=...)`` continues bitwise. With
+``precision="16-mixed"`` the preconditioner is built with Lightning's loss scaler
+(``trainer.precision_plugin.scaler``), which unscales before ``on_before_optimizer_step``:
+K-FAC sees unscaled gradients, builds G from unscaled output gradients and keeps its factors
+on a step the scaler skips (the overlapped mode, which needs the scaled gradients, is
+refused there).
 Automatic optimization with one optimizer. Needs ``lightning``
 (``pip install 'dpkfac[lightning]'``).
 """
@@ -34,15 +39,15 @@ class KFACCallback(pl.Callback):
 
     Args:
         **kfac_options: :class:`dpkfac.KFACPreconditioner`'s keyword options, except
-            ``accumulation_steps`` and ``lr`` (the Trainer's and the optimizer's; ValueError
-            if given).
+            ``accumulation_steps``, ``lr`` and ``grad_scaler`` (the Trainer's, the
+            optimizer's and the precision plugin's; ValueError if given).
 
     Attributes:
         pre: the preconditioner, from ``on_fit_start`` on (None before).
     """
 
     def __init__(self, **kfac_options: Any) -> None:
-        check_options(kfac_options, "lightning", ("accumulation_steps", "lr"))
+        check_options(kfac_options, "lightning", ("accumulation_steps", "lr", "grad_scaler"))
         self.kfac_options = kfac_options
         self.pre: KFACPreconditioner | None = None
         # A checkpoint's state restored before on_fit_start built the preconditioner.
@@ -66,7 +71,16 @@ class KFACCallback(pl.Callback):
             self.kfac_options,
             accumulation_steps=trainer.accumulate_grad_batches,
             lr=lr,
+            # precision="16-mixed": Lightning unscales before on_before_optimizer_step.
+            grad_scaler=getattr(trainer.precision_plugin, "scaler", None),
         )
+        if self.pre.takes_scaled_gradients:
+            raise ValueError(
+                "dpkfac.integrations.lightning.KFACCallback: the overlapped mode with "
+                "precision='16-mixed' needs pre.step() before the loss scaler unscales, and "
+                "Lightning unscales before on_before_optimizer_step; use precision='bf16-mixed' "
+                "or a strategy without overlap"
+            )
         if self._pending is not None:
             self.pre.load_state_dict(self._pending)
             self._pending = None

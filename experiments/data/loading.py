@@ -8,7 +8,9 @@ The rest is shared here:
 - The training order is a pure function of (seed, epoch): an
   :class:`EpochSampler` shards a seeded permutation like ``DistributedSampler``
   and can start mid-epoch, so a resumed run sees exactly the batches the
-  uninterrupted run would have seen.
+  uninterrupted run would have seen. A framework that deals one loader's batches to
+  the ranks in turn (accelerate, Hugging Face Trainer) gets the same order from a
+  :class:`RoundRobinSampler`.
 - Random augmentation is a pure function of (seed, epoch, index):
   :class:`SeededDataset` seeds torch's RNG per sample, so results do not depend
   on the number of loader workers or on where a run was resumed.
@@ -69,6 +71,45 @@ class EpochSampler(Sampler[tuple[int, int]]):
         mine = order[self.rank :: self.world_size].tolist()
         for index in mine[self.start :]:
             yield hash((self.seed, self.epoch, index)) & _SEED_MASK, index
+
+
+class RoundRobinSampler(Sampler[tuple[int, int]]):
+    """Every rank's :class:`EpochSampler` batches in one sequence, dealt out in turn.
+
+    Global batch ``j·P + r`` is rank r's batch j. A loader that deals whole batches to
+    the ranks in turn (accelerate's ``prepare``, hence Hugging Face Trainer) then hands
+    each rank exactly the batches its own ``EpochSampler`` would, epoch by epoch
+    (``set_epoch``), so a framework's run sees the project loop's data order.
+
+    Args:
+        size: Dataset length.
+        world_size: Number of ranks.
+        seed: Run seed (see :class:`EpochSampler`).
+        batch_size: Examples per batch.
+        batches: Batches of each rank per epoch (the trainer's steps per epoch times the
+            micro-batches per step: the batches the trainer leaves out are left out here).
+    """
+
+    def __init__(
+        self, size: int, world_size: int, seed: int, batch_size: int, batches: int
+    ) -> None:
+        self.ranks = [EpochSampler(size, r, world_size, seed) for r in range(world_size)]
+        self.batch_size = batch_size
+        self.batches = batches
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (a framework skips a resumed epoch's first batches itself)."""
+        for sampler in self.ranks:
+            sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return self.batches * self.batch_size * len(self.ranks)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        keys = [list(sampler) for sampler in self.ranks]
+        for j in range(self.batches):
+            for rank_keys in keys:
+                yield from rank_keys[j * self.batch_size : (j + 1) * self.batch_size]
 
 
 class SeededDataset(Dataset):
@@ -220,24 +261,58 @@ class DataModule(abc.ABC):
         batches = (len(self.train_dataset) // env.world_size) // self.batch_size  # type: ignore[arg-type]
         return batches // accumulate_grad_batches
 
-    def train_loader(self, env: DistEnv, seed: int) -> DataLoader:
-        """Loader over this rank's share of the training set; see :class:`EpochSampler`."""
+    def _train_set(self, env: DistEnv) -> Dataset:
+        """The training set, refused when it holds no batch for each rank."""
         assert self.train_dataset is not None, "call setup() first"
-        size = len(self.train_dataset)  # type: ignore[arg-type]
         if self.steps_per_epoch(env) == 0:
             raise ExperimentError(
-                f"{self.name}: the training set has {size} examples, fewer than "
-                f"data.batch_size={self.batch_size} x {env.world_size} rank(s)"
+                f"{self.name}: the training set has {len(self.train_dataset)} examples, "  # type: ignore[arg-type]
+                f"fewer than data.batch_size={self.batch_size} x {env.world_size} rank(s)"
             )
-        sampler = EpochSampler(size, env.rank, env.world_size, seed)
+        return self.train_dataset
+
+    def train_loader(self, env: DistEnv, seed: int) -> DataLoader:
+        """Loader over this rank's share of the training set; see :class:`EpochSampler`."""
+        dataset = self._train_set(env)
+        sampler = EpochSampler(len(dataset), env.rank, env.world_size, seed)  # type: ignore[arg-type]
         return DataLoader(
-            SeededDataset(self.train_dataset, seeded=self.random_transforms),
+            SeededDataset(dataset, seeded=self.random_transforms),
             batch_sampler=BatchSampler(sampler, self.batch_size, drop_last=True),
             num_workers=self.num_workers,
             collate_fn=self.collate(train=True),
             pin_memory=env.device.type == "cuda",
             # A private generator: creating an iterator must not draw from the global
             # RNG, or a resumed run's random stream would shift by one draw.
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+    def round_robin_train_loader(
+        self, env: DistEnv, seed: int, accumulate_grad_batches: int = 1
+    ) -> DataLoader:
+        """Every rank's training batches in one loader, for a framework that deals whole
+        batches to the ranks in turn (accelerate's ``prepare``, Hugging Face Trainer).
+
+        Rank r's share is then :meth:`train_loader`'s batches, in the same order, epoch by
+        epoch (:class:`RoundRobinSampler`); each epoch holds the batches of the trainer's
+        ``steps_per_epoch(env, accumulate_grad_batches)`` steps, so a framework's epoch ends
+        where the project loop's does and no step takes a partial accumulation.
+        """
+        dataset = self._train_set(env)
+        sampler = RoundRobinSampler(
+            len(dataset),  # type: ignore[arg-type]
+            env.world_size,
+            seed,
+            self.batch_size,
+            self.steps_per_epoch(env, accumulate_grad_batches) * accumulate_grad_batches,
+        )
+        return DataLoader(
+            SeededDataset(dataset, seeded=self.random_transforms),
+            batch_size=self.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=self.num_workers,
+            collate_fn=self.collate(train=True),
+            pin_memory=env.device.type == "cuda",
             generator=torch.Generator().manual_seed(seed),
         )
 

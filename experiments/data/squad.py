@@ -19,13 +19,12 @@ from torch.utils.data import Dataset
 
 from experiments.config import ExperimentError
 from experiments.data.loading import DataModule
-from experiments.data.tokenization import shared_tokenizer, train_wordpiece
+from experiments.data.tokenization import corpus_wordpiece
 from experiments.distributed import DistEnv
 from experiments.tasks.base import Task
 from experiments.tasks.question_answering import QuestionAnsweringTask
 
 TRAIN_FILE, DEV_FILE = "train-v1.1.json", "dev-v1.1.json"
-FAKE_VOCAB_SIZE = 400
 _WORDS = [
     "river",
     "castle",
@@ -134,8 +133,8 @@ class SquadData(DataModule):
 
     Args:
         tokenizer: Directory of a pretrained fast tokenizer (the model's); None is
-            only allowed with ``fake``, where a WordPiece tokenizer is trained on
-            the fake corpus.
+            only allowed with ``fake``, where a WordPiece tokenizer is built from
+            the fake corpus's words (the same in every run).
         max_seq_length: Window length in tokens (question + context + specials).
         doc_stride: Overlap between consecutive windows of one context.
         max_answer_length: Longest predicted answer, in tokens.
@@ -185,7 +184,7 @@ class SquadData(DataModule):
         write_squad_json(root / DEV_FILE, articles=3, questions=2, answers=2, seed=1)
         self.cache_dir = self.cache_dir or str(root / "hf_cache")
 
-    def _load_tokenizer(self, root: Path, env: DistEnv) -> Any:
+    def _load_tokenizer(self, root: Path) -> Any:
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         if self.tokenizer_path is None:
@@ -196,7 +195,7 @@ class SquadData(DataModule):
                 )
             contexts = read_squad(root / TRAIN_FILE, self.cache_dir)
             corpus = list(contexts["context"]) + list(contexts["question"])
-            tokenizer = shared_tokenizer(env, lambda: train_wordpiece(corpus, FAKE_VOCAB_SIZE))
+            tokenizer = corpus_wordpiece(corpus)  # the same in every run and on every rank
             return PreTrainedTokenizerFast(
                 tokenizer_object=tokenizer,
                 unk_token="[UNK]",
@@ -271,7 +270,7 @@ class SquadData(DataModule):
     def load(self, root: Path | None, env: DistEnv) -> tuple[Dataset, Dataset]:
         """Tokenise both splits into windows (cached by Hugging Face datasets)."""
         assert root is not None
-        self.tokenizer = self._load_tokenizer(root, env)
+        self.tokenizer = self._load_tokenizer(root)
         train_examples = read_squad(root / TRAIN_FILE, self.cache_dir)
         self.eval_examples = read_squad(root / DEV_FILE, self.cache_dir)
         train = train_examples.map(

@@ -1,11 +1,11 @@
 """Tokenizers trained at run time with Hugging Face ``tokenizers``.
 
 Multi30K uses a joint BPE vocabulary learnt from its training split (as the
-reference code builds its vocabulary from the data), and fake SQuAD runs use a
-WordPiece tokenizer learnt from the fake corpus, since no pretrained one may be
-downloaded. Training is not guaranteed to break ties identically in every
-process, so rank 0 trains and every rank receives the same serialised
-tokenizer.
+reference code builds its vocabulary from the data); training is not guaranteed to
+break ties identically in every process, so rank 0 trains and every rank receives
+the same serialised tokenizer. Fake SQuAD runs, for which no pretrained tokenizer
+may be downloaded, use a WordPiece tokenizer whose vocabulary is the fake corpus's
+words, built rather than learnt, so every run and every rank gets the same one.
 """
 
 from __future__ import annotations
@@ -44,18 +44,32 @@ def train_bpe(lines: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def train_wordpiece(lines: Iterable[str], vocab_size: int) -> Tokenizer:
-    """An uncased BERT-style WordPiece tokenizer with BERT's pair template.
+def corpus_wordpiece(lines: Iterable[str]) -> Tokenizer:
+    """An uncased BERT-style WordPiece tokenizer whose vocabulary is the corpus's words.
 
-    ``[CLS] question [SEP] context [SEP]`` with token type 1 for the context,
-    like the tokenizer of ``bert-base-uncased``.
+    ``[CLS] question [SEP] context [SEP]`` with token type 1 for the context, like the
+    tokenizer of ``bert-base-uncased``. The vocabulary is built, not learnt: the specials,
+    then every character of the corpus (alone and as a ``##`` continuation, so any word can
+    be spelt), then every word, each group sorted. It is therefore a function of the text:
+    ``tokenizers``' WordPiece trainer breaks ties by hash order and learns another
+    vocabulary in every process, which gave the same fake data other token ids in a
+    resumed run, or in the next run of a comparison.
     """
-    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    normalizer = normalizers.BertNormalizer(lowercase=True)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    words: set[str] = set()
+    for line in lines:
+        pieces = pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(line))
+        words.update(word for word, _ in pieces)
+    chars = sorted({c for word in words for c in word})
+    vocab = [*BERT_SPECIALS, *chars, *(f"##{c}" for c in chars)]
+    vocab += sorted(words - set(vocab))
+    tokenizer = Tokenizer(
+        models.WordPiece({token: i for i, token in enumerate(vocab)}, unk_token="[UNK]")
+    )
+    tokenizer.normalizer = normalizer
+    tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.WordPiece()
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=list(BERT_SPECIALS))
-    tokenizer.train_from_iterator(lines, trainer)
     cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     tokenizer.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
