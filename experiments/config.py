@@ -179,7 +179,8 @@ TABLES = {
             "measured + predicted",
             "SGD and every K-FAC config on an emulated cluster network (a namespace per rank, "
             "links shaped to 1 Gbit/s and one more rate), exposed and hidden communication, "
-            "against each config's floor and the cost model's prediction from the link probe.",
+            "against each config's floor and the cost model's prediction from the job's own "
+            "probes.",
         ),
         Table(
             "convergence",

@@ -27,12 +27,15 @@ def test_probes_agree_on_every_rank_and_fit_links() -> None:
         (kind, 4 * n) for kind in ("allreduce", "broadcast") for n in (256, 65536)
     ]
     assert all(e["seconds"] > 0 and e["world_size"] == 2 for e in entries)
+    # A broadcast rooted at every rank, all timed together; one all-reduce at a time.
+    assert [e["calls"] for e in entries] == [1, 1, 2, 2]
     links = predict.probe_links({"link_probes": json.dumps(entries)})
     assert set(links) == {"allreduce", "broadcast"}
     for kind, link in links.items():
         big = next(e for e in entries if e["kind"] == kind and e["nbytes"] == 4 * 65536)
         # Two sizes, two unknowns: the fit reproduces the larger probe (up to NNLS clipping).
-        fitted = link.time(1, wire_bytes(kind, big["nbytes"], 2), 2)
+        calls = big["calls"]
+        fitted = link.time(calls, calls * wire_bytes(kind, big["nbytes"], 2), 2)
         assert big["seconds"] / 2 <= fitted <= 2 * big["seconds"]
 
 

@@ -134,3 +134,25 @@ def test_a_sweep_without_network_rows_writes_an_empty_page(tmp_path: Path) -> No
     paths = tables.write_table("network", rows, tmp_path)
     assert "png" not in paths
     assert paths["md"].read_text().startswith("# K-FAC on an emulated cluster network")
+
+
+def test_the_cost_model_is_checked_per_part_of_the_step(tmp_path: Path) -> None:
+    frame = network_table.network_frame(_rows())
+    parts = [f"pred_{p}_ms" for p in network_table.MODEL_PHASES]
+    # The parts partition the predicted step, as the measured parts partition the measured one.
+    assert frame[parts].sum(axis=1).tolist() == pytest.approx(frame["pred_iteration_ms"].tolist())
+    measured = [network_table.MEASURED[p] for p in network_table.MODEL_PHASES]
+    dp = frame[(frame["strategy"] == "dp_kfac") & (frame["rate_bps"] == 1e9)].iloc[0]
+    assert sum(dp[c] for c in measured) == pytest.approx(dp["iteration_ms"])
+    assert dp["pred_comm_error_%"] == pytest.approx(
+        100 * (dp["pred_comm_ms"] / dp["exposed_comm_ms"] - 1)
+    )
+    errors = network_table.model_errors(frame).set_index("part")
+    assert list(errors.index) == ["step", *network_table.MODEL_PHASE_NAMES.values()]
+    assert errors.loc["K-FAC compute", "rows"] == 4  # SGD's rows have none
+    step = frame["pred_error_%"].abs()
+    assert errors.loc["step", "mean abs. error %"] == pytest.approx(step.mean())
+    text = tables.write_table("network", _rows(), tmp_path)["md"].read_text()
+    assert "## The cost model, held out" in text
+    assert "These rows predate the compute probes" in text
+    assert "measured / predicted ms" in text

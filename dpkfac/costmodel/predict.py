@@ -448,6 +448,7 @@ def predict(
             param_itemsize=param_itemsize,
             overlap=overlap,
             optimizer_bytes=optimizer_bytes,
+            kl_clip=kfac.kl_clip is not None,
         )
     return Prediction(
         strategy=name,

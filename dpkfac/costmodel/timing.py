@@ -27,6 +27,11 @@ Work (``kind -> (calls, amount)``, see :mod:`dpkfac.plan.hardware`) per phase:
   not modelled;
 * ``optimizer``: the first-order optimizer's step, one memory-bound pass of
   :func:`dpkfac.costmodel.optimizers.step_bytes` bytes;
+* ``step_other``: the K-FAC step's work outside its timed phases
+  (:func:`step_other_work`): "pack" copies gathering every buffer handed to a
+  collective and writing each layer's update back into ``.grad`` (scaled by the
+  KL clip first), and one "host" call per layer written back (its Python and
+  small kernels; free unless the hardware has a measured "host" engine);
 * communication phases: one call and its wire bytes per collective, plus
   the "unpack" bytes that land it when it is waited on
   (:func:`~dpkfac.plan.hardware.landing_bytes`: averaging and copying back,
@@ -71,6 +76,8 @@ __all__ = [
     "owner_seconds",
     "pipelined_plan",
     "seconds_cost",
+    "step_other_bytes",
+    "step_other_work",
     "step_prediction",
     "timeline",
 ]
@@ -285,6 +292,38 @@ def _layer_work(
         add_work(w.setdefault("precondition", {}), "precondition", 1, flops)
 
 
+def step_other_bytes(
+    model: ModelShapes, collectives: Sequence[tr.Collective], *, itemsize: int, kl_clip: bool
+) -> float:
+    """Bytes a rank's K-FAC step reads and writes outside its timed phases.
+
+    * Packing: a collective's buffer is one flat tensor, gathered from the tensors it
+      carries (``torch.cat`` of the gradients, the updates or the decompositions, the
+      triangle-packing gather of a factor) before it is launched: the buffer's bytes read
+      and written once. (The overlapped mode's reductions and update exchanges and the
+      pipelined factor all-reduces are packed in the backward hooks instead, on the same
+      thread: :func:`step_prediction` books those as ``hooks``.)
+    * Write-back: every K-FAC layer's update is copied into its ``.grad``, read and
+      written once, and with the KL clip multiplied by its scale first (once more).
+
+    Landing a received buffer is its communication phase's (:func:`landing_bytes`); the
+    optimizer's step is its own.
+    """
+    packed = sum(2 * c.nbytes for c in collectives)
+    updates = sum(s.a_dim * s.g_dim for s, c in zip(model, model.captured, strict=True) if c)
+    return float(packed + (4 if kl_clip else 2) * updates * itemsize)
+
+
+def step_other_work(
+    model: ModelShapes, collectives: Sequence[tr.Collective], *, itemsize: int, kl_clip: bool
+) -> Work:
+    """A rank's K-FAC step work outside its timed phases: :func:`step_other_bytes` of
+    "pack" copies (the streaming copy a landing is too: a fit of the run's phases leaves
+    that engine as timed alone), and one "host" call per K-FAC layer written back."""
+    nbytes = step_other_bytes(model, collectives, itemsize=itemsize, kl_clip=kl_clip)
+    return {"pack": (0.0, nbytes), "host": (float(sum(model.captured)), 0.0)}
+
+
 def _precondition_flops(s: LayerShape, compute_method: str) -> float:
     return (4.0 if compute_method == "eigen" else 2.0) * s.g_dim * s.a_dim * (s.g_dim + s.a_dim)
 
@@ -449,6 +488,7 @@ def step_prediction(
     param_itemsize: int = 4,
     overlap: Sequence[tr.OverlapBucket] | None = None,
     optimizer_bytes: int = 0,
+    kl_clip: bool = True,
 ) -> StepPrediction:
     """Work, seconds and critical path of one step where each rank sends ``rank_colls[r]``.
 
@@ -462,6 +502,11 @@ def step_prediction(
     backward buckets (:func:`_overlap_backward`). ``optimizer_bytes``: what the
     first-order optimizer's step reads and writes
     (:func:`dpkfac.costmodel.optimizers.step_bytes`), the breakdown's ``optimizer``.
+    With K-FAC, ``step()``'s work outside its timed phases
+    (:func:`step_other_work`; ``kl_clip``: the updates are scaled) is the breakdown's
+    ``step_other``, on the busiest rank, and packing the buffers the backward hooks
+    launch (the overlapped mode's, pipelined factors) its ``hooks``: the same copies,
+    on the compute thread during the backward pass.
     """
     traits = None if plan is None else plan.traits
     work: list[dict[str, Work]] = []
@@ -547,6 +592,22 @@ def step_prediction(
     else:
         breakdown.update(critical(["decomposition", "precondition"]))
     breakdown["precond_comm"] = seconds[0]["precond_comm"]
+    if plan is not None:
+        # Launched from the backward hooks: the overlapped mode's reductions and exchanges,
+        # the pipelined factor all-reduces. Their packing lengthens the backward pass.
+        hooked = {"grad_allreduce", "precond_broadcast"} if overlap else set()
+        hooked |= {"factor_allreduce"} if pipelined else set()
+        for r in range(p):
+            colls = rank_colls[r] if rank_colls else []
+            mine = [c for c in colls if c.category not in hooked]
+            work[r]["step_other"] = step_other_work(
+                model, mine, itemsize=param_itemsize, kl_clip=kl_clip
+            )
+            packed = sum(2.0 * c.nbytes for c in colls if c.category in hooked)
+            work[r]["hooks"] = {"pack": (0.0, packed)} if packed else {}
+        breakdown["step_other"] = max(hw.time(w["step_other"], p) for w in work)
+        if hooked and rank_colls:
+            breakdown["hooks"] = max(hw.time(w["hooks"], p) for w in work)
     if optimizer_bytes:
         breakdown["optimizer"] = hw.time({"optimizer": (1, optimizer_bytes)}, p)
     return StepPrediction(rank_colls, work, seconds, breakdown, serial)

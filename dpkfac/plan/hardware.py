@@ -15,10 +15,13 @@ Time is predicted from *work*, a mapping ``kind -> (calls, amount)``:
   ``"precondition"``, ``"forward_backward"``, falling back to ``"matmul"``)
   costs ``calls * latency + amount / rate`` with ``amount`` in flops;
   ``"memory"`` is memory-bound traffic (``amount`` in bytes, ``rate`` in
-  bytes/s, free when not given); ``"unpack"`` is the landing of a received
-  buffer (:func:`landing_bytes`: averaging it, copying it back into its
-  tensors, or rebuilding full factors from triangle-packed buffers; bytes
-  written; falls back to ``"memory"``).
+  bytes/s, free when not given); ``"host"`` is the host's per-call work of
+  ``step()`` (calls, latency only; free when not given); ``"unpack"`` is the
+  landing of a received buffer (:func:`landing_bytes`: averaging it, copying it
+  back into its tensors, or rebuilding full factors from triangle-packed
+  buffers; bytes written; falls back to ``"memory"``), and ``"pack"`` the
+  copies that gather tensors into one buffer or write one back (bytes read and
+  written; falls back to ``"unpack"``, the same streaming copy).
 
 Both forms are linear in their parameters, so the cost model
 (:func:`dpkfac.costmodel.fitting.calibrate`) fits them to measured
@@ -42,6 +45,7 @@ __all__ = [
     "Sample",
     "Work",
     "add_work",
+    "gloo_link",
     "reduce_scatter_future",
     "scaled",
     "uneven_all_gather",
@@ -62,6 +66,8 @@ COMPUTE_KINDS = (
     "precondition",
     "forward_backward",
     "optimizer",
+    "pack",
+    "host",
 )
 
 #: ``kind -> (calls, amount)``: amount is wire bytes for collectives, flops for compute.
@@ -198,12 +204,15 @@ class Hardware:
     def engine(self, kind: str) -> Engine:
         """The model of compute ``kind``.
 
-        Falls back to "matmul"; "unpack" and "optimizer" (memory-bound passes) to
-        "memory", and "memory" to free.
+        Falls back to "matmul"; "pack" to "unpack"; "unpack" and "optimizer"
+        (memory-bound passes) to "memory", and "memory" and "host" (the host's work per
+        call of ``step()``, which only a measurement in the job gives) to free.
         """
+        if kind == "pack" and kind not in self.engines:
+            kind = "unpack"
         if kind in ("unpack", "optimizer") and kind not in self.engines:
             kind = "memory"
-        if kind == "memory":
+        if kind in ("memory", "host"):
             return self.engines.get(kind, Engine(math.inf))
         return self.engines.get(kind, self.engines["matmul"])
 
@@ -301,3 +310,34 @@ def reduce_scatter_future(backend: str) -> bool:
     communication hook must return; without it the shards are reduced onto their owners by
     one rooted reduce each."""
     return backend != "gloo"
+
+
+def gloo_link(kind: str, allreduce: Link, world_size: int) -> Link:
+    """gloo's ``kind`` on a network where every transfer is bound by the same link rate,
+    derived from its all-reduce (an alpha-beta fit per *accounted* wire byte, :func:`wire_bytes`).
+
+    The accounted wire bytes are the bandwidth-optimal algorithms' (``(P-1)/P`` of the
+    buffer for every kind but the all-reduce), and gloo's ring all-reduce sends exactly its
+    ``2 (P-1)/P``, so its ``beta`` is the link's seconds per byte. gloo's other kinds send
+    what their own algorithms send (gloo/*.cc, torch's ProcessGroupGloo.cpp), used as a step
+    uses them: with every rank rooting its share (owners, decomposers), on gloo's worker
+    threads side by side. Per accounted wire byte, relative to the all-reduce's ``beta``:
+
+    * ``broadcast``: a binomial tree; every non-root receives the buffer once, so over
+      balanced roots a rank sends ``(P-1)/P`` of the bytes, as accounted: 1;
+    * ``all_gather``: a ring, ``(P-1)/P`` of the buffer per rank: 1;
+    * ``reduce``: a ring reduce-scatter, ``(P-1)/P`` of the buffer per rank, then each
+      rank's chunk to the root, ``1/P`` more over balanced roots: ``1 + 1/P``;
+    * ``reduce_scatter``: torch's gloo backend all-reduces the whole input (one all-reduce
+      per rank's shard) and keeps its own chunk: twice the accounted bytes, ``P`` calls.
+
+    The start-up ``alpha`` is the all-reduce's per collective call (the same host and link).
+    """
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}")
+    p = max(int(world_size), 1)
+    if kind == "allreduce":
+        return allreduce
+    factor = {"broadcast": 1.0, "all_gather": 1.0, "reduce": 1.0 + 1.0 / p}.get(kind, 2.0)
+    calls = p if kind == "reduce_scatter" else 1
+    return Link(calls * allreduce.alpha, factor * allreduce.beta, calls * allreduce.alpha_log2p)

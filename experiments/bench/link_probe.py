@@ -15,9 +15,13 @@ few probes in the step's conditions:
   before each communication phase;
 * one collective at a time, timed to completion, and per repeat the least
   time over ranks (the rank that arrived last waited only for the transfer,
-  as a phase's least wait), the median over repeats.
+  as a phase's least wait), the median over repeats; broadcasts one per root,
+  launched together, as a step's owners and decomposers broadcast their shares
+  (a lone root returns once its bytes are in the socket's buffers, before the
+  transfer: probes recorded before this, without ``calls``, timed that).
 
-They take well under a second per job and are stored in the job's rows
+They take well under a second per job on loopback (a few seconds on a 1 Gbit/s
+emulated link) and are stored in the job's rows
 (``link_probes``). :func:`experiments.bench.predict.probe_links` fits them;
 the scaling table's held-out predictions take their links from the probes of
 the world size they predict, never from that world size's phase timings. On an
@@ -82,11 +86,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _every_root_broadcasts(buf: torch.Tensor) -> None:
+    """One broadcast rooted at every rank, each of its own ``1/P`` of ``buf``, launched
+    together and waited for: as a step's owners and decomposers broadcast their shares."""
+    works = [
+        dist.broadcast(part, src=root, async_op=True)
+        for root, part in enumerate(buf.chunk(dist.get_world_size()))
+    ]
+    for work in works:
+        work.wait()
+
+
 def _op(kind: str) -> Callable[[torch.Tensor], object]:
     if kind == "allreduce":
         return dist.all_reduce
     if kind == "broadcast":
-        return lambda t: dist.broadcast(t, src=0)
+        return _every_root_broadcasts
     raise ValueError(f"unknown probe kind {kind!r}; expected one of {LINK_PROBE_KINDS}")
 
 
@@ -97,7 +112,8 @@ def _timed(
     device: torch.device,
     scratch: torch.Tensor,
 ) -> float:
-    """Median over ``repeats`` (after one untimed) of the least time over ranks of ``op``."""
+    """Median over ``repeats`` (after one untimed) of the least time over ranks of ``op``
+    on a fresh buffer of ``numel`` elements."""
     times = []
     for _ in range(repeats + 1):
         buf = torch.ones(numel, device=device)
@@ -122,10 +138,17 @@ def probe_links(
 ) -> list[dict[str, Any]]:
     """Time each kind and size on the default group; every rank calls it and gets the same list.
 
+    A broadcast is timed as a step meets its broadcasts: every rank roots one, of
+    ``4 * numel`` bytes each, all launched together and waited for on every rank
+    (:func:`_every_root_broadcasts`): gloo's binomial tree returns on a root once its bytes
+    are in the socket's buffers, so a lone root's time is not the transfer's, while a rank
+    that also receives waits for the link.
+
     Returns:
-        One entry per (kind, size): ``kind``, ``nbytes`` (the buffer),
-        ``seconds`` (median over repeats of the least time over ranks) and
-        ``world_size``. Empty without a process group of more than one rank.
+        One entry per (kind, size): ``kind``, ``nbytes`` (one buffer), ``seconds`` (median
+        over repeats of the least time over ranks), ``world_size`` and ``calls`` (the
+        collectives timed together: ``P`` broadcasts, one all-reduce). Empty without a
+        process group of more than one rank.
     """
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return []
@@ -133,9 +156,11 @@ def probe_links(
     scratch = torch.zeros(FLUSH_BYTES // 4, device=device)
     out = []
     for kind in kinds:
+        calls = p if kind == "broadcast" else 1
         for n in numels:
-            seconds = _timed(_op(kind), n, repeats, device, scratch)
-            out.append({"kind": kind, "nbytes": 4 * n, "seconds": seconds, "world_size": p})
+            seconds = _timed(_op(kind), calls * n, repeats, device, scratch)
+            entry = {"kind": kind, "nbytes": 4 * n, "seconds": seconds, "world_size": p}
+            out.append({**entry, "calls": calls})
     return out
 
 

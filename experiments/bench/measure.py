@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from dpkfac.memory import cuda_peak_bytes, process_memory, reset_cuda_peak
 from dpkfac.timeline import Timeline
+from experiments.bench.compute_probe import job_compute_probes
 from experiments.bench.link_probe import faithful_rate, network_record, probe_links, sync
 from experiments.distributed import deadline
 from experiments.network import node_link
@@ -310,6 +311,8 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
         link, probing = node_link(), spec.get("probe_links", True)
         faithful = faithful_rate(device, link) if link is not None and probing else None
         probes = probe_links(device) if probing else []
+        # This host's engines on the job's own model, timed alone before any strategy.
+        compute = job_compute_probes(spec, rank, device) if probing else []
         steppers = [_Stepper(spec, member, rank, device) for member in spec["strategies"]]
         records: dict[str, list[dict[str, Any]]] = {s.name: [] for s in steppers}
         # The measured steps' timeline (spec["trace"]), not the warm-up's.
@@ -330,6 +333,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
             "device": str(device),
             "backend": dist.get_backend() if dist.is_initialized() else "none",
             "link_probes": probes,
+            "compute_probes": compute,
             "network": network_record(link, faithful),
             "strategies": {s.name: s.summary(records[s.name]) for s in steppers},
             "trace": None if timeline is None else timeline.trace(),

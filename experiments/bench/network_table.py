@@ -67,6 +67,34 @@ MAIN = {
 }
 #: The measured phases shown per row in the detail table.
 PHASES = ("fwd_bwd", "grad_comm", "factor_comm", "decomposition_comm", "precond_comm")
+#: The step's parts the cost model is checked on, one after another along the step, and
+#: the cost model's breakdown entries (:class:`dpkfac.costmodel.StepPrediction`) of each.
+#: Measured: the pure forward/backward, the K-FAC compute of the busiest rank, ``step()``'s
+#: other work and the optimizer, and the communication the step waited for (the rest; in
+#: the overlapped modes also their backward hooks' own work, which the pure forward/backward
+#: leaves out: their packing is the breakdown's ``hooks``).
+MODEL_PHASES = {
+    "fwd_bwd": ("forward_backward",),
+    "kfac_compute": KFAC_COMPUTE,
+    "comm": (
+        "ddp_grad_comm",
+        "grad_comm",
+        "factor_comm",
+        "decomposition_comm",
+        "precond_comm",
+        "hooks",
+    ),
+    "other": ("step_other", "optimizer"),
+}
+#: The frame's measured column of each.
+MEASURED = {
+    "fwd_bwd": "pure_fwd_bwd_ms",
+    "kfac_compute": "kfac_compute_ms",
+    "comm": "exposed_comm_ms",
+    "other": "after_ms",
+}
+#: Their names on the page.
+MODEL_PHASE_NAMES = takeaways.NETWORK_PARTS
 
 
 def _overlapped(row: dict[str, Any]) -> bool:
@@ -104,7 +132,8 @@ def _pure_fwd_bwd(row: dict[str, Any], job: list[dict[str, Any]]) -> float:
 
 def _model_terms(rows: list[dict[str, Any]], predict: bool) -> list[dict[str, float]]:
     """Per row, what its model's shapes say: the last gradient bucket's bytes, and the cost
-    model's iteration (ms) from the job's probe alone (``predict``)."""
+    model's iteration and :data:`MODEL_PHASES` (ms, ``pred_<phase>_ms``) from the job's own
+    probes alone (``predict``), weighted over the step kinds like the row."""
     from dpkfac.costmodel import fitting
     from dpkfac.costmodel.traffic import ddp_bucket_params
     from dpkfac.plan.fusion import DDP_DEFAULT_CAP_BYTES
@@ -119,6 +148,13 @@ def _model_terms(rows: list[dict[str, Any]], predict: bool) -> list[dict[str, fl
             pred = fitting.predict_measurement(m, predict_lib.probe_hardware(r))
             amortised = predict_lib.amortised_prediction(r, pred)["iteration_s"]
             terms["pred_iteration_ms"] = 1e3 * amortised
+            for phase in MODEL_PHASES:
+                terms[f"pred_{phase}_ms"] = 0.0
+            for kind, weight in predict_lib.step_weights(r).items():
+                step = pred.steps[predict_lib.STEP_OF_KIND[kind]]
+                for phase, parts in MODEL_PHASES.items():
+                    seconds = sum(step.breakdown.get(part, 0.0) for part in parts)
+                    terms[f"pred_{phase}_ms"] += 1e3 * weight * seconds
         out.append(terms)
     return out
 
@@ -205,7 +241,53 @@ def network_frame(df: pd.DataFrame, *, predict: bool = True) -> pd.DataFrame:
     if "pred_iteration_ms" in frame:
         frame["pred_vs_sgd"] = over_sgd(frame, group, "pred_iteration_ms")
         frame["pred_error_%"] = 100 * (frame["pred_iteration_ms"] / frame["iteration_ms"] - 1)
+        for phase in MODEL_PHASES:
+            measured = frame[MEASURED[phase]].where(frame[MEASURED[phase]] > 0)
+            frame[f"pred_{phase}_error_%"] = 100 * (frame[f"pred_{phase}_ms"] / measured - 1)
     return plots.in_order(frame, ["model", "setting", "rate_bps", "strategy"])
+
+
+def model_errors(frame: pd.DataFrame) -> pd.DataFrame:
+    """The cost model's held-out error per step and per :data:`MODEL_PHASES` part: the mean,
+    median and largest absolute error (%) over the rows where the part was measured (K-FAC
+    compute has none in SGD's rows), and how many rows that is."""
+    if frame.empty or "pred_error_%" not in frame:
+        return pd.DataFrame()
+    parts = {"step": "pred_error_%"}
+    parts.update({MODEL_PHASE_NAMES[p]: f"pred_{p}_error_%" for p in MODEL_PHASES})
+    out = []
+    for name, column in parts.items():
+        errors = frame[column].abs().dropna()
+        if errors.empty:
+            continue
+        out.append(
+            {
+                "part": name,
+                "rows": len(errors),
+                "mean abs. error %": errors.mean(),
+                "median abs. error %": errors.median(),
+                "max abs. error %": errors.max(),
+                "mean error %": frame[column].dropna().mean(),
+            }
+        )
+    return pd.DataFrame(out)
+
+
+def _phase_table(g: pd.DataFrame) -> pd.DataFrame:
+    """Measured and predicted milliseconds of each :data:`MODEL_PHASES` part, per config."""
+    show = pd.DataFrame({"strategy": g["strategy"].to_numpy()})
+    for phase, name in MODEL_PHASE_NAMES.items():
+        show[name] = [
+            f"{m:.1f} / {p:.1f}"
+            for m, p in zip(g[MEASURED[phase]], g[f"pred_{phase}_ms"], strict=True)
+        ]
+    show["step"] = [
+        f"{m:.0f} / {p:.0f} ({e:+.0f}%)"
+        for m, p, e in zip(
+            g["iteration_ms"], g["pred_iteration_ms"], g["pred_error_%"], strict=True
+        )
+    ]
+    return show
 
 
 def _iteration_text(r: Any) -> str:
@@ -256,6 +338,12 @@ def model_floors(frame: pd.DataFrame) -> pd.DataFrame:
     return best[["model", "label", "setting", "rate_bps", "strategy", "floor_ms", "floor_vs_sgd"]]
 
 
+def _has_probes(value: Any) -> bool:
+    """Whether a row's ``compute_probes`` cell holds any probe."""
+    probes = json_value(value) if isinstance(value, str) and value else value
+    return isinstance(probes, list) and bool(probes)
+
+
 def _rates(values: pd.Series) -> str:
     """``2gbit`` or ``2gbit–3gbit (median 3gbit)``: the rates measured over jobs."""
     low, high = format_rate(values.min()), format_rate(values.max())
@@ -279,9 +367,10 @@ def write_network(df: pd.DataFrame, out: Path) -> dict[str, Path]:
             "of its compute; its wire time plus what no transfer overlaps (the forward pass,",
             f"{FORWARD_SHARE:.2g} of forward/backward, and the work after the last transfer); and",
             "forward/backward, then the last gradient bucket's transfer, then that work.",
-            "`predicted ms`: the cost model on the job's link probe alone (base preset engines,",
-            "links fitted to the probe; nothing fitted on these rows). Bandwidth per node is",
-            "emulated both ways; latency is the host's (no netem here).",
+            "`predicted ms`: the cost model on the job's own probes alone (links fitted to its",
+            "link probe, engines to its compute probe where it has one; nothing fitted on these",
+            "rows: see the end of the page). Bandwidth per node is emulated both ways; latency",
+            "is the host's (no netem here).",
         ]
         floors = model_floors(frame)
         for (label, setting, rate), g in frame.groupby(
@@ -302,6 +391,34 @@ def write_network(df: pd.DataFrame, out: Path) -> dict[str, Path]:
             detail = _detail_table(g)
             digits = {**dict.fromkeys(detail, 1), "floor × SGD": 2, "predicted × SGD": 2}
             md += [to_markdown(detail, digits), "", "</details>"]
+            if "pred_iteration_ms" in g:
+                md += ["", "<details><summary>The cost model per part of the step: measured / "
+                       "predicted ms</summary>", "", to_markdown(_phase_table(g), {}), "",
+                       "</details>"]  # fmt: skip
+        errors = model_errors(frame)
+        if not errors.empty:
+            md += [
+                "",
+                "## The cost model, held out",
+                "",
+                "Each row's step predicted from its job's own probes alone: the link probes'",
+                "links (gloo's other kinds derived from the all-reduce on the emulated link),",
+                "and engines scaled to the job's compute probes where its rows have them (else",
+                "the base preset's). Nothing is fitted on these rows. Per part of the step, as",
+                "the detail tables split it: forward/backward (the pure one), K-FAC compute",
+                "(busiest rank), other work in `step()` and the optimizer, and communication",
+                "(the rest of the step: what it waited for, and the overlapped modes' work in",
+                "their backward hooks). Errors over the rows:",
+                "",
+                to_markdown(errors, dict.fromkeys(errors.columns[2:], 1)),
+            ]
+            if "compute_probes" not in df or not df["compute_probes"].map(_has_probes).any():
+                md += [
+                    "",
+                    "These rows predate the compute probes (`compute_probes`): their engines are",
+                    "the base preset's, timed alone on an idle machine; re-measure the table for",
+                    "engines of this host in the job.",
+                ]
         jobs = frame.drop_duplicates(["model", "setting", "rate_bps"])
         faithful = jobs["faithful_bps"].dropna()
         if not faithful.empty:

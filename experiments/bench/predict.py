@@ -20,6 +20,7 @@ preconditioner's common options and the strategy's own.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields, replace
@@ -27,13 +28,21 @@ from typing import Any
 
 import pandas as pd
 
-from dpkfac.costmodel import PRESETS, Hardware, Measurement, ModelShapes, Prediction, StepPrediction
+from dpkfac.costmodel import (
+    PRESETS,
+    Engine,
+    Hardware,
+    Measurement,
+    ModelShapes,
+    Prediction,
+    StepPrediction,
+)
 from dpkfac.costmodel import fitting as fitting_lib
 from dpkfac.costmodel.memory import activation_bytes, process_memory_of
 from dpkfac.costmodel.timing import COMM_PHASES, COMPUTE_PHASES
 from dpkfac.options import KFACOptions
 from dpkfac.plan import scheme_of
-from dpkfac.plan.hardware import Link, Sample
+from dpkfac.plan.hardware import COLLECTIVE_KINDS, Link, Sample, gloo_link
 from dpkfac.stats import COMM_CATEGORIES
 from dpkfac.strategies import canonical_name, strategy_options
 from experiments.bench.aggregate import SECOND_ORDER_CATEGORIES, SECOND_ORDER_COMM, kind_weights
@@ -187,7 +196,7 @@ def predicted_counts(row: Mapping[str, Any], prediction: Prediction) -> dict[str
     :func:`experiments.bench.aggregate.kind_weights` does.
     """
     out: dict[str, dict[str, float]] = {}
-    for kind, weight in _weights(row).items():
+    for kind, weight in step_weights(row).items():
         for cat, counts in prediction.steps[STEP_OF_KIND[kind]].comm.items():
             entry = out.setdefault(cat, {"bytes": 0.0, "calls": 0.0, "wire_bytes": 0.0})
             for key in entry:
@@ -195,7 +204,7 @@ def predicted_counts(row: Mapping[str, Any], prediction: Prediction) -> dict[str
     return out
 
 
-def _weights(row: Mapping[str, Any]) -> dict[str, float]:
+def step_weights(row: Mapping[str, Any]) -> dict[str, float]:
     """How often each step kind occurs at the row's update intervals."""
     return kind_weights(int(row.get("factor_update_steps", 1)), int(row.get("inv_update_steps", 1)))
 
@@ -215,7 +224,7 @@ def amortised_prediction(row: Mapping[str, Any], prediction: Prediction) -> dict
         the busiest rank).
     """
     out = dict.fromkeys(("iteration_s", "compute_s", "comm_s", "grad_comm_s"), 0.0)
-    for kind, weight in _weights(row).items():
+    for kind, weight in step_weights(row).items():
         step = prediction.steps[STEP_OF_KIND[kind]]
         phases = step.phases
         out["iteration_s"] += weight * step.iteration
@@ -450,31 +459,97 @@ def _held_out(
     return fitting_lib.predict_measurement(m, hw).update
 
 
-def probe_links(row: Mapping[str, Any]) -> dict[str, Link]:
+def probe_links(row: Mapping[str, Any], *, link_bound: bool | None = None) -> dict[str, Link]:
     """Links fitted to the job's start-up probes (:mod:`experiments.bench.link_probe`).
 
     Empty for rows without probes (single-rank jobs, rows that predate them).
+
+    ``link_bound`` (None: whether the row ran on an emulated network,
+    :mod:`experiments.network`): the job ran where every transfer is bound by one shaped
+    link. There a rooted probe recorded without
+    ``calls`` (before the probe rooted a broadcast at every rank) timed a lone root, which
+    returns once its bytes are in the socket's buffers, not the transfer (16 MiB took 0.8×,
+    2 MiB 0.05× of their time on the wire at 1 Gbit/s): it is left out. On gloo every kind
+    the probes do not time is then derived from the probed all-reduce by gloo's algorithms
+    (:func:`dpkfac.plan.hardware.gloo_link`), rather than taken from the base preset, whose
+    links are loopback's.
     """
     probes = json_value(row.get("link_probes"))
     if not isinstance(probes, list) or not probes:
         return {}
+    if link_bound is None:
+        link_bound = row.get("network") == "emulated"
+    if link_bound:
+        probes = [e for e in probes if e["kind"] == "allreduce" or "calls" in e]
     samples = [
-        Sample.collective(e["kind"], int(e["nbytes"]), float(e["seconds"]), int(e["world_size"]))
+        Sample.collective(
+            e["kind"],
+            int(e["nbytes"]),
+            float(e["seconds"]),
+            int(e["world_size"]),
+            calls=int(e.get("calls", 1)),
+        )
         for e in probes
     ]
     fitted = fitting_lib.calibrate(samples, name="probes", base=PRESETS[BASE_PRESET], log2p=False)
-    return {kind: fitted.links[kind] for kind in {e["kind"] for e in probes}}
+    links = {kind: fitted.links[kind] for kind in {e["kind"] for e in probes}}
+    if link_bound and "allreduce" in links and str(row.get("backend", "gloo")) == "gloo":
+        p = int(probes[0]["world_size"])
+        derived = {k: gloo_link(k, links["allreduce"], p) for k in COLLECTIVE_KINDS}
+        links = {**derived, **links}
+    return links
+
+
+def probe_engines(row: Mapping[str, Any], base: Hardware) -> dict[str, Engine]:
+    """``base``'s engines scaled to the job's compute probes
+    (:mod:`experiments.bench.compute_probe`).
+
+    Each probe timed one engine kind on the job's own model (its work as the cost model
+    counts it): the kind's engine is sped up, rate and latency alike, until it gives the
+    probe's seconds, its other kinds (a factor's memory passes) priced by what was fitted
+    before it (:data:`~experiments.bench.compute_probe.COMPUTE_PROBE_KINDS` order). The
+    preset keeps how each kind's time grows with its size; the probe says how fast this
+    host runs it in a job. A kind the preset leaves free ("host") gets the probe's seconds
+    per call. Empty for rows without probes (rows that predate them).
+    """
+    from experiments.bench.compute_probe import COMPUTE_PROBE_KINDS
+
+    probes = json_value(row.get("compute_probes"))
+    if not isinstance(probes, list) or not probes:
+        return {}
+    order = {kind: i for i, kind in enumerate(COMPUTE_PROBE_KINDS)}
+    hw, out = base, {}
+    for entry in sorted(probes, key=lambda e: order.get(e["kind"], len(order))):
+        kind = str(entry["kind"])
+        work = {k: (float(c), float(a)) for k, (c, a) in entry["work"].items()}
+        calls, amount = work.pop(kind, (0.0, 0.0))
+        predicted = hw.time({kind: (calls, amount)}, 1)
+        left = float(entry["seconds"]) - hw.time(work, 1)
+        if left <= 0:
+            continue
+        if predicted > 0:
+            engine, scale = hw.engine(kind), predicted / left
+            out[kind] = Engine(engine.rate * scale, engine.latency / scale)
+        elif calls > 0:  # a kind the preset leaves free ("host"): its latency per call
+            out[kind] = Engine(math.inf, left / calls)
+        else:
+            continue
+        hw = replace(hw, engines={**hw.engines, kind: out[kind]})
+    return out
 
 
 def probe_hardware(row: Mapping[str, Any]) -> Hardware:
-    """The hardware model of a row from its job's link probes alone: :data:`BASE_PRESET`'s
-    engines with the probes' links (:func:`probe_links`).
+    """The hardware model of a row from its job's own probes alone: :data:`BASE_PRESET`'s
+    engines scaled to the job's compute probes (:func:`probe_engines`, where the row has
+    them), with the link probes' links (:func:`probe_links`, link-bound on an emulated
+    network).
 
     Nothing in it is fitted to any row's phase timings, so a prediction on it is held out
     from every measured step; the network table predicts its rows this way.
     """
     base = PRESETS[BASE_PRESET]
-    return replace(base, name="probes", links={**base.links, **probe_links(row)})
+    hw = replace(base, name="probes", links={**base.links, **probe_links(row)})
+    return replace(hw, engines={**hw.engines, **probe_engines(row, hw)})
 
 
 def phase_errors(errors: pd.DataFrame) -> pd.DataFrame:

@@ -266,6 +266,7 @@ def _timing_row(
         fusion_plan=json.dumps(first.get("fusion_plan")),
         measured_hardware=first.get("hardware") or "",
         link_probes=json.dumps(results[0].get("link_probes") or []),
+        compute_probes=json.dumps(results[0].get("compute_probes") or []),
         **_network_columns(results[0].get("network")),
         configuration=first.get("configuration") or "",
     )

@@ -183,6 +183,13 @@ def ablation(verdicts: pd.DataFrame) -> list[str]:
 
 #: The configuration the network page states first (the project's answer at scale).
 NETWORK_FOCUS = "dp_kfac_owner_overlap"
+#: The network page's parts of a step the cost model is checked on (its MODEL_PHASES), by name.
+NETWORK_PARTS = {
+    "fwd_bwd": "forward/backward",
+    "kfac_compute": "K-FAC compute",
+    "comm": "communication",
+    "other": "other work and optimizer",
+}
 
 
 def network(frame: pd.DataFrame) -> list[str]:
@@ -224,9 +231,15 @@ def network(frame: pd.DataFrame) -> list[str]:
     if "pred_error_%" in frame:
         errors = frame["pred_error_%"].abs().dropna()
         if not errors.empty:
+            parts = [
+                f"{name} {frame[column].abs().mean():.0f}%"
+                for phase, name in NETWORK_PARTS.items()
+                if (column := f"pred_{phase}_error_%") in frame and frame[column].notna().any()
+            ]
             lines.append(
-                f"- The cost model from the link probe alone misses a step by {errors.mean():.0f}% "
-                f"(mean over {len(errors)} rows; median {errors.median():.0f}%)."
+                f"- The cost model from the job's own probes alone misses a step by "
+                f"{errors.mean():.0f}% (mean over {len(errors)} rows; median "
+                f"{errors.median():.0f}%)" + (f"; per part: {', '.join(parts)}." if parts else ".")
             )
     return lines[:5]
 

@@ -1,0 +1,246 @@
+"""Compute probes at the start of a benchmark job: this host's engines on the job's own model.
+
+The link probes (:mod:`experiments.bench.link_probe`) give the cost model its links from
+the job itself; its engines come from a preset, micro-benchmarks of kernels timed alone at
+fixed sizes on an idle machine. A step on a shared host runs them cold, beside the other
+ranks, and pays work no kernel benchmark sees (a network's normalisation, attention and
+embedding passes, which the model's flops leave out). So each job also times, once, on
+every rank at the same time and before any strategy is built, the kernels of its own model
+as a step runs them, nothing of them distributed:
+
+* ``forward_backward``: one forward and backward pass of the model on the job's batch
+  (no DDP, no K-FAC hooks);
+* ``optimizer``: the benchmark's first-order step (SGD with momentum) on those gradients;
+* ``pack``: packing the gradients into one flat buffer (``torch.cat``), the copy ``step()``
+  runs before every collective;
+* ``precondition``: every K-FAC layer's update from its gradient, as ``step()`` computes
+  it (:func:`dpkfac.strategies.base.precondition_layer`, eigenbases of the layer's sizes);
+* ``factor``: every K-FAC layer's A and G factors from the activations and output
+  gradients of that pass (the capture hooks' own calls);
+* ``host``: every K-FAC layer's update scaled (the KL clip) and written back into its
+  ``.grad``, as ``step()`` ends: per layer a few small kernels and the package's Python,
+  the "host" work per layer the cost model's ``step_other`` counts.
+
+Each entry records its work as the cost model counts it (:mod:`dpkfac.costmodel.timing`)
+and the median seconds over repeats, the most over ranks (compute phases are the busiest
+rank's). :func:`experiments.bench.predict.probe_engines` scales the base preset's engines
+to them; the network table's held-out predictions use them with the link probes. None of
+it times a step or any strategy: the steps it predicts are measured after it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dpkfac.costmodel.optimizers import step_bytes
+from dpkfac.costmodel.shapes import shapes_from_model
+from dpkfac.costmodel.timing import factor_work, forward_backward_work
+from dpkfac.curvature import EigenDecomposition, KFACLayer, helper_for
+from dpkfac.curvature.kernels import DEFAULT_METHOD
+
+__all__ = ["COMPUTE_PROBE_KINDS", "COMPUTE_PROBE_REPEATS", "job_compute_probes", "probe_compute"]
+
+#: Engine kinds probed, in the order :func:`experiments.bench.predict.probe_engines` fits them
+#: (each entry's other kinds priced by the engines fitted before it).
+COMPUTE_PROBE_KINDS = (
+    "pack",
+    "optimizer",
+    "forward_backward",
+    "precondition",
+    "factor",
+    "host",
+)
+#: Timed repeats of each probe (after one untimed).
+COMPUTE_PROBE_REPEATS = 3
+
+
+def _median(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median seconds of ``fn`` (to completion on ``device``) over ``repeats``, after one."""
+
+    def run() -> None:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _work(work: Mapping[str, tuple[float, float]]) -> dict[str, list[float]]:
+    return {kind: [float(c), float(a)] for kind, (c, a) in work.items()}
+
+
+def probe_compute(
+    model: nn.Module,
+    batch: Any,
+    loss: Callable[[nn.Module, Any], torch.Tensor],
+    example_input: tuple[Any, ...],
+    *,
+    batch_size: int,
+    lr: float,
+    weight_sharing: str = "expand",
+    skip_layers: list[str] | None = None,
+    factor_method: str = DEFAULT_METHOD,
+    damping: float = 1e-3,
+    repeats: int = COMPUTE_PROBE_REPEATS,
+) -> list[dict[str, Any]]:
+    """Time this host's engines on ``model`` (a copy of the job's; its gradients are left
+    set and its weights are stepped once per optimizer repeat, so pass a throwaway copy).
+
+    Every rank calls it when a process group is up (the entries are then the same on
+    every rank: the most over ranks); alone, its own times.
+
+    Returns:
+        One entry per kind of :data:`COMPUTE_PROBE_KINDS` (``precondition``, ``factor``
+        and ``host`` only with K-FAC layers): ``kind``, ``work`` (kind -> [calls, amount],
+        the cost model's units) and ``seconds``.
+    """
+    device = next(model.parameters()).device
+    shapes = shapes_from_model(model, example_input, batch_size, skip_layers=skip_layers or [])
+    modules = dict(model.named_modules())
+    layers = []
+    for s, hooked in zip(shapes, shapes.captured, strict=True):
+        helper = helper_for(modules[s.name])
+        if hooked and helper is not None:
+            layers.append((s, KFACLayer(s.name, modules[s.name], helper)))
+    inputs: dict[str, torch.Tensor] = {}
+    grads: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def capture(name: str) -> Callable[..., None]:
+        def hook(_: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
+            inputs[name] = args[0].detach()
+            if output.requires_grad:
+                output.register_hook(lambda g: grads.__setitem__(name, g.detach()))
+
+        return hook
+
+    for s, layer in layers:
+        handles.append(layer.module.register_forward_hook(capture(s.name)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+    def fwd_bwd() -> None:
+        model.zero_grad(set_to_none=True)
+        loss(model, batch).backward()
+
+    out: dict[str, tuple[dict[str, list[float]], float]] = {}
+    if dist.is_initialized():
+        dist.barrier()
+    try:
+        fwd_bwd()  # the hooks keep the last pass's activations
+    finally:
+        for h in handles:
+            h.remove()
+    out["forward_backward"] = (
+        _work(forward_backward_work(shapes)),
+        _median(fwd_bwd, repeats, device),
+    )
+    params = [p for p in model.parameters() if p.grad is not None]
+    nbytes = sum(p.numel() * p.element_size() for p in params)
+    itemsize = params[0].element_size() if params else 4
+    flat = [p.grad.reshape(-1) for p in params if p.grad is not None]
+    out["pack"] = (
+        _work({"pack": (0, 2 * nbytes)}),
+        _median(lambda: torch.cat(flat), repeats, device),
+    )
+    numel = sum(p.numel() for p in params)
+    optimizer_work = {"optimizer": (1, step_bytes(numel, itemsize, "sgd_momentum"))}
+    out["optimizer"] = (_work(optimizer_work), _median(optimizer.step, repeats, device))
+    if layers:
+        from dpkfac.strategies.base import precondition_layer
+
+        gen = torch.Generator().manual_seed(0)
+        for _, layer in layers:
+            for which in ("A", "G"):
+                d = layer.dim(which)
+                dec = EigenDecomposition(torch.randn(d, d, generator=gen), torch.rand(d))
+                layer.set_decomposition(which, dec)
+        with_grad = [(s, x) for s, x in layers if x.helper.grad_matrix() is not None]
+
+        def grad_matrices() -> list[tuple[KFACLayer, torch.Tensor]]:
+            pairs = [(x, x.helper.grad_matrix()) for _, x in with_grad]
+            return [(x, g) for x, g in pairs if g is not None]
+
+        def precondition() -> None:
+            for _, x in with_grad:
+                grad = x.helper.grad_matrix()
+                assert grad is not None
+                precondition_layer(x, grad, damping)
+
+        flops = sum(4.0 * s.g_dim * s.a_dim * (s.g_dim + s.a_dim) for s, _ in with_grad)
+        work = {"precondition": (float(len(with_grad)), flops)}
+        out["precondition"] = (_work(work), _median(precondition, repeats, device))
+        captured = [(s, x) for s, x in layers if s.name in inputs and s.name in grads]
+
+        def factors() -> None:
+            for s, x in captured:
+                x.clear_pending()
+                x.accumulate_a(inputs[s.name], weight_sharing, None, factor_method)
+                x.accumulate_g(grads[s.name], weight_sharing, None, factor_method)
+
+        total: dict[str, tuple[float, float]] = {}
+        for s, _ in captured:
+            for which in ("A", "G"):
+                for kind, (c, a) in factor_work(s, which, weight_sharing, itemsize).items():
+                    calls, amount = total.get(kind, (0.0, 0.0))
+                    total[kind] = (calls + c, amount + a)
+        if captured:
+            out["factor"] = (_work(total), _median(factors, repeats, device))
+        updates = [(x, precondition_layer(x, g, damping).matrix) for x, g in grad_matrices()]
+        scale = torch.ones((), device=device)
+
+        def write_back() -> None:
+            for x, matrix in updates:
+                x.helper.set_grad_matrix(matrix * scale)
+
+        update_bytes = sum(m.numel() * m.element_size() for _, m in updates)
+        work = {"pack": (0.0, 4.0 * update_bytes), "host": (float(len(updates)), 0.0)}
+        out["host"] = (_work(work), _median(write_back, repeats, device))
+    kinds = [k for k in COMPUTE_PROBE_KINDS if k in out]
+    seconds = torch.tensor([out[k][1] for k in kinds], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return [
+        {"kind": k, "work": out[k][0], "seconds": float(t)}
+        for k, t in zip(kinds, seconds.tolist(), strict=True)
+    ]
+
+
+def job_compute_probes(spec: Mapping[str, Any], rank: int, device: torch.device) -> list[dict]:
+    """:func:`probe_compute` of a benchmark job's model (a copy of its own, built and fed as
+    the job's strategies are: ``spec`` is :func:`experiments.bench.run.job_spec`'s), with the
+    K-FAC options of its first K-FAC config (weight sharing, skipped layers, factor method,
+    damping)."""
+    from experiments.bench.workloads import build
+
+    model_spec = spec["model"]
+    bench = build(model_spec["config"], model_spec["batch"], seed=int(spec["seed"]))
+    model = bench.model.to(device)
+    batch = bench.make_batch(int(spec["seed"]) * 1000 + 17 * (rank + 1))
+    batch = {k: v.to(device) for k, v in batch.items()}
+    kfac = next((m["kfac"] for m in spec["strategies"] if m["kfac"] is not None), None) or {}
+    damping = kfac.get("damping", 1e-3)
+    return probe_compute(
+        model,
+        batch,
+        bench.loss,
+        tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in bench.example_input),
+        batch_size=bench.batch_size,
+        lr=float(spec["lr"]),
+        weight_sharing=str(kfac.get("weight_sharing", bench.weight_sharing)),
+        skip_layers=list(kfac.get("skip_layers") or []),
+        factor_method=str(kfac.get("factor_method", DEFAULT_METHOD)),
+        damping=float(damping) if isinstance(damping, (int, float)) else 1e-3,
+    )

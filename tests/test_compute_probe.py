@@ -1,0 +1,95 @@
+"""The benchmark's start-up compute probes: the job's own model's work, timed, and the
+engines scaled to them (exact values on small inputs)."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from test_benchmark_tables import MLP_COLUMNS
+
+from dpkfac.costmodel import PRESETS, Engine
+from dpkfac.costmodel.optimizers import step_bytes
+from dpkfac.costmodel.timing import factor_work, forward_backward_work
+from experiments.bench import predict
+from experiments.bench.compute_probe import COMPUTE_PROBE_KINDS, job_compute_probes
+
+SPEC = {
+    "model": {
+        "config": json.loads(MLP_COLUMNS["model_config"]),
+        "batch": json.loads(MLP_COLUMNS["model_batch"]),
+    },
+    "seed": 0,
+    "lr": 0.1,
+    "strategies": [
+        {"name": "none", "kfac": None},
+        {"name": "dp_kfac", "kfac": {"strategy": "dp_kfac", "damping": 0.003}},
+    ],
+}
+
+
+def test_every_engine_is_timed_on_the_jobs_own_model() -> None:
+    entries = job_compute_probes(SPEC, 0, torch.device("cpu"))
+    assert [e["kind"] for e in entries] == list(COMPUTE_PROBE_KINDS)
+    assert all(e["seconds"] > 0 for e in entries)
+    work = {e["kind"]: e["work"] for e in entries}
+    shapes, _ = predict.row_shapes({**MLP_COLUMNS})
+    params = shapes.num_params
+    # Packing every gradient once: read and written; SGD with momentum's one pass.
+    assert work["pack"] == {"pack": [0.0, 2.0 * 4 * params]}
+    assert work["optimizer"] == {"optimizer": [1.0, float(step_bytes(params, 4, "sgd_momentum"))]}
+    fb = forward_backward_work(shapes)["forward_backward"]
+    assert work["forward_backward"] == {"forward_backward": [fb[0], fb[1]]}
+    flops = sum(4.0 * s.g_dim * s.a_dim * (s.g_dim + s.a_dim) for s in shapes)
+    assert work["precondition"] == {"precondition": [float(len(shapes)), flops]}
+    factors: dict[str, list[float]] = {}
+    for s in shapes:
+        for which in "AG":
+            for kind, (c, a) in factor_work(s, which, "expand", 4).items():
+                got = factors.setdefault(kind, [0.0, 0.0])
+                got[0], got[1] = got[0] + c, got[1] + a
+    assert work["factor"] == factors
+    updates = sum(4 * s.a_dim * s.g_dim for s in shapes)  # scaled, then copied into .grad
+    assert work["host"] == {"pack": [0.0, 4.0 * updates], "host": [float(len(shapes)), 0.0]}
+
+
+def _probe(rank: int, world_size: int) -> list[dict[str, Any]]:
+    return job_compute_probes(SPEC, rank, torch.device("cpu"))
+
+
+@pytest.mark.distributed
+def test_probes_agree_on_every_rank() -> None:
+    results = run_ranks(_probe, 2)
+    assert results[0] == results[1]  # the most over ranks, agreed by an all-reduce
+
+
+def test_engines_are_scaled_until_they_give_the_probes_seconds() -> None:
+    base = predict.probe_hardware({})
+    assert base.engines == PRESETS["cpu_gloo_local"].engines  # no probes: the preset's
+    entries = [
+        {"kind": "pack", "work": {"pack": [0, 4e6]}, "seconds": 1e-3},
+        {"kind": "optimizer", "work": {"optimizer": [1, 1e7]}, "seconds": 2e-3},
+        {"kind": "forward_backward", "work": {"forward_backward": [3, 6e9]}, "seconds": 0.2},
+        {"kind": "factor", "work": {"factor": [4, 1e8], "memory": [0, 6.13e6]}, "seconds": 5e-3},
+        {"kind": "host", "work": {"pack": [0, 8e6], "host": [10, 0]}, "seconds": 3e-3},
+    ]
+    engines = predict.probe_engines({"compute_probes": json.dumps(entries)}, base)
+    assert set(engines) == {"pack", "optimizer", "forward_backward", "factor", "host"}
+    assert engines["pack"].time(0, 4e6) == pytest.approx(1e-3)
+    # The preset has no "host" engine (free): the probe less its 2 ms of copies, per call.
+    assert engines["host"] == Engine(math.inf, pytest.approx(1e-4))
+    opt = engines["optimizer"]  # the preset's optimizer is its memory engine
+    assert opt.time(1, 1e7) == pytest.approx(2e-3)
+    fb, preset = engines["forward_backward"], base.engine("forward_backward")
+    assert fb.time(3, 6e9) == pytest.approx(0.2)
+    assert fb.rate / preset.rate == pytest.approx(preset.latency / fb.latency)
+    # The factor probe less its memory pass at the preset's memory rate (1 ms): 4 ms.
+    assert base.engine("memory").rate == 6.13e9
+    assert engines["factor"].time(4, 1e8) == pytest.approx(4e-3)
+    hw = predict.probe_hardware({"compute_probes": json.dumps(entries)})
+    assert hw.engines["factor"] == engines["factor"]
+    assert hw.engines["eigh"] == base.engines["eigh"]  # not probed: the preset's

@@ -1,0 +1,139 @@
+"""The cost model on a link-bound network: gloo's kinds from its all-reduce, and step()'s
+memory passes outside its timed phases (exact values on small inputs)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dpkfac.costmodel import PRESETS, Engine, Hardware, Link, predict, predict_sgd
+from dpkfac.costmodel.shapes import as_model_shapes
+from dpkfac.costmodel.timing import step_other_bytes
+from dpkfac.costmodel.traffic import Collective
+from dpkfac.options import KFACOptions
+from dpkfac.plan.assignment import LayerShape
+from dpkfac.plan.hardware import COLLECTIVE_KINDS, gloo_link, wire_bytes
+from experiments.bench import predict as bench_predict
+
+AR = Link(alpha=1e-4, beta=8e-9, alpha_log2p=2e-5)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_gloo_kinds_are_its_algorithms_bytes_on_the_all_reduce_link(p: int) -> None:
+    assert gloo_link("allreduce", AR, p) is AR
+    for kind in ("broadcast", "all_gather"):
+        assert gloo_link(kind, AR, p) == AR  # (P-1)/P of the buffer, as accounted
+    reduce = gloo_link("reduce", AR, p)
+    assert (reduce.alpha, reduce.beta) == (AR.alpha, pytest.approx(AR.beta * (1 + 1 / p)))
+    # An all-reduce of the whole input per rank's shard: twice the bytes, P calls.
+    scatter = gloo_link("reduce_scatter", AR, p)
+    assert scatter == Link(p * AR.alpha, 2 * AR.beta, p * AR.alpha_log2p)
+    n = 1 << 20
+    whole = AR.time(p, wire_bytes("allreduce", n, p), p)
+    assert scatter.time(1, wire_bytes("reduce_scatter", n, p), p) == pytest.approx(whole)
+    with pytest.raises(ValueError, match="unknown collective kind"):
+        gloo_link("gather", AR, p)
+
+
+def _entry(kind: str, nbytes: int, seconds: float, **extra: int) -> dict:
+    return {"kind": kind, "nbytes": nbytes, "seconds": seconds, "world_size": 2, **extra}
+
+
+def _row(entries: list[dict], network: str = "emulated") -> dict:
+    return {"link_probes": json.dumps(entries), "network": network, "backend": "gloo"}
+
+
+def test_a_link_bound_job_derives_what_its_probes_do_not_time() -> None:
+    # An all-reduce at 8 ns per wire byte (1 Gbit/s) and 0.1 ms; a lone root's broadcast
+    # that returned long before its bytes arrived (no ``calls``: the probe before the fix).
+    allreduce = [_entry("allreduce", n, 1e-4 + 8e-9 * n) for n in (1 << 16, 1 << 24)]
+    lone = [_entry("broadcast", n, 1e-6 * (1 + n / 2**20)) for n in (1 << 16, 1 << 24)]
+    links = bench_predict.probe_links(_row(allreduce + lone))
+    assert set(links) == set(COLLECTIVE_KINDS)
+    ar = links["allreduce"]
+    assert (ar.alpha, ar.beta) == (pytest.approx(1e-4), pytest.approx(8e-9))
+    assert links["broadcast"] == gloo_link("broadcast", ar, 2)
+    assert links["reduce_scatter"] == gloo_link("reduce_scatter", ar, 2)
+    # Loopback (the scaling table's held-out links): the probes are fitted as they are.
+    loop = bench_predict.probe_links(_row(allreduce + lone, network="loopback"))
+    assert set(loop) == {"allreduce", "broadcast"}
+    assert loop["broadcast"].beta < ar.beta / 10
+    # A broadcast probe rooted at every rank (``calls``) is fitted, per call and wire byte.
+    every = [
+        _entry("broadcast", n, 2 * (5e-5 + 8e-9 * wire_bytes("broadcast", n, 2)), calls=2)
+        for n in (1 << 16, 1 << 24)
+    ]
+    fitted = bench_predict.probe_links(_row(allreduce + every))["broadcast"]
+    assert (fitted.alpha, fitted.beta) == (pytest.approx(5e-5), pytest.approx(8e-9))
+    hw = bench_predict.probe_hardware(_row(allreduce + lone))
+    assert hw.links["reduce"] == gloo_link("reduce", ar, 2)
+    assert hw.engines == PRESETS["cpu_gloo_local"].engines
+
+
+#: Two Linear layers (a_dim with the bias column): 3x4 and 5x2, float32, batch 8.
+SHAPES = as_model_shapes(
+    [LayerShape.linear("a", 3, 4, batch_size=8), LayerShape.linear("b", 5, 2, batch_size=8)]
+)
+MEMORY = Hardware(
+    "memory",
+    {"allreduce": Link(1e-4, 1e-9)},
+    {
+        "matmul": Engine(1e12),
+        "eigh": Engine(1e12),
+        "inverse": Engine(1e12),
+        "memory": Engine(1e9),
+        "forward_backward": Engine(1e12),
+    },
+    backend="gloo",
+)
+
+
+def test_step_other_bytes_pack_every_buffer_and_write_every_update_back() -> None:
+    updates = 4 * (4 * 4 + 2 * 6)  # (3+1)x4 and (5+1)x2 float32 updates
+    colls = [Collective("grad_allreduce", "allreduce", 112, 2)]
+    colls.append(Collective("precond_broadcast", "broadcast", 64, 2))
+    assert step_other_bytes(SHAPES, [], itemsize=4, kl_clip=False) == 2 * updates
+    assert step_other_bytes(SHAPES, [], itemsize=4, kl_clip=True) == 4 * updates
+    assert step_other_bytes(SHAPES, colls, itemsize=4, kl_clip=True) == 2 * 176 + 4 * updates
+
+
+def test_step_other_is_in_every_kfac_iteration_and_never_in_sgds() -> None:
+    kfac = KFACOptions(kl_clip=None)
+    pred = predict(SHAPES, strategy="dp_kfac", world_size=2, hardware=MEMORY, kfac=kfac)
+    step = pred.update
+    packed = sum(2 * c.nbytes for c in step.collectives)
+    updates = 4 * (4 * 4 + 2 * 6)
+    assert step.breakdown["step_other"] == pytest.approx((packed + 2 * updates) / 1e9)
+    assert step.iteration == pytest.approx(sum(step.breakdown.values()))
+    assert "step_other" not in predict_sgd(SHAPES, world_size=2, hardware=MEMORY).update.breakdown
+    overlapped = predict(
+        SHAPES,
+        strategy="dp_kfac",
+        world_size=2,
+        hardware=MEMORY,
+        kfac=kfac,
+        options={"overlap": True},
+    )
+    # The overlapped mode packs its buffers in the backward hooks: the same copies, there.
+    over = overlapped.update
+    packed = sum(2 * c.nbytes for c in over.collectives)
+    assert over.breakdown["step_other"] == pytest.approx(2 * updates / 1e9)
+    assert over.breakdown["hooks"] == pytest.approx(packed / 1e9)
+    assert "hooks" not in step.breakdown
+
+
+def test_a_measured_host_engine_prices_every_layer_written_back() -> None:
+    host = Hardware(
+        MEMORY.name,
+        MEMORY.links,
+        {**MEMORY.engines, "host": Engine(math.inf, 1e-5)},
+        backend="gloo",
+    )
+    kfac = KFACOptions(kl_clip=None)
+    free = predict(SHAPES, strategy="dp_kfac", world_size=2, hardware=MEMORY, kfac=kfac)
+    timed = predict(SHAPES, strategy="dp_kfac", world_size=2, hardware=host, kfac=kfac)
+    extra = timed.update.breakdown["step_other"] - free.update.breakdown["step_other"]
+    assert extra == pytest.approx(2 * 1e-5)  # two K-FAC layers
+    assert MEMORY.engine("host").time(5, 0) == 0.0  # not measured: free
