@@ -30,8 +30,6 @@ it times a step or any strategy: the steps it predicts are measured after it.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -44,6 +42,7 @@ from dpkfac.costmodel.shapes import shapes_from_model
 from dpkfac.costmodel.timing import factor_work, forward_backward_work
 from dpkfac.curvature import EigenDecomposition, KFACLayer, helper_for
 from dpkfac.curvature.kernels import DEFAULT_METHOD
+from dpkfac.probes import median_time
 
 __all__ = ["COMPUTE_PROBE_KINDS", "COMPUTE_PROBE_REPEATS", "job_compute_probes", "probe_compute"]
 
@@ -69,13 +68,7 @@ def _median(fn: Callable[[], object], repeats: int, device: torch.device) -> flo
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_time(run, repeats)
 
 
 def _work(work: Mapping[str, tuple[float, float]]) -> dict[str, list[float]]:
