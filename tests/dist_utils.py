@@ -33,6 +33,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _leave_together() -> None:
+    """Wait, after reporting, until every rank has finished its function.
+
+    A rank whose part ends early (a non-member of a subgroup, say) would otherwise
+    exit and close its gloo sockets while a slower rank is still completing its own
+    side of the default group's connection handshake, which then fails with
+    "Connection closed by peer" although nothing went wrong. The barrier runs only
+    after this rank's result is on the queue: if another rank failed, this one is
+    killed by the parent at the join, and the failure is reported as it was.
+    """
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    except Exception:  # a peer failed: its own report names it
+        pass
+
+
 def _worker(
     fn: Callable[..., Any],
     rank: int,
@@ -63,6 +81,10 @@ def _worker(
         queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report every failure, including assertion errors
         queue.put((rank, "error", traceback.format_exc()))
+    else:
+        queue.close()
+        queue.join_thread()  # the result is in the pipe before anything else can fail
+        _leave_together()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
