@@ -263,8 +263,10 @@ def pipelined_plan(
     return [[keys[order[i]] for i in b] for b in buckets]
 
 
+LayerAdds = tuple[tuple[str, str, float, float], ...]
+
+
 def _layer_work(
-    w: dict[str, Work],
     s: LayerShape,
     *,
     factors: bool,
@@ -273,23 +275,32 @@ def _layer_work(
     compute_method: str,
     weight_sharing: str,
     itemsize: int,
-) -> None:
-    """Add one layer's K-FAC work to ``w`` (phase -> work): its batch factors (``factors``),
-    the decompositions of the factors named in ``decomposes`` ("A", "G", "AG" or "") and
-    its preconditioning (``preconditions``)."""
+) -> LayerAdds:
+    """One layer's K-FAC work as ``(phase, kind, calls, amount)`` additions, in the order
+    :func:`_add_layer_work` adds them: its batch factors (``factors``), the decompositions
+    of the factors named in ``decomposes`` ("A", "G", "AG" or "") and its preconditioning
+    (``preconditions``). A pure function of its arguments, so a step's prediction prices
+    each (layer, role) once however many ranks share it."""
+    adds: list[tuple[str, str, float, float]] = []
     if factors:
         for which in "AG":
             for kind, (c, a) in factor_work(s, which, weight_sharing, itemsize).items():
-                add_work(w.setdefault("factor_compute", {}), kind, c, a)
+                adds.append(("factor_compute", kind, c, a))
     dec_kind, dec_flops = (
         ("eigh", 2 * EIGH_COEFF) if compute_method == "eigen" else ("inverse", 2 * INVERSE_COEFF)
     )
     for d, which in ((s.a_dim, "A"), (s.g_dim, "G")):
         if which in decomposes:
-            add_work(w.setdefault("decomposition", {}), dec_kind, 1, dec_flops * d**3)
+            adds.append(("decomposition", dec_kind, 1, dec_flops * d**3))
     if preconditions:
-        flops = _precondition_flops(s, compute_method)
-        add_work(w.setdefault("precondition", {}), "precondition", 1, flops)
+        adds.append(("precondition", "precondition", 1, _precondition_flops(s, compute_method)))
+    return tuple(adds)
+
+
+def _add_layer_work(w: dict[str, Work], adds: LayerAdds) -> None:
+    """Add :func:`_layer_work`'s additions to ``w`` (phase -> work)."""
+    for phase, kind, calls, amount in adds:
+        add_work(w.setdefault(phase, {}), kind, calls, amount)
 
 
 def step_other_bytes(
@@ -345,8 +356,7 @@ def owner_seconds(
     interval and priced by ``hw``, per-call latencies included (why: :func:`seconds_cost`).
     """
     w: dict[str, Work] = {}
-    _layer_work(
-        w,
+    adds = _layer_work(
         shape,
         factors=True,
         decomposes="AG",
@@ -355,6 +365,7 @@ def owner_seconds(
         weight_sharing=weight_sharing,
         itemsize=itemsize,
     )
+    _add_layer_work(w, adds)
     every = {"factor_compute": factor_every, "decomposition": decomp_every, "precondition": 1}
     return sum(hw.time(w[phase], 1) / n for phase, n in every.items())
 
@@ -511,6 +522,7 @@ def step_prediction(
     traits = None if plan is None else plan.traits
     work: list[dict[str, Work]] = []
     seconds = []
+    priced: dict[tuple[int, bool, str, bool], LayerAdds] = {}  # (layer, role) -> its work
     for r in range(p):
         w: dict[str, Work] = {}
         for c in rank_colls[r] if rank_colls else []:
@@ -519,16 +531,23 @@ def step_prediction(
             add_work(phase, "unpack", 0, c.landing_bytes)
         for i, s in enumerate(model):
             if plan is not None and model.captured[i]:
-                _layer_work(
-                    w,
-                    s,
-                    factors=factor and plan.captures(r, i),
-                    decomposes="".join(x for x in "AG" if decomp and plan.decomposes(r, i, x)),
-                    preconditions=plan.preconditions(r, i),
-                    compute_method=compute_method,
-                    weight_sharing=weight_sharing,
-                    itemsize=factor_itemsize,
+                role = (
+                    i,
+                    factor and plan.captures(r, i),
+                    "".join(x for x in "AG" if decomp and plan.decomposes(r, i, x)),
+                    plan.preconditions(r, i),
                 )
+                if role not in priced:
+                    priced[role] = _layer_work(
+                        s,
+                        factors=role[1],
+                        decomposes=role[2],
+                        preconditions=role[3],
+                        compute_method=compute_method,
+                        weight_sharing=weight_sharing,
+                        itemsize=factor_itemsize,
+                    )
+                _add_layer_work(w, priced[role])
         work.append(w)
         seconds.append({ph: hw.time(w.get(ph, {}), p) for ph in (*COMPUTE_PHASES, *COMM_PHASES)})
     serial = {ph: seconds[0][ph] for ph in COMM_PHASES}
