@@ -26,10 +26,12 @@ venv: $(STAMP)
 train: $(STAMP)
 	$(PY) -m experiments.train
 
+# The suite on every core (pytest-xdist; a worker steals tests when it runs dry, so a module's
+# tests mostly stay on one worker and share its fixtures); a plain `pytest` runs in one process.
 test: $(STAMP)
 	$(PY) -m ruff check dpkfac experiments tests
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist worksteal
 
 # The CUDA paths (skipped without a GPU): every strategy on a GPU, ranks sharing one, NCCL, AMP.
 test-gpu: $(STAMP)

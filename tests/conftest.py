@@ -19,6 +19,13 @@ for _var, _value in (
 ):
     os.environ.setdefault(_var, _value)
 
+# Under pytest-xdist (`make test`) the workers share the cores: one worker's torch takes its
+# share of them, so tiny tensors do not wait on threads another worker's tests hold.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(
+        max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    )
+
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 
