@@ -190,10 +190,12 @@ def report_construction(
     slow = slow_factors(layers, device_type)
     if slow:
         listed = ", ".join(f"{n} {w} {d}-wide (~{t:.0f} s)" for n, w, d, t in slow[:3])
+        # An interval given as a schedule (a callable of the step) has no value to show.
+        now = repr(inv_update_steps) if isinstance(inv_update_steps, int) else "a schedule"
         warnings.warn(
             f"dpkfac: decomposing the widest factors will dominate a step on "
             f"{device_type}: {listed}{' and more' if len(slow) > 3 else ''} per "
-            f"decomposition step; raise inv_update_steps (now {inv_update_steps!r}) so they are "
+            f"decomposition step; raise inv_update_steps (now {now}) so they are "
             "decomposed rarely, leave those layers out (skip_layers), or use "
             "compute_method='inverse'",
             RuntimeWarning,

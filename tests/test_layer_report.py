@@ -93,6 +93,9 @@ def test_resnet18_warns_of_its_wide_factors(caplog: pytest.LogCaptureFixture) ->
     assert "raise inv_update_steps (now 1)" in str(seen[0].message)
     assert "not preconditioned: bn1 (BatchNorm2d): unsupported type BatchNorm2d" in caplog.text
     assert "K-FAC layer layer4.1.conv2 (Conv2d): A 4608 x 4608, G 512 x 512" in caplog.text
+    # An interval given as a schedule is named as one, not by its repr (a function's address).
+    with pytest.warns(RuntimeWarning, match=r"raise inv_update_steps \(now a schedule\)"):
+        dpkfac.KFACPreconditioner(resnet18(num_classes=10), inv_update_steps=lambda s: 1)
 
 
 def test_skipped_and_frozen_layers_are_named_with_the_reason(
