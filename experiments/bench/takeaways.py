@@ -382,7 +382,7 @@ def machines_line(results: Path) -> str:
     as one machine.
     """
     where: dict[str, list[str]] = {}
-    unknown = False
+    unknown: list[str] = []  # the tables whose rows name no CPU model
     for name in MEASURED_TABLES:
         raw = read_result(results, f"raw/{name}.csv")
         if raw is None or raw.empty:
@@ -390,16 +390,17 @@ def machines_line(results: Path) -> str:
         ok = raw[raw["error"].isna() | (raw["error"].astype(str) == "")] if "error" in raw else raw
         days = _distinct((str(t)[:10] for t in ok["time"]), "/") if "time" in ok else "?"
         for label in machines(ok).index:
-            unknown |= "not recorded" in label
+            if "not recorded" in label:
+                unknown.append(name)
             where.setdefault(label, []).append(f"{name} ({days})")
     if not where:
         return ""
     parts = "; ".join(f"{label}: {', '.join(names)}" for label, names in where.items())
     dates = {n.rsplit(" (", 1)[1] for names in where.values() for n in names}
     caveat = (
-        " These rows predate the record of the CPU model and vector ISA, so tables measured "
-        "on different days may come from different VMs: compare ratios within a table, not "
-        "milliseconds across tables."
+        f" The rows of {', '.join(unknown)} predate the record of the CPU model and vector "
+        "ISA, so tables measured on different days may come from different VMs: compare "
+        "ratios within a table, not milliseconds across tables."
         if unknown and len(dates) > 1
         else ""
     )
