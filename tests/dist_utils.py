@@ -7,6 +7,7 @@ of hanging CI.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -45,10 +46,8 @@ def _leave_together() -> None:
     """
     if not dist.is_initialized():
         return
-    try:
+    with contextlib.suppress(Exception):  # a peer failed: its own report names it
         dist.barrier()
-    except Exception:  # a peer failed: its own report names it
-        pass
 
 
 def _worker(
