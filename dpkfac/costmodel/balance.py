@@ -15,7 +15,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dpkfac.plan.assignment import ASSIGNMENTS, COSTS, LayerShape, assign_layers, rank_loads
+from dpkfac.plan.assignment import (
+    ASSIGNMENTS,
+    COSTS,
+    LayerShape,
+    assign_layers,
+    load_imbalance,
+    rank_loads,
+)
 
 __all__ = ["Balance", "balance_rows", "format_balance"]
 
@@ -67,7 +74,7 @@ def balance_rows(
         imbalance = {}
         for method in assignments:
             owners = assign_layers(layers, world_size, cost=cost, method=method)
-            imbalance[method] = max(rank_loads(owners, costs, world_size)) / mean
+            imbalance[method] = load_imbalance(rank_loads(owners, costs, world_size))
         bound = max(max(costs), mean) / mean
         out.append(Balance(name, world_size, len(layers), cost, imbalance, bound))
     return out

@@ -27,7 +27,6 @@ __all__ = [
     "bucket_schedule",
     "ddp_buckets",
     "ddp_first_cap",
-    "optimal_buckets",
     "plan_buckets",
     "shard_rounds",
     "simulate",
@@ -139,7 +138,7 @@ def plan_buckets(
     one bucket per tensor nor than one single bucket (the current bucket's
     finish stays within tensor ``i``'s separate finish and within
     ``ready[i] + alpha + beta * bytes[0..i]``). It is still greedy, not
-    optimal: see :func:`optimal_buckets` for the exact optimum.
+    optimal (the tests compare it with an exact dynamic program).
 
     Args:
         ready_times: When each tensor is ready, non-decreasing, in the order
@@ -172,41 +171,6 @@ def plan_buckets(
         current_bytes = sizes_bytes[i]
     buckets.append(current)
     return buckets
-
-
-def optimal_buckets(
-    ready_times: Sequence[float],
-    sizes_bytes: Sequence[int],
-    model: CommModel,
-) -> list[list[int]]:
-    """Bucketing with the earliest last finish under the timing model.
-
-    A bucket's finish is non-decreasing in the previous bucket's finish, so
-    the best plan for the first ``k`` tensors ends with some bucket
-    ``[j, k)`` preceded by the best plan for the first ``j`` tensors:
-    ``F[k] = min_j max(ready[k-1], F[j]) + time(bytes[j:k])``, ``F[0] = -inf``.
-    This dynamic program is exact and costs ``O(n**2)``, cheap for the few
-    hundred factors of a network. Ties go to fewer buckets.
-    """
-    _check_inputs(ready_times, sizes_bytes)
-    n = len(ready_times)
-    prefix = [0]
-    for s in sizes_bytes:
-        prefix.append(prefix[-1] + s)
-    best = [-math.inf] + [math.inf] * n
-    count = [0] * (n + 1)
-    cut = [0] * (n + 1)
-    for k in range(1, n + 1):
-        for j in range(k):
-            f = max(ready_times[k - 1], best[j]) + model.time(prefix[k] - prefix[j])
-            if f < best[k] or (f == best[k] and count[j] + 1 < count[k]):
-                best[k], count[k], cut[k] = f, count[j] + 1, j
-    buckets: list[list[int]] = []
-    k = n
-    while k > 0:
-        buckets.append(list(range(cut[k], k)))
-        k = cut[k]
-    return buckets[::-1]
 
 
 #: DDP's first bucket cap when ``bucket_cap_mb`` is left at its default
