@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from dpkfac.device import DeviceMismatch, HostReader, TableCache, check_device
 from dpkfac.plan.fusion import shard_rounds, size_cap_buckets
-from dpkfac.plan.hardware import reduce_scatter_future, uneven_all_gather
+from dpkfac.plan.hardware import reduce_scatter_future, uneven_all_gather, wire_bytes
 from dpkfac.stats import PHASE_OF_CATEGORY, CommStats, PhaseTimer
 
 T = TypeVar("T")
@@ -290,14 +290,15 @@ class Communicator:
 
     # ----------------------------------------------------------------- helpers
     def wire_bytes(self, kind: str, nbytes: int) -> int:
-        """Bytes one rank sends for a collective under the bandwidth-optimal algorithm.
+        """Bytes one rank sends for a collective under the bandwidth-optimal algorithm:
+        the cost model's own formula (:func:`dpkfac.plan.hardware.wire_bytes`), so that
+        measured and predicted bytes agree by construction. A "rooted" collective (a
+        broadcast or a reduce) sends what a broadcast does.
 
         ``nbytes`` is the whole buffer: a reduce-scatter's input or an all-gather's
         output (``P`` shards), of which a ring sends ``(P - 1) / P``.
         """
-        p = self.size
-        factor = 2 if kind == "allreduce" else 1
-        return factor * nbytes * (p - 1) // p
+        return wire_bytes("broadcast" if kind == "rooted" else kind, nbytes, self.size)
 
     def record(self, category: str, kind: str, nbytes: int) -> None:
         """Account one collective of ``kind`` ("allreduce", "rooted", "reduce_scatter" or

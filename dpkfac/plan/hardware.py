@@ -77,8 +77,9 @@ Work = dict[str, tuple[float, float]]
 def wire_bytes(kind: str, nbytes: int, world_size: int) -> int:
     """Bytes one rank sends for one collective over a buffer of ``nbytes``.
 
-    Mirrors :meth:`dpkfac.comm.Communicator.wire_bytes` (integer floor per
-    buffer) so predicted and measured ``wire_bytes`` agree exactly.
+    The one formula (an integer floor per buffer): the communicator accounts every
+    collective it launches with it (:meth:`dpkfac.comm.Communicator.wire_bytes`), so
+    predicted and measured ``wire_bytes`` agree exactly.
     """
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}")
