@@ -9,7 +9,7 @@ belongs to the step loop or to a strategy:
   strategy is made;
 * :func:`finalise_placement`, at the first ``step()``: the ranks agree on the
   shapes of the step's batch, options left to choose ("auto") are priced by
-  the cost model's :func:`~dpkfac.costmodel.predict.resolve` for exactly those
+  the cost model's :func:`~dpkfac.costmodel.predict.choose_options` for exactly those
   shapes, the strategy is configured with the choice, and the layers are
   placed for good; each rank then drops what it built of layers others hold.
 
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dpkfac.comm import Communicator
 from dpkfac.costmodel.auto import Candidate, log_choice
 from dpkfac.costmodel.fitting import calibrate
-from dpkfac.costmodel.predict import resolve
+from dpkfac.costmodel.predict import choose_options
 from dpkfac.curvature import KFACLayer
 from dpkfac.curvature.decomposition import Decomposition
 from dpkfac.options import KFACOptions
@@ -84,7 +84,7 @@ def _resolve_once(
     kfac: KFACOptions,
     overlap_installed: bool,
 ) -> tuple[StrategyOptions, list[Candidate]]:
-    """``resolve`` for these inputs, computed once per process (copies handed out)."""
+    """``choose_options`` for these inputs, computed once per process (copies handed out)."""
     scheme = strategy.scheme
     # ``lr`` is each rank's own callable (it reads that rank's optimizer), and the
     # cost model never reads it; every other option is part of the key.
@@ -95,7 +95,7 @@ def _resolve_once(
     if key not in _RESOLVED:
         if len(_RESOLVED) >= _RESOLVED_MAX:
             _RESOLVED.clear()
-        _RESOLVED[key] = resolve(
+        _RESOLVED[key] = choose_options(
             scheme,
             strategy.options,
             shapes=shapes,

@@ -17,7 +17,7 @@ from dist_utils import run_ranks
 from strategy_cases import batch, make_model, max_rel_err, run
 
 import dpkfac
-from dpkfac.costmodel import PRESETS, predict, resolve, zoo
+from dpkfac.costmodel import PRESETS, choose_options, predict, zoo
 from dpkfac.options import KFACOptions
 from dpkfac.plan import DPKFACOptions, scheme_of
 
@@ -51,7 +51,7 @@ def test_auto_follows_the_tolerance_rule_at_scale(intervals: tuple[int, int]) ->
         factor_update_steps=intervals[0], inv_update_steps=intervals[1], kl_clip=base.kl_clip
     )
     auto = DPKFACOptions(grad_reduction="auto", overlap="auto", hardware="v100_ib100")
-    chosen, candidates = resolve(
+    chosen, candidates = choose_options(
         scheme_of("dp_kfac"), auto, shapes=shapes, world_size=64, kfac=kfac
     )
     assert len(candidates) == 4

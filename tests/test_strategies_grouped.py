@@ -12,7 +12,7 @@ from dist_utils import run_ranks
 from strategy_cases import batch, concat_batch, make_model, max_rel_err, run
 
 import dpkfac
-from dpkfac.costmodel import PRESETS, predict, resolve, zoo
+from dpkfac.costmodel import PRESETS, choose_options, predict, zoo
 from dpkfac.options import KFACOptions
 from dpkfac.plan import scheme_of
 from dpkfac.plan.assignment import grouped_assign, kaisa_assign
@@ -142,7 +142,7 @@ def test_auto_choice_is_the_cheapest_prediction(
     )
     hw = PRESETS["cpu_gloo_local"]
     options = strategy_options("grouped", {"hardware": hw})
-    chosen, found = resolve(GroupedScheme, options, shapes=shapes, world_size=2, kfac=kfac)
+    chosen, found = choose_options(GroupedScheme, options, shapes=shapes, world_size=2, kfac=kfac)
     candidates = found
     assert {(c.options.factor_group_size, c.options.grad_worker_fraction) for c in candidates} == {
         (1, 0.5), (1, 1.0), (2, 0.5), (2, 1.0)
@@ -156,7 +156,7 @@ def test_auto_choice_is_the_cheapest_prediction(
     )
     assert (chosen.factor_group_size, chosen.grad_worker_fraction) == expected
     # Without the tolerance: the fastest prediction, whatever it sends.
-    strict, _ = resolve(
+    strict, _ = choose_options(
         GroupedScheme,
         replace(options, auto_tolerance=0.0),
         shapes=shapes,

@@ -16,7 +16,7 @@ from dist_utils import run_ranks
 from torch import nn
 
 import dpkfac
-from dpkfac.costmodel import PRESETS, resolve
+from dpkfac.costmodel import PRESETS, choose_options
 from dpkfac.plan import scheme_of
 from dpkfac.plan.assignment import ASSIGNMENTS, LayerShape, Placement
 from dpkfac.strategies import STRATEGIES, strategy_class, strategy_options
@@ -88,7 +88,7 @@ def test_placement_uses_batch_is_declared_for_every_batch_dependent_assignment()
     ]
     for strategy, options in CASES:
         cls = scheme_of(strategy)
-        opts, _ = resolve(
+        opts, _ = choose_options(
             cls,
             strategy_options(strategy, options),
             shapes=small,

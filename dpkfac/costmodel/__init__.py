@@ -27,7 +27,7 @@ layer assignments on the same models.
 Layout: ``shapes`` (what a model contributes, :func:`shapes_from_model`),
 ``zoo`` (analytic ResNet-50, BERT, Transformer), ``traffic`` (collectives
 and memory, exact), ``timing`` (work per phase, critical path), ``predict`` and
-``auto`` (:func:`resolve`: "auto" priced candidate by candidate), ``table``,
+``auto`` (:func:`choose_options`: "auto" priced candidate by candidate), ``table``,
 ``balance``, ``calibration`` (local micro-benchmarks), ``fitting`` (hardware
 from samples, :func:`calibrate` by :func:`nnls`, and from measured runs). The
 hardware model, its presets and the plans it prices live on the plan floor
@@ -41,7 +41,13 @@ from dpkfac.costmodel.balance import balance_rows
 from dpkfac.costmodel.calibration import calibrate_local
 from dpkfac.costmodel.fitting import Measurement, Regime, calibrate, fit, nnls, predict_measurement
 from dpkfac.costmodel.memory import OPTIMIZER_STATE, predict_process_memory
-from dpkfac.costmodel.predict import Prediction, StepPrediction, predict, predict_sgd, resolve
+from dpkfac.costmodel.predict import (
+    Prediction,
+    StepPrediction,
+    choose_options,
+    predict,
+    predict_sgd,
+)
 from dpkfac.costmodel.shapes import ModelShapes, shapes_from_model
 from dpkfac.costmodel.table import format_table, predicted_table
 from dpkfac.costmodel.timing import owner_seconds, seconds_cost
@@ -66,6 +72,7 @@ __all__ = [
     "bert_qa",
     "calibrate",
     "calibrate_local",
+    "choose_options",
     "fit",
     "format_table",
     "nnls",
@@ -76,7 +83,6 @@ __all__ = [
     "predict_sgd",
     "predicted_table",
     "resnet50",
-    "resolve",
     "scaled",
     "seconds_cost",
     "shapes_from_model",

@@ -2,7 +2,7 @@
 
 A scheme lists the resolved options it could run with
 (:meth:`~dpkfac.plan.Scheme.candidates`);
-:func:`dpkfac.costmodel.predict.resolve` prices each (it lives beside
+:func:`dpkfac.costmodel.predict.choose_options` prices each (it lives beside
 :func:`~dpkfac.costmodel.predict.predict`, which it calls and which calls it,
 so the two are one module, not a cycle of two) and returns them as
 :class:`Candidate` records. No strategy imports this module.

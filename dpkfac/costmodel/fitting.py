@@ -60,7 +60,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from dpkfac.costmodel.optimizers import step_bytes
-from dpkfac.costmodel.predict import Prediction, predict, resolve
+from dpkfac.costmodel.predict import Prediction, choose_options, predict
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.costmodel.timing import COMM_PHASES, COMPUTE_PHASES, forward_backward_work
 from dpkfac.options import KFACOptions, StrategyOptions
@@ -324,7 +324,7 @@ def predict_measurement(
     replay = replay_plan and p == m.world_size
     options = m.options
     if replay and m.strategy is not None and options is not None and m.measured_hardware:
-        options, _ = resolve(
+        options, _ = choose_options(
             scheme_of(m.strategy),
             options,
             shapes=list(m.shapes),

@@ -310,7 +310,9 @@ def predict(
         # Placed by the step's batch, k micro-batches of the shapes' batch, as at run time.
         step_shapes = [replace(s, batch_size=s.batch_size * kfac.accumulation_steps) for s in model]
         # What the run would fill in at start-up (a measured hardware model, "auto").
-        opts, _ = resolve(scheme, given, shapes=list(shapes), world_size=p, kfac=kfac, hardware=hw)
+        opts, _ = choose_options(
+            scheme, given, shapes=list(shapes), world_size=p, kfac=kfac, hardware=hw
+        )
         roles = scheme.plan(
             step_shapes, p, opts, given=given, num_factors=len(tr.factor_keys(model))
         )
@@ -473,7 +475,7 @@ def predict_sgd(shapes: Sequence[LayerShape], **kwargs: Any) -> Prediction:
     return predict(shapes, strategy=None, **kwargs)
 
 
-def resolve(
+def choose_options(
     scheme: type[Scheme],
     options: StrategyOptions,
     *,

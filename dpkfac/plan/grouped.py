@@ -26,7 +26,7 @@ the ranks of one node) are points no published system offers. Factor groups
 are contiguous blocks of ranks.
 
 Either number may be ``"auto"``: :meth:`GroupedScheme.candidates` lists every
-admissible (k, f), and the cost model (:func:`dpkfac.costmodel.resolve`)
+admissible (k, f), and the cost model (:func:`dpkfac.costmodel.choose_options`)
 prices them for the measured layer shapes, the update schedule and the
 hardware, at the first step. Placement: layers go to factor groups as dp_kfac
 places layers on ranks, then, within the group, to owners by KAISA's greedy
@@ -156,7 +156,7 @@ class GroupedOptions(StrategyOptions):
         if value == AUTO:
             raise ValueError(
                 f"{name}='auto' is chosen at the first step; resolve it first "
-                "(dpkfac.costmodel.resolve)"
+                "(dpkfac.costmodel.choose_options)"
             )
         return value
 

@@ -239,7 +239,7 @@ class Scheme(ABC):
         if not cls.resolved(options):
             raise ValueError(
                 f"strategy {cls.name!r} has options left to choose ({cls.describe(options)!r}); "
-                "resolve them first (dpkfac.costmodel.resolve)"
+                "resolve them first (dpkfac.costmodel.choose_options)"
             )
         given = options if given is None else given
         if placement is None:

@@ -7,7 +7,7 @@ row's gradient worker broadcasts the update. What is its own: a gradient
 worker outside the owner's factor group holds no factor of the layer yet must
 receive its decompositions, and the (k, f) chosen by "auto" is part of a
 checkpoint. The choice itself is the cost model's
-(:func:`dpkfac.costmodel.resolve`), made by the preconditioner at the first step.
+(:func:`dpkfac.costmodel.choose_options`), made by the preconditioner at the first step.
 """
 
 from __future__ import annotations
