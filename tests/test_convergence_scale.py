@@ -513,13 +513,13 @@ def test_ranks_in_one_process_resolve_auto_once(tmp_path: Path, monkeypatch: Any
     from dpkfac import placement
 
     calls = []
-    real = placement.resolve
+    real = placement.choose_options
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(kwargs["world_size"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(placement, "resolve", counted)
+    monkeypatch.setattr(placement, "choose_options", counted)
     placement._RESOLVED.clear()
     _trained(tmp_path, "grouped_auto", 4, steps=2)
     assert calls == [4]
