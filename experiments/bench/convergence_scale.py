@@ -731,9 +731,16 @@ def headline(cells: pd.DataFrame) -> str | None:
     head = "- **Convergence as P grows** (every method tuned by one protocol; "
     head += "`results/convergence_scale.md`): "
     lines = takeaway(cells)
-    if lines:
-        return head + " ".join(line.replace("**", "") for line in lines)
     chosen = int(cells["status"].astype(str).str.startswith("chosen").sum())
+    if lines:
+        # While the study runs, its answer so far is said to be one, on the cells it has.
+        status = (
+            ""
+            if chosen == len(cells)
+            else f"so far ({int(cells['runs'].sum())} runs, {chosen} of {len(cells)} cells "
+            "with a chosen point, the rest in progress): "
+        )
+        return head + status + " ".join(line.replace("**", "") for line in lines)
     return (
         f"{head}in progress: {int(cells['runs'].sum())} runs so far, {chosen} of {len(cells)} "
         "cells with a chosen point, no paired verdict or time to target yet. The earlier "
