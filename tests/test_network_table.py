@@ -156,3 +156,24 @@ def test_the_cost_model_is_checked_per_part_of_the_step(tmp_path: Path) -> None:
     assert "## The cost model, held out" in text
     assert "These rows predate the compute probes" in text
     assert "measured / predicted ms" in text
+
+
+def test_wire_time_and_floor_are_at_the_rate_the_link_probe_measured() -> None:
+    """TCP/IP headers take part of the shaped rate: a job whose probes saw the link carry
+    0.8 Gbit/s of payload has its wire time, hidden communication and floor at that rate."""
+    # A 16 MiB all-reduce (16 MiB on each rank's wire at P=2) in 167.8 ms: 0.8 Gbit/s.
+    probe = [
+        {"kind": "allreduce", "nbytes": n, "seconds": n * 8 / 0.8e9, "world_size": 2, "calls": 1}
+        for n in (2**21, 2**24)
+    ]
+    df = _rows()
+    df["link_probes"] = json.dumps(probe)
+    frame = network_table.network_frame(df, predict=False)
+    one = frame[frame["rate_bps"] == 1e9].set_index("strategy")
+    assert one["link_bps"].tolist() == pytest.approx([0.8e9] * 3)
+    assert one.loc["dp_kfac", "wire_ms"] == pytest.approx(12.0 / 0.8)
+    overlap = one.loc["dp_kfac_owner_overlap"]
+    assert overlap["hidden_comm_ms"] == pytest.approx(15 - 5.5)
+    assert overlap["floor_ms"] == pytest.approx(15 + 4 / 3 + 2)
+    plain = network_table.network_frame(_rows(), predict=False)  # no probes: the shaped rate
+    assert plain["link_bps"].tolist() == pytest.approx(plain["rate_bps"].tolist())

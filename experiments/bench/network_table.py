@@ -13,8 +13,13 @@ Per step, each row is split into what the rank computes and what it waits for:
   other work in ``step()`` and the optimizer step;
 * **exposed communication** is the rest of the measured step (the time it waited for the
   wire, whichever phase the wait fell in);
-* **hidden communication** is what the row's wire bytes need at the rate beyond that:
-  transfers that ran under compute.
+* **hidden communication** is what the row's wire bytes need at the link's rate beyond
+  that: transfers that ran under compute.
+
+The link's rate is what the job's link probe measured it to carry (the all-reduce link
+:func:`experiments.bench.predict.probe_links` fits, per accounted wire byte): about 96% of the
+shaped rate at 1 Gbit/s, the rest being TCP/IP headers, which the token bucket counts and no
+collective can send payload in. Rows without probes take the shaped rate.
 
 Its **floor** is what no schedule can beat on this link, the longest of: the compute; the
 wire time plus what no transfer can overlap (the forward pass, taken as a third of
@@ -143,6 +148,9 @@ def _model_terms(rows: list[dict[str, Any]], predict: bool) -> list[dict[str, fl
     for r, (shapes, sharing) in zip(rows, predict_lib.shapes_per_row(rows), strict=True):
         last = ddp_bucket_params(shapes, itemsize=4, cap_bytes=DDP_DEFAULT_CAP_BYTES)[-1]
         terms = {"last_bucket_bytes": float(4 * sum(n for _, n in last))}
+        link = predict_lib.probe_links(r).get("allreduce")
+        if link is not None and link.beta > 0:
+            terms["link_bps"] = 8 / link.beta
         if predict:
             m = predict_lib.measurement(r, shapes=shapes, weight_sharing=sharing)
             pred = fitting.predict_measurement(m, predict_lib.probe_hardware(r))
@@ -166,15 +174,16 @@ def _job_entries(
     p = int(job[0]["world_size"])
     out = []
     for r, model in zip(job, terms, strict=True):
+        carried = model.get("link_bps", rate)  # what the link carries, by its probe
         pure = _pure_fwd_bwd(r, job)
         kfac = sum(_ms(r, k) for k in KFAC_COMPUTE)
         after = _ms(r, "optimizer") + _ms(r, "step_other")
         compute = pure + kfac + after
         iteration = _ms(r, "iteration")
-        wire_ms = 1e3 * _wire_bytes(r) * 8 / rate
+        wire_ms = 1e3 * _wire_bytes(r) * 8 / carried
         exposed = max(iteration - compute, 0.0)
         # The last bucket's gradients are ready when the backward pass ends.
-        last_ms = 1e3 * wire_bytes("allreduce", int(model["last_bucket_bytes"]), p) * 8 / rate
+        last_ms = 1e3 * wire_bytes("allreduce", int(model["last_bucket_bytes"]), p) * 8 / carried
         floor = max(compute, FORWARD_SHARE * pure + wire_ms + after, pure + last_ms + after)
         out.append(
             {
@@ -183,6 +192,7 @@ def _job_entries(
                 "setting": r["setting"],
                 "world_size": int(r["world_size"]),
                 "rate_bps": rate,
+                "link_bps": carried,
                 "strategy": r["strategy"],
                 "first_order": first_order(r),
                 "iteration_ms": iteration,
@@ -362,11 +372,14 @@ def write_network(df: pd.DataFrame, out: Path) -> dict[str, Path]:
             "Per step, medians over steps of the median run of 3 (ranges over the runs in",
             "brackets): `exposed comm` is the time the step waited for the wire (the step less",
             "its compute: pure forward/backward, K-FAC compute, other work and the optimizer);",
-            "`hidden comm` is what its wire bytes need at the rate beyond that (transfers that",
-            "ran under compute). `× floor`: the iteration over the config's floor, the longest",
-            "of its compute; its wire time plus what no transfer overlaps (the forward pass,",
-            f"{FORWARD_SHARE:.2g} of forward/backward, and the work after the last transfer); and",
-            "forward/backward, then the last gradient bucket's transfer, then that work.",
+            "`hidden comm` is what its wire bytes need at the link's rate beyond that (transfers",
+            "that ran under compute; the link's rate is what the job's link probe measured it to",
+            "carry, about 96% of the shaped rate, the rest being TCP/IP headers). `× floor`:",
+            "the iteration over the config's floor, the longest of its compute; its wire time",
+            "plus what no transfer overlaps (the forward pass, "
+            f"{FORWARD_SHARE:.2g} of forward/backward,",
+            "and the work after the last transfer); and forward/backward, then the last gradient",
+            "bucket's transfer, then that work.",
             "`predicted ms`: the cost model on the job's own probes alone (links fitted to its",
             "link probe, engines to its compute probe where it has one; nothing fitted on these",
             "rows: see the end of the page). Bandwidth per node is emulated both ways; latency",

@@ -491,7 +491,13 @@ def probe_links(row: Mapping[str, Any], *, link_bound: bool | None = None) -> di
         )
         for e in probes
     ]
-    fitted = fitting_lib.calibrate(samples, name="probes", base=PRESETS[BASE_PRESET], log2p=False)
+    # Link-bound, a step's time is its large transfers (BERT's 28 MB bucket): a fit of
+    # relative residuals weighs the 64 KiB probe (latency, and tbf's burst, which sends it
+    # faster than the rate) as much as the 16 MiB one and left the link's seconds per byte
+    # 5% under the 16 MiB probe's. Absolute residuals fit the bandwidth the large ones see.
+    fitted = fitting_lib.calibrate(
+        samples, name="probes", base=PRESETS[BASE_PRESET], log2p=False, relative=not link_bound
+    )
     links = {kind: fitted.links[kind] for kind in {e["kind"] for e in probes}}
     if link_bound and "allreduce" in links and str(row.get("backend", "gloo")) == "gloo":
         p = int(probes[0]["world_size"])
