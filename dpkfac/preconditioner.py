@@ -53,7 +53,7 @@ from dpkfac.overlap import OverlapContext, OverlapEngine
 from dpkfac.placement import build_strategy, finalise_placement
 from dpkfac.plan import SCHEMES, Scheme, StrategyOptions, scheme_of, scheme_options
 from dpkfac.plan.configs import resolve as resolve_config
-from dpkfac.report import format_table, layer_rows, report_construction, skipped_modules
+from dpkfac.report import format_summary, layer_rows, report_construction, skipped_modules
 from dpkfac.state import load_state, save_state
 from dpkfac.stats import CommStats, PhaseTimer
 from dpkfac.strategies import Preconditioned, Strategy
@@ -438,7 +438,7 @@ class KFACPreconditioner:
         uncaptured = [x.name for x in self._layer_list if x.warned_no_capture]
         rows = layer_rows(self._layer_list, placed=self.strategy.placed, uncaptured=uncaptured)
         timings = {k: v * 1e3 for k, v in self.timings().items()}
-        return format_table(rows, self._skipped, timings)
+        return format_summary(rows, self._skipped, timings)
 
     def _is_factor_step(self, step: int) -> bool:
         return step % self.options.at("factor_update_steps", step) == 0

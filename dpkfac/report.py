@@ -3,7 +3,7 @@
 A researcher's first question about a new model is what K-FAC does with it.
 :func:`skipped_modules` names every parameter-bearing module that is not
 preconditioned, with the reason; :func:`layer_rows` describes every K-FAC
-layer; :func:`format_table` renders both for ``KFACPreconditioner.summary()``;
+layer; :func:`format_summary` renders both for ``KFACPreconditioner.summary()``;
 :func:`slow_factors` finds the factors whose decomposition alone takes long
 enough to dominate a step on the run's device; :func:`report_construction`
 logs the first two and warns of the last when a preconditioner is built.
@@ -23,16 +23,13 @@ from torch import nn
 from dpkfac.attention import not_capturable
 from dpkfac.curvature import KFACLayer, helper_for
 from dpkfac.curvature.layer import FACTORS
-from dpkfac.plan.assignment import EIGH_COEFF
+from dpkfac.plan.assignment import decomposition_seconds
+from dpkfac.plan.presets import device_preset
 
 log = logging.getLogger("dpkfac")
 
 #: Predicted seconds of one factor's decomposition above which the run is warned.
 SLOW_DECOMPOSITION_S = 1.0
-#: Sustained eigh rates (flop/s) per device type, for the warning only (order of magnitude):
-#: ``cpu``, this project's 2-core machine (a 4609-wide float32 eigh took 123 s);
-#: ``cuda``, a datacenter GPU's (a 4096-wide eigh in about a second).
-EIGH_RATE = {"cpu": 7e9, "cuda": 6e11}
 
 
 @dataclass(frozen=True)
@@ -100,27 +97,28 @@ def layer_rows(
     return rows
 
 
-def decomposition_seconds(dim: int, device_type: str) -> float:
-    """A rough prediction of one ``eigh`` of a ``dim``-wide factor on ``device_type``."""
-    rate = EIGH_RATE.get(device_type, EIGH_RATE["cpu"])
-    return 2 * EIGH_COEFF * float(dim) ** 3 / rate
-
-
 def slow_factors(
     layers: Iterable[KFACLayer], device_type: str, limit_s: float = SLOW_DECOMPOSITION_S
 ) -> list[tuple[str, str, int, float]]:
-    """(layer, factor, width, predicted seconds) of factors whose eigh exceeds ``limit_s``."""
+    """(layer, factor, width, predicted seconds) of factors whose eigh exceeds ``limit_s``.
+
+    Predicted by the cost model's one estimate on the device's preset
+    (:func:`~dpkfac.plan.presets.device_preset`). Its rates are fitted on factors up to a
+    few thousand wide; wider ones run slower still (a 4608-wide float32 eigh took 123 s on
+    the CPU preset's machine, against 27 s predicted), so the warning errs on the quiet side.
+    """
+    hardware = device_preset(device_type)
     out = []
     for layer in layers:
         for which in FACTORS:
             dim = layer.dim(which)
-            seconds = decomposition_seconds(dim, device_type)
+            seconds = decomposition_seconds(hardware, dim)
             if seconds > limit_s:
                 out.append((layer.name, which, dim, seconds))
     return sorted(out, key=lambda item: -item[3])
 
 
-def format_table(
+def format_summary(
     rows: Sequence[Mapping[str, Any]],
     skipped: Sequence[Skipped],
     timings_ms: Mapping[str, float] | None = None,

@@ -111,3 +111,21 @@ def test_skipped_and_frozen_layers_are_named_with_the_reason(
     assert "not preconditioned: 2 (Conv2d): grouped convolution (groups=2)" in caplog.text
     assert "not preconditioned: 3 (Linear): skipped by skip_layers '^3$'" in caplog.text
     assert list(pre.layers) == ["0"]
+
+
+def test_the_wide_factor_warning_and_spd_kfac_price_a_decomposition_alike() -> None:
+    """One decomposition-time estimate: the warning's is SPD-KFAC's placement's, on the
+    device's preset (a GPU's for cuda, this project's CPU machine's otherwise)."""
+    from dpkfac.plan.assignment import decomposition_seconds
+    from dpkfac.plan.presets import PRESETS, device_preset
+    from dpkfac.report import slow_factors
+
+    with pytest.warns(RuntimeWarning, match="0 A 2048-wide"):  # on this CPU
+        pre = dpkfac.KFACPreconditioner(nn.Sequential(nn.Linear(2047, 3), nn.Linear(3, 2)))
+    for device_type, preset in (("cpu", "cpu_gloo_local"), ("cuda", "v100_ib100")):
+        assert device_preset(device_type) is PRESETS[preset]
+        expected = decomposition_seconds(PRESETS[preset], 2048)  # A: 2047 inputs and the bias
+        slow = slow_factors(pre.layers.values(), device_type, limit_s=0.0)
+        assert (slow[0][:3], slow[0][3]) == (("0", "A", 2048), pytest.approx(expected))
+    assert decomposition_seconds(PRESETS["cpu_gloo_local"], 2048) > 1.0  # warned on a CPU
+    assert decomposition_seconds(PRESETS["v100_ib100"], 2048) < 1.0  # not on a GPU

@@ -24,6 +24,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from dpkfac.plan.hardware import Hardware
+
 __all__ = [
     "ASSIGNMENTS",
     "COSTS",
@@ -35,6 +37,7 @@ __all__ = [
     "assign_layers",
     "compute_cost",
     "compute_cost_inverse",
+    "decomposition_seconds",
     "factor_decomposition_cost",
     "grad_worker_grid",
     "grouped_assign",
@@ -168,6 +171,13 @@ class Placement:
             next((o for o in pair if o is not None), -1) for pair in zip(a, g, strict=True)
         )
         return cls(first, a, g)
+
+
+def decomposition_seconds(hardware: Hardware, dim: int) -> float:
+    """Predicted seconds of one ``dim``-wide factor's eigendecomposition on ``hardware``:
+    ``2 * EIGH_COEFF * dim**3`` flops at its ``eigh`` engine (the one estimate, used by
+    SPD-KFAC's placement threshold and by the preconditioner's warning about wide factors)."""
+    return hardware.engine("eigh").time(1, 2 * EIGH_COEFF * float(dim) ** 3)
 
 
 def factor_decomposition_cost(dim: int, coeff: float = EIGH_COEFF) -> float:

@@ -51,7 +51,7 @@ from pathlib import Path
 
 from dpkfac.plan.hardware import Engine, Hardware, Link
 
-__all__ = ["PRESETS", "check_hardware_option", "hardware_option"]
+__all__ = ["PRESETS", "check_hardware_option", "device_preset", "hardware_option"]
 
 _IB_BETA = 1.0 / 10e9  # s per wire byte: 10 GB/s bus bandwidth (80% of EDR's 12.5 GB/s)
 
@@ -120,6 +120,12 @@ CPU_GLOO_LOCAL = Hardware(
 
 #: Hardware presets by name.
 PRESETS: dict[str, Hardware] = {hw.name: hw for hw in (V100_IB100, CPU_GLOO_LOCAL)}
+
+
+def device_preset(device_type: str) -> Hardware:
+    """The preset whose engines stand for a device of ``device_type`` where nothing was
+    measured: a datacenter GPU's for ``cuda``, this project's CPU machine's otherwise."""
+    return V100_IB100 if device_type == "cuda" else CPU_GLOO_LOCAL
 
 
 def check_hardware_option(value: object) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dpkfac.plan.assignment import EIGH_COEFF, LayerShape, Placement, assign_factors
+from dpkfac.plan.assignment import LayerShape, Placement, assign_factors, decomposition_seconds
 from dpkfac.plan.hardware import Hardware, wire_bytes
 from dpkfac.plan.options import StrategyOptions, check_choice
 from dpkfac.plan.presets import check_hardware_option, hardware_option
@@ -30,7 +30,6 @@ __all__ = [
     "FUSIONS",
     "SPDKFACOptions",
     "SPDKFACScheme",
-    "decomposition_seconds",
     "receive_seconds",
 ]
 
@@ -87,11 +86,6 @@ class SPDKFACOptions(StrategyOptions):
     def hardware_model(self) -> Hardware | None:
         """The hardware model, read from its preset or file (None: not known yet)."""
         return hardware_option(self.hardware)
-
-
-def decomposition_seconds(hardware: Hardware, dim: int) -> float:
-    """Predicted seconds of one factor's eigendecomposition (``9·d³`` flops)."""
-    return hardware.engine("eigh").time(1, 2 * EIGH_COEFF * float(dim) ** 3)
 
 
 def receive_seconds(hardware: Hardware, dim: int, world_size: int) -> float:
