@@ -218,6 +218,16 @@ def network(frame: pd.DataFrame) -> list[str]:
         ]
         if best["strategy"] != shown["strategy"]:
             parts.append(f"fastest K-FAC: {_with_runs(str(best['strategy']), best)}")
+        others = kfac[kfac["strategy"] != shown["strategy"]]
+        if shown["strategy"] == NETWORK_FOCUS and "iteration_min_ms" in others and len(others):
+            # Faster in every run than every other config: its slowest run beats their fastest.
+            met = others[others["iteration_min_ms"] <= shown["iteration_max_ms"]]
+            names = ", ".join(met["strategy"].head(3)) + (", ..." if len(met) > 3 else "")
+            parts.append(
+                "faster than every other K-FAC config in every run"
+                if met.empty
+                else f"its range meets {len(met)} other K-FAC config(s)' ({names})"
+            )
         label = g["label"].iloc[0]
         lines.append(f"- **{label}, {setting}, {format_rate(rate)}**: " + "; ".join(parts) + ".")
     jobs = frame.drop_duplicates(["model", "setting", "rate_bps"])
