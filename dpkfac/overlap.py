@@ -92,15 +92,17 @@ from torch.nn.parallel import DistributedDataParallel
 from dpkfac.comm import Communicator, Handle
 from dpkfac.curvature.layer import KFACLayer, MaskedFold, warn_non_finite
 from dpkfac.device import HostReader
-from dpkfac.plan import Plan
+from dpkfac.plan.exchange import gradient_transfers
 from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap
+from dpkfac.plan.roles import RankRoles
 from dpkfac.stats import PhaseTimer
 from dpkfac.strategies.base import (
+    InFlightUpdates,
     Preconditioned,
+    launch_gradients,
+    launch_updates,
     precondition_layer,
-    received_updates,
     sent_updates,
-    update_buffers,
 )
 
 __all__ = ["OverlapContext", "OverlapEngine", "StepFlags", "backward_buckets"]
@@ -118,23 +120,21 @@ class StepFlags:
         overlapped: whether this step's work runs in the hooks (False: the
             first step, whose placement is not final, a fidelity-probe step,
             a step that must decompose after a resize: ``step()`` does it all).
-        owner: whether K-FAC layers' gradients are reduced onto their owners
-            and the updates all-gathered (``grad_reduction="owner"``).
         capture: whether batch factors are built this step.
         decompose: whether this is a decomposition step.
         damping: the step's damping.
         decay: the step's running-average decay.
-        plan: the final plan (who preconditions and decomposes what).
+        roles: this rank's view of the final plan (who preconditions and decomposes
+            what), read from it once per placement.
     """
 
     step: int = 0
     overlapped: bool = False
-    owner: bool = False
     capture: bool = False
     decompose: bool = False
     damping: float = 0.0
     decay: float = 0.0
-    plan: Plan | None = None
+    roles: RankRoles | None = None
 
 
 @dataclass
@@ -251,7 +251,7 @@ class _StepState:
         self.folded: set[str] = set()  # layers whose batch factors are folded
         self.prepared: set[str] = set()  # layers also decomposed (on decomposition steps)
         self.results: dict[str, Preconditioned] = {}
-        self.sends: list[tuple[list[KFACLayer], list[torch.Tensor], Handle]] = []
+        self.sends: list[InFlightUpdates] = []
         # The factors folded this step, per layer, with their device finiteness flags.
         self.folds: list[tuple[KFACLayer, MaskedFold]] = []
         self.n_buckets = n_buckets
@@ -276,7 +276,6 @@ class OverlapEngine:
         self.k = ctx.accumulation_steps
         self.state: _StepState | None = None
         self.inactive = False  # this step runs the ordinary step()
-        self._senders: tuple[int, dict[str, int]] | None = None
         self.params = list(ctx.params)[::-1]  # the order a sequential backward produces them
         self.buckets: list[list[int]] = []
         if ctx.ddp is not None:
@@ -305,21 +304,15 @@ class OverlapEngine:
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._hook)
 
-    def _plan(self) -> Plan:
-        plan = self.ctx.flags.plan
-        assert plan is not None, "the overlapped mode runs with a final plan only"
-        return plan
+    def _roles(self) -> RankRoles:
+        roles = self.ctx.flags.roles
+        assert roles is not None, "the overlapped mode runs with a final plan only"
+        return roles
 
     def _sender(self, layer: KFACLayer) -> int:
         """The rank that preconditions and sends the layer (its owner), from the plan."""
-        plan = self._plan()
-        if self._senders is None or self._senders[0] != id(plan):
-            senders = {}
-            for x in self.layers:
-                (owner,) = plan.preconditioners[plan.index(x.name)]
-                senders[x.name] = owner
-            self._senders = (id(plan), senders)
-        return self._senders[1][layer.name]
+        (owner,) = self._roles().senders[layer.name]
+        return owner
 
     # ------------------------------------------------------------------ hooks
     def _begin(self) -> None:
@@ -397,11 +390,10 @@ class OverlapEngine:
         st = self.state
         assert st is not None
         ready = []
-        rank = self.comm.rank
         for param in params:
             for layer in self.layers_of.get(id(param), ()):
                 st.layer_left[layer.name] -= 1
-                if st.layer_left[layer.name] == 0 and self._plan().captures(rank, layer.name):
+                if st.layer_left[layer.name] == 0 and layer.name in self._roles().captures:
                     ready.append(layer)
         return ready
 
@@ -421,28 +413,30 @@ class OverlapEngine:
     def _reduce(
         self, index: int, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
     ) -> tuple[list[Handle], list[Handle]]:
-        """Launch one bucket's reduction, its K-FAC part first (:class:`_Launched`): an
+        """Launch one bucket's reduction, its K-FAC part first (:class:`_Launched`), as
+        ``step()`` reduces gradients (:func:`~dpkfac.plan.exchange.gradient_transfers`): an
         all-reduce, or with the owner reduction a reduce-scatter of the K-FAC layers'
         gradients onto their owners and then an all-reduce of the rest."""
-        cat = "grad_allreduce"
-        with self._tags(bucket=index, part="kfac"):
-            if not self.ctx.flags.owner:
-                whole = self.comm.allreduce_mean(grads, cat, async_op=True, overlapped=True)
-                return [whole], []
-            shards: list[list[torch.Tensor]] = [[] for _ in range(self.comm.size)]
-            others = []
-            for p, g in zip(params, grads, strict=True):
-                layers = self.layers_of.get(id(p))
-                if layers:
-                    shards[self._sender(layers[0])].append(g)
-                else:
-                    others.append(g)
-            kfac = self.comm.reduce_scatter_mean(
-                shards, cat, async_op=True, overlapped=True, futures=self.ctx.ddp is not None
-            )
-        with self._tags(bucket=index, part="rest"):
-            rest = self.comm.allreduce_mean(others, cat, async_op=True, overlapped=True)
-        return [kfac], [rest]
+        owner_of = {
+            id(g): self._sender(layers[0])
+            for p, g in zip(params, grads, strict=True)
+            if (layers := self.layers_of.get(id(p)))
+        }
+        owner_reduction = self._roles().traits.owner_grad_reduction
+        kfac: list[Handle] = []
+        rest: list[Handle] = []
+        for transfer in gradient_transfers(
+            owner_reduction, list(grads), lambda g: owner_of.get(id(g)), self.comm.size
+        ):
+            # Without the owner reduction the one all-reduce is what the layers wait for.
+            rest_part = owner_reduction and transfer.kind == "allreduce"
+            part = "rest" if rest_part else "kfac"
+            with self._tags(bucket=index, part=part):
+                handles = launch_gradients(
+                    self.comm, transfer, overlapped=True, futures=self.ctx.ddp is not None
+                )
+            (rest if part == "rest" else kfac).extend(handles)
+        return kfac, rest
 
     # ------------------------------------------------------------- timeline
     def _tags(self, **args: object) -> AbstractContextManager[None]:
@@ -582,63 +576,28 @@ class OverlapEngine:
 
     def _send(self, layers: Sequence[KFACLayer]) -> None:
         """Precondition the layers a settled bucket completed, where this rank owns them, and
-        exchange the updates: per owner a broadcast, or with the owner reduction one all-gather
-        per dtype."""
+        launch the exchange of their updates (on the second group), as ``step()`` exchanges
+        them (:func:`~dpkfac.strategies.base.launch_updates`)."""
         st = self.state
         assert st is not None
-        rank, size = self.comm.rank, self.comm.size
-        with_kl = self.ctx.with_kl
-        plan = self._plan()
-        sent_by = sent_updates(plan, range(size), layers)
-        buffers_by: list[list[torch.Tensor]] = []
-        for owner, sent in enumerate(sent_by):
-            buffers: list[torch.Tensor] = []
-            for layer in sent:
-                res = None
-                if owner == rank:
-                    self._prepare(layer)
-                    res = self._precondition(layer)
-                    st.results[layer.name] = res
-                buffers += update_buffers(layer, res, with_kl=with_kl)
-            buffers_by.append(buffers)
-        if self.comm.active:
+        rank = self.comm.rank
+        roles = self._roles()
+        sent_by = sent_updates(roles, range(self.comm.size), layers)
+        for layer in sent_by[rank]:
+            self._prepare(layer)
+            st.results[layer.name] = self._precondition(layer)
+        if self.comm.active and any(sent_by):
             with self._tags(part="updates"):
-                self._exchange(sent_by, buffers_by)
-
-    def _exchange(
-        self, sent_by: list[list[KFACLayer]], buffers_by: list[list[torch.Tensor]]
-    ) -> None:
-        """Launch the exchange of one settled bucket's updates (on the second group)."""
-        st = self.state
-        assert st is not None
-        cap = self.ctx.bucket_cap_bytes
-        if not self.ctx.flags.owner:
-            for owner, (sent, buffers) in enumerate(zip(sent_by, buffers_by, strict=True)):
-                if sent:
-                    handle = self.bcast_comm.broadcast(
-                        buffers, owner, "precond_broadcast", cap_bytes=cap, async_op=True
+                st.sends.append(
+                    launch_updates(
+                        self.bcast_comm,
+                        roles.traits.owner_grad_reduction,
+                        sent_by,
+                        st.results,
+                        with_kl=self.ctx.with_kl,
+                        cap_bytes=self.ctx.bucket_cap_bytes,
                     )
-                    st.sends.append((sent, buffers, handle))
-            return
-        if not any(sent_by):
-            return
-        dtypes = sorted({b.dtype for bs in buffers_by for b in bs}, key=str)
-        handles = [
-            self.bcast_comm.all_gather(
-                [[b for b in bs if b.dtype == dtype] for bs in buffers_by],
-                "precond_broadcast",
-                cap_bytes=cap,
-                async_op=True,
-            )
-            for dtype in dtypes
-        ]
-        for i, handle in enumerate(handles):
-            last = i == len(handles) - 1  # the updates are read once every dtype arrived
-            for sent, buffers in zip(sent_by, buffers_by, strict=True):
-                if sent and last:
-                    st.sends.append((sent, buffers, handle))
-            if not last:
-                st.sends.append(([], [], handle))
+                )
 
     # ------------------------------------------------------------- step()
     def finish(self) -> dict[str, Preconditioned] | None:
@@ -661,7 +620,7 @@ class OverlapEngine:
             # gradients are still on the wire.
             self._drain()
             for layer in self.layers:
-                if self._plan().captures(self.comm.rank, layer.name):
+                if layer.name in self._roles().captures:
                     self._prepare(layer)  # layers without gradients still fold their factors
             for launched in st.launched:
                 self._settle_rest(launched)
@@ -675,13 +634,12 @@ class OverlapEngine:
         """Wait for the exchanges; the updates in the form ``share_preconditioned`` gives."""
         if not self.comm.active:
             return st.results
-        with_kl = self.ctx.with_kl
         out: dict[str, Preconditioned] = {}
-        for sent, buffers, handle in st.sends:
+        for exchange in st.sends:
             with self._tags(part="updates"):
-                self.bcast_comm.wait(handle)
-            if sent:
-                out.update(received_updates(sent, buffers, with_kl=with_kl))
+                for handle in exchange.handles:
+                    self.bcast_comm.wait(handle)
+            out.update(exchange.received(with_kl=self.ctx.with_kl))
         return out
 
     def _check_factors(self, st: _StepState, final: dict[str, Preconditioned]) -> None:

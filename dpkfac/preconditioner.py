@@ -412,10 +412,9 @@ class KFACPreconditioner:
             return
         flags = self._overlap.ctx.flags
         flags.step = step
-        flags.plan = self.strategy.plan
+        flags.roles = self.strategy.roles
         flags.capture = capture
         flags.decompose = self._is_inv_step(step)
-        flags.owner = self.strategy.traits.owner_grad_reduction
         flags.overlapped = (
             self.strategy.traits.overlapped_precondition
             and self.strategy.placed

@@ -366,7 +366,7 @@ def predict(
         else:
             if traits.owner_grad_reduction and active and not ddp:
                 every = tr.grad_collectives(
-                    model, p, itemsize=param_itemsize, cap_bytes=cap, owners=roles.placement.owner
+                    model, p, itemsize=param_itemsize, cap_bytes=cap, plan=roles
                 )
             updates = _per_group(
                 p,

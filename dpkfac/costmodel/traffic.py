@@ -10,11 +10,12 @@ pipelined factor traffic, so the predicted bytes, calls and wire bytes are
 what :meth:`dpkfac.KFACPreconditioner.comm_stats` reports on every rank. All
 tensors of one category are assumed to share one dtype.
 
-Orders mirrored from the code: gradients go layer by layer (weight, then
-bias), then the other parameters; preconditioned gradients are broadcast per
-owner rank, each layer's update matrix followed by its two KL scalars;
-decompositions go per source rank, layer by layer, A before G, eigenvectors
-before eigenvalues.
+The gradients' reduction and the updates' exchange are priced from the runtime's own
+descriptions of them (:mod:`dpkfac.plan.exchange`), which the runtime launches. Still
+mirrored from the code, as orders within a buffer: a layer's parameters go weight, then
+bias, and the other parameters after the layers; each layer's update matrix is followed by
+its two KL scalars; decompositions go per source rank, layer by layer, A before G,
+eigenvectors before eigenvalues.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from dpkfac.comm import triangle_numel
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.plan.assignment import LayerShape
+from dpkfac.plan.exchange import gradient_transfers, update_transfers
 from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap, shard_rounds, size_cap_buckets
 from dpkfac.plan.hardware import (
     landing_bytes,
@@ -116,18 +118,30 @@ def _update_exchange(
     kl_clip: bool,
     backend: str,
 ) -> list[Collective]:
-    """The exchange of the updates of ``senders[i]``'s layers: all-gather rounds of the owners'
-    shards (under the owner reduction, where the ``backend`` gathers uneven shards), or per
-    sender a capped broadcast. Each update matrix travels with its two KL scalars when the
-    clip is on."""
+    """The update exchange the runtime launches for ``senders[i]``'s layers
+    (:func:`dpkfac.plan.exchange.update_transfers`, the one description of it), priced
+    transfer by transfer: a broadcast as its capped buckets, an all-gather round by round,
+    or, where the ``backend`` cannot gather uneven shards, as the communicator runs it: one
+    capped broadcast per sender. Each update matrix travels with its two KL scalars when
+    the clip is on."""
 
     def numels(s: LayerShape) -> tuple[int, ...]:
         return (s.g_dim * s.a_dim, 2) if kl_clip else (s.g_dim * s.a_dim,)
 
-    sent = [[n * itemsize for i in layers for n in numels(model[i])] for layers in senders]
-    if plan.traits.owner_grad_reduction and uneven_all_gather(backend):
-        return sharded_collectives("precond_broadcast", "all_gather", sent, cap_bytes)
-    return _broadcasts("precond_broadcast", sent, cap_bytes)
+    def sizes(layers: Sequence[int]) -> list[int]:
+        return [n * itemsize for i in layers for n in numels(model[i])]
+
+    p, cat = len(senders), "precond_broadcast"
+    out: list[Collective] = []
+    for transfer in update_transfers(plan.traits.owner_grad_reduction, senders):
+        shards = [sizes(shard) for shard in transfer.shards]
+        if transfer.kind == "broadcast":
+            out += _collectives(cat, "broadcast", shards[0], cap_bytes, p)
+        elif uneven_all_gather(backend):
+            out += sharded_collectives(cat, "all_gather", shards, cap_bytes)
+        else:
+            out += _broadcasts(cat, shards, cap_bytes)
+    return out
 
 
 def sharded_collectives(
@@ -146,27 +160,55 @@ def grad_collectives(
     *,
     itemsize: int,
     cap_bytes: int,
-    owners: Sequence[int] | None = None,
+    plan: Plan | None = None,
 ) -> list[Collective]:
-    """Gradient averaging: one capped all-reduce, or (owners given) a reduce-scatter onto them.
+    """Gradient averaging in ``step()``: the reduction the runtime launches
+    (:func:`dpkfac.plan.exchange.gradient_transfers`), each transfer capped.
 
-    With ``owners`` (``Traits.owner_grad_reduction``), the K-FAC layers'
-    gradients are reduce-scattered in owner-contiguous shards (each owner's
-    layers in module order, weight then bias), then the other parameters are
-    all-reduced.
+    The K-FAC layers' gradients (layer by layer, weight then bias), then the other
+    parameters': one all-reduce of all of them, or under ``plan``'s owner reduction one
+    reduce-scatter of the owners' shards (each owner's layers in module order) and one
+    all-reduce of the others (None: plain data parallelism, as SGD).
     """
+    items = [(i, n) for i in range(len(model)) for n in model.param_numels(i)]
+    items += [(-1, n) for n in model.other_params]
+    owners = None
+    if plan is not None and plan.traits.owner_grad_reduction:
+        owners = [plan.preconditioners[i][0] for i in range(len(model))]
+    return _gradients(items, owners, world_size, itemsize, cap_bytes)
+
+
+def _gradients(
+    items: Sequence[tuple[int, int]],
+    owners: Sequence[int] | None,
+    world_size: int,
+    itemsize: int,
+    cap_bytes: int | None,
+    *,
+    futures: bool = True,
+) -> list[Collective]:
+    """The collectives of :func:`~dpkfac.plan.exchange.gradient_transfers` over ``items``
+    ((layer index or -1, elements); ``owners``: each layer's owner under the owner
+    reduction, None without it) as the communicator runs them: an all-reduce in capped
+    buckets, a reduce-scatter round by round, or (``futures`` False: a DDP hook on a backend
+    whose reduce-scatter has none) one rooted reduce per owner."""
     cat = "grad_allreduce"
-    layer_sizes = [[n * itemsize for n in model.param_numels(i)] for i in range(len(model))]
-    others = [n * itemsize for n in model.other_params]
-    if owners is None:
-        flat = [n for sizes in layer_sizes for n in sizes] + others
-        return _collectives(cat, "allreduce", flat, cap_bytes, world_size)
-    sizes = [
-        [n for i, layer in enumerate(layer_sizes) if owners[i] == r for n in layer]
-        for r in range(world_size)
-    ]
-    shards = sharded_collectives(cat, "reduce_scatter", sizes, cap_bytes)
-    return shards + _collectives(cat, "allreduce", others, cap_bytes, world_size)
+
+    def owner(item: tuple[int, int]) -> int | None:
+        return None if owners is None or item[0] < 0 else owners[item[0]]
+
+    out: list[Collective] = []
+    for t in gradient_transfers(owners is not None, items, owner, world_size):
+        sizes = [[n * itemsize for _, n in shard] for shard in t.shards]
+        if t.kind == "allreduce":
+            out += _collectives(cat, "allreduce", sizes[0], cap_bytes, world_size)
+        elif futures:
+            out += sharded_collectives(cat, "reduce_scatter", sizes, cap_bytes)
+        else:
+            out += [
+                c for r in sizes if r for c in _collectives(cat, "reduce", r, cap_bytes, world_size)
+            ]
+    return out
 
 
 def ddp_bucket_params(
@@ -442,22 +484,9 @@ def overlap_buckets(
 
     def reduction(held: Sequence[tuple[int, int]]) -> tuple[Collective, ...]:
         """One bucket's gradient collectives, as ``OverlapEngine._reduce`` launches them."""
-        cat = "grad_allreduce"
-        if not plan.traits.owner_grad_reduction:
-            return (Collective(cat, "allreduce", sum(n for _, n in held) * itemsize, p),)
-        shards = [
-            [n * itemsize for layer, n in held if layer >= 0 and owner_of[layer] == r]
-            for r in range(p)
-        ]
-        others = sum(n for layer, n in held if layer < 0) * itemsize
-        out: list[Collective] = []
-        if ddp and not reduce_scatter_future(backend):
-            out += [Collective(cat, "reduce", sum(s), p) for s in shards if s]
-        elif any(shards):
-            out.append(Collective(cat, "reduce_scatter", sum(map(sum, shards)), p))
-        if others:
-            out.append(Collective(cat, "allreduce", others, p))
-        return tuple(out)
+        futures = not ddp or reduce_scatter_future(backend)
+        owners = owner_of if plan.traits.owner_grad_reduction else None
+        return tuple(_gradients(held, owners, p, itemsize, None, futures=futures))
 
     order = model.backward_order() if ddp else model.param_order()[::-1]
     buckets = [tuple(b) for b in _ddp_cut(order, itemsize, cap_bytes)]

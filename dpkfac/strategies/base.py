@@ -12,19 +12,21 @@ waiting time are accounted in one place.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import torch
 from torch import nn
 
-from dpkfac.comm import Communicator
+from dpkfac.comm import Communicator, Handle
 from dpkfac.curvature import Decomposition, KFACLayer
 from dpkfac.curvature.decomposition import working_dtype
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.options import KFACOptions, StrategyOptions
 from dpkfac.plan import LayerShape, Placement, Plan, Scheme, Traits
+from dpkfac.plan.exchange import Transfer, gradient_transfers, update_transfers
+from dpkfac.plan.roles import RankRoles
 
 #: The options class of a strategy: its scheme's ``Options``.
 OptionsT = TypeVar("OptionsT", bound=StrategyOptions)
@@ -63,10 +65,10 @@ def precondition_layer(layer: KFACLayer, grad: torch.Tensor, damping: float) -> 
 
 
 def sent_updates(
-    plan: Plan, senders: Sequence[int], layers: Sequence[KFACLayer]
+    roles: RankRoles, senders: Sequence[int], layers: Sequence[KFACLayer]
 ) -> list[list[KFACLayer]]:
-    """Per rank of ``senders``, the layers whose update it sends (:meth:`Plan.sends_update`),
-    those with a gradient, in module order.
+    """Per rank of ``senders``, the layers whose update it sends (``roles.senders``, the
+    plan's :meth:`~dpkfac.plan.Plan.update_senders`), those with a gradient, in module order.
 
     The same lists on every rank (a layer without a gradient this step sends
     nothing anywhere), so every rank sizes the exchange alike. One pass over
@@ -78,7 +80,7 @@ def sent_updates(
     for x in layers:
         if x.module.weight.grad is None:
             continue
-        for src in plan.update_senders(x.name):
+        for src in roles.senders[x.name]:
             if (i := at.get(src)) is not None:
                 out[i].append(x)
     return out
@@ -128,6 +130,107 @@ def received_updates(
         else:
             out[layer.name] = Preconditioned(matrix, matrix.new_zeros(()), True)
     return out
+
+
+def launch_gradients(
+    comm: Communicator,
+    transfer: Transfer[torch.Tensor],
+    *,
+    cap_bytes: int | None = None,
+    overlapped: bool = False,
+    futures: bool = False,
+) -> list[Handle]:
+    """Launch one transfer of :func:`dpkfac.plan.exchange.gradient_transfers` (async): the one
+    way gradients are reduced, from ``step()`` and from the overlapped engine alike.
+
+    An all-reduce averages its gradients on every rank; a reduce-scatter averages each
+    owner's onto it, in one call where they share a dtype, else by one rooted reduce per
+    owner (no single flat buffer). ``overlapped`` and ``futures``: as
+    :meth:`~dpkfac.comm.Communicator.reduce_scatter_mean` takes them (the overlapped
+    engine's buckets, and under DDP a communication hook that needs futures).
+    """
+    cat, (first, *_) = "grad_allreduce", transfer.shards
+    if transfer.kind == "allreduce":
+        return [
+            comm.allreduce_mean(
+                first, cat, cap_bytes=cap_bytes, async_op=True, overlapped=overlapped
+            )
+        ]
+    assert transfer.kind == "reduce_scatter", transfer.kind
+    shards = [list(s) for s in transfer.shards]
+    if len({g.dtype for s in shards for g in s}) > 1:
+        return [
+            comm.reduce_mean(s, r, cat, cap_bytes=cap_bytes, async_op=True)
+            for r, s in enumerate(shards)
+        ]
+    handle = comm.reduce_scatter_mean(
+        shards, cat, cap_bytes=cap_bytes, async_op=True, overlapped=overlapped, futures=futures
+    )
+    return [handle]
+
+
+@dataclass
+class InFlightUpdates:
+    """An update exchange once launched: the layers each buffer list carries and the handles
+    to wait for; :meth:`received` reads the updates once they are waited for."""
+
+    parts: list[tuple[Sequence[KFACLayer], list[torch.Tensor]]]
+    handles: list[Handle]
+
+    def received(self, *, with_kl: bool) -> dict[str, Preconditioned]:
+        """Every exchanged update (the sender's own included), by layer name."""
+        out: dict[str, Preconditioned] = {}
+        for sent, buffers in self.parts:
+            out.update(received_updates(sent, buffers, with_kl=with_kl))
+        return out
+
+
+def launch_updates(
+    comm: Communicator,
+    owner_reduction: bool,
+    sent_by: Sequence[Sequence[KFACLayer]],
+    results: dict[str, Preconditioned],
+    *,
+    with_kl: bool,
+    cap_bytes: int | None,
+) -> InFlightUpdates:
+    """Launch the update exchange of :func:`dpkfac.plan.exchange.update_transfers`: the one
+    way every update travels, from ``step()`` and from the overlapped engine alike.
+
+    Args:
+        comm: the communicator of the update group (group position i is its rank i).
+        owner_reduction: the plan's ``traits.owner_grad_reduction`` (the exchange's form).
+        sent_by: per group position, the layers whose update it sends (:func:`sent_updates`).
+        results: what this rank computed, by layer name (its own position's layers).
+        with_kl: whether the KL-clip scalars travel with the updates.
+        cap_bytes: the fused buffers' size cap.
+    """
+    parts: list[tuple[Sequence[KFACLayer], list[torch.Tensor]]] = []
+    handles: list[Handle] = []
+
+    def buffers(position: int, layers: Sequence[KFACLayer]) -> list[torch.Tensor]:
+        mine = position == comm.rank
+        return [
+            b
+            for x in layers
+            for b in update_buffers(x, results[x.name] if mine else None, with_kl=with_kl)
+        ]
+
+    cat = "precond_broadcast"
+    for transfer in update_transfers(owner_reduction, sent_by):
+        if transfer.kind == "broadcast":
+            sent = buffers(transfer.root, transfer.shards[0])
+            handles.append(
+                comm.broadcast(sent, transfer.root, cat, cap_bytes=cap_bytes, async_op=True)
+            )
+            parts.append((transfer.shards[0], sent))
+            continue
+        by = [buffers(r, shard) for r, shard in enumerate(transfer.shards)]
+        for dtype in sorted({b.dtype for bs in by for b in bs}, key=str):  # one per dtype
+            shards = [[b for b in bs if b.dtype == dtype] for bs in by]
+            handles.append(comm.all_gather(shards, cat, cap_bytes=cap_bytes, async_op=True))
+        parts += zip(transfer.shards, by, strict=True)
+    return InFlightUpdates(parts, handles)
 
 
 def layer_shape(layer: KFACLayer, batch_size: int, positions: int) -> LayerShape:
@@ -185,6 +288,8 @@ class Strategy(Generic[OptionsT]):
         self.kfac = KFACOptions() if kfac is None else kfac
         #: The run's plan: None until the options are resolved and the layers placed.
         self.plan: Plan | None = None
+        #: This rank's view of the plan, read from it once per placement (None: no plan).
+        self.roles: RankRoles | None = None
         #: Whether the plan is final (made from the shapes all ranks agreed on).
         self.placed = False
         self.factor_comm = comm
@@ -277,7 +382,8 @@ class Strategy(Generic[OptionsT]):
         """
         if not self._configured:
             return
-        self.plan = self.scheme.plan(shapes, self.world_size, self.options, given=given)
+        self._adopt(self.scheme.plan(shapes, self.world_size, self.options, given=given))
+        assert self.plan is not None
         for i, layer in enumerate(layers):
             placement = self.plan.placement
             layer.set_placement(placement.owner[i], placement.a_owner[i], placement.g_owner[i])
@@ -293,9 +399,16 @@ class Strategy(Generic[OptionsT]):
             tuple(x.factors["G"].owner for x in layers),
         )
         shapes = [layer_shape(x, 1, 1) for x in layers]
-        self.plan = self.scheme.plan(
-            shapes, self.world_size, self.options, given=given, placement=placement
+        self._adopt(
+            self.scheme.plan(
+                shapes, self.world_size, self.options, given=given, placement=placement
+            )
         )
+
+    def _adopt(self, plan: Plan) -> None:
+        """Take ``plan`` as the run's, and read this rank's roles from it once."""
+        self.plan = plan
+        self.roles = plan.roles_of(self.rank)
 
     # ----------------------------------------------------------------- queries
     def captures(self, layer: KFACLayer) -> bool:
@@ -304,15 +417,15 @@ class Strategy(Generic[OptionsT]):
         Until the placement is final every rank captures every layer, so the
         first step loses nothing; those the plan gives to others are then dropped.
         """
-        return not self.placed or self.plan is None or self.plan.captures(self.rank, layer.name)
+        return not self.placed or self.roles is None or layer.name in self.roles.captures
 
     def decomposes(self, layer: KFACLayer, which: str) -> bool:
         """Whether this rank computes the decomposition of factor ``which`` ("A"/"G")."""
-        return self.plan is None or self.plan.decomposes(self.rank, layer.name, which)
+        return self.roles is None or (layer.name, which) in self.roles.decomposes
 
     def preconditions(self, layer: KFACLayer) -> bool:
         """Whether this rank preconditions the layer's gradient."""
-        return self.plan is not None and self.plan.preconditions(self.rank, layer.name)
+        return self.roles is not None and layer.name in self.roles.preconditions
 
     @property
     def replicated_state(self) -> bool:
@@ -332,12 +445,33 @@ class Strategy(Generic[OptionsT]):
     def reduce_gradients(
         self, layers: Sequence[KFACLayer], other_params: Sequence[nn.Parameter]
     ) -> None:
-        """Average all gradients across ranks (fused buckets), as plain data parallelism."""
-        grads = [
-            p.grad for layer in layers for p in layer.helper.parameters() if p.grad is not None
+        """Average the gradients across ranks (fused buckets), as
+        :func:`~dpkfac.plan.exchange.gradient_transfers` says: every one on every rank, as
+        plain data parallelism, or under the owner reduction each K-FAC layer's onto its
+        owner (the rank that sends its update) and the others on every rank."""
+        roles = self.roles if self.traits.owner_grad_reduction else None
+        owner_of: dict[int, int] = {}
+        grads: list[torch.Tensor] = []
+        for layer in layers:
+            for p in layer.helper.parameters():
+                if (g := p.grad) is not None:
+                    grads.append(g)
+                    if roles is not None:
+                        owner_of[id(g)] = roles.senders[layer.name][0]
+        grads += [g for p in other_params if (g := p.grad) is not None]
+        if not self.comm.active:
+            return
+        owner = owner_of.get
+        transfers = gradient_transfers(
+            self.traits.owner_grad_reduction, grads, lambda g: owner(id(g)), self.world_size
+        )
+        handles = [
+            h
+            for t in transfers
+            for h in launch_gradients(self.comm, t, cap_bytes=self.bucket_cap_bytes)
         ]
-        grads += [p.grad for p in other_params if p.grad is not None]
-        self.comm.allreduce_mean(grads, "grad_allreduce", cap_bytes=self.bucket_cap_bytes)
+        for handle in handles:
+            self.comm.wait(handle)
 
     def reduce_factors(self, layers: Sequence[KFACLayer]) -> None:
         """Turn pending local batch factors into what ``update_factors`` should fold in."""
@@ -354,7 +488,7 @@ class Strategy(Generic[OptionsT]):
             layers: all K-FAC layers.
             updated: (layer name, factor) pairs whose decompositions were due this step.
         """
-        group = None if self.plan is None else self.plan.decomposition_group(self.rank)
+        group = None if self.roles is None else self.roles.decomposition_group
         if group is None or self._decomposition_comm is None:
             return
         self.broadcast_decompositions(self._decomposition_comm, group, layers, updated)
@@ -377,15 +511,24 @@ class Strategy(Generic[OptionsT]):
         Returns:
             The update of every layer that has a gradient, by layer name.
         """
-        plan = self.plan
-        group = None if plan is None else plan.update_group(self.rank)
-        if plan is None or group is None or self._update_comm is None:
+        roles = self.roles
+        group = None if roles is None else roles.update_group
+        comm = self._update_comm
+        if roles is None or group is None or comm is None or not comm.active:
             return results
-
-        by_src = dict(zip(group, sent_updates(plan, group, layers), strict=True))
-        return self.broadcast_updates(
-            self._update_comm, group, by_src.__getitem__, results, with_kl=with_kl
+        sent_by = sent_updates(roles, group, layers)
+        cap = self.bucket_cap_bytes
+        exchange = launch_updates(
+            comm,
+            roles.traits.owner_grad_reduction,
+            sent_by,
+            results,
+            with_kl=with_kl,
+            cap_bytes=cap,
         )
+        for handle in exchange.handles:
+            comm.wait(handle)
+        return exchange.received(with_kl=with_kl)
 
     # --------------------------------------------- helpers of the rooted schemes
     def broadcast_decompositions(
@@ -448,56 +591,8 @@ class Strategy(Generic[OptionsT]):
                 chunk = tensors[i * count : (i + 1) * count]
                 layer.set_decomposition(which, self.method.from_tensors(chunk))
 
-    def broadcast_updates(
-        self,
-        comm: Communicator,
-        members: Sequence[int],
-        sends: Callable[[int], list[KFACLayer]],
-        results: dict[str, Preconditioned],
-        *,
-        with_kl: bool,
-    ) -> dict[str, Preconditioned]:
-        """Each member broadcasts the updates of its layers, one fused bucket per member.
-
-        With the KL clip on, each update travels with two scalars, ⟨V, ∇W⟩ and
-        whether it is preconditioned, in at least float32 (a half-precision
-        model would overflow the first).
-
-        Args:
-            comm: the communicator of the group (``members[i]`` is its rank i).
-            members: ranks of the preconditioner's group, in group order.
-            sends: the layers a member sends (those with a gradient).
-            results: what this rank computed, by layer name.
-            with_kl: whether the KL-clip scalars travel too.
-
-        Returns:
-            Every sent layer's update, by layer name.
-        """
-        out: dict[str, Preconditioned] = {}
-        handles = []
-        for position, src in enumerate(members):
-            sent = sends(src)
-            if not sent:
-                continue
-            buffers: list[torch.Tensor] = []
-            for layer in sent:
-                mine = results[layer.name] if src == self.rank else None
-                buffers += update_buffers(layer, mine, with_kl=with_kl)
-            handle = comm.broadcast(
-                buffers,
-                position,
-                "precond_broadcast",
-                cap_bytes=self.bucket_cap_bytes,
-                async_op=True,
-            )
-            handles.append((sent, buffers, handle))
-        for sent, buffers, handle in handles:
-            comm.wait(handle)
-            out.update(received_updates(sent, buffers, with_kl=with_kl))
-        return out
-
     def _sends_decomposition(self, src: int, layer: KFACLayer, which: str) -> bool:
-        return self.plan is not None and self.plan.sends_decomposition(src, layer.name, which)
+        return self.roles is not None and self.roles.decomposers[(layer.name, which)] == src
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:

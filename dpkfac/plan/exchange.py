@@ -1,0 +1,93 @@
+"""The exchanges of a step that depend on who preconditions what, as data.
+
+Two exchanges of every step follow from the plan's roles: the gradients' reduction (onto
+every rank, or under the owner reduction onto each layer's owner) and, where a layer's
+preconditioners are not every rank, the exchange of its preconditioned update. What each is
+(which collectives, from which senders, carrying which tensors, in which order) is decided
+here, once, from whether the plan reduces gradients onto owners. The runtime launches the
+lists these functions return, from ``step()`` and from the overlapped engine, bucket by
+bucket (:func:`dpkfac.strategies.base.launch_gradients`,
+:func:`~dpkfac.strategies.base.launch_updates`), and the cost model prices the same lists
+(:mod:`dpkfac.costmodel.traffic`), so the bytes a run reports and the bytes the model
+predicts come from one description, not from two copies kept in step by hand.
+
+The items are whatever the caller names tensors by: the runtime's gradients and layers, the
+cost model's (layer index, elements) pairs and layer indices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar
+
+__all__ = ["Transfer", "gradient_transfers", "update_transfers"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Transfer(Generic[T]):
+    """One collective of an exchange.
+
+    Attributes:
+        kind: ``"allreduce"``: ``shards[0]`` averaged on every rank;
+            ``"reduce_scatter"``: each position's shard (``shards[i]``) averaged onto
+            group position i; ``"all_gather"``: every position's shard reaches every
+            position; ``"broadcast"``: ``shards[0]`` goes from group position ``root`` to
+            the others.
+        shards: the items each buffer carries, in the order they are packed.
+        root: the sender of a broadcast (-1 otherwise).
+    """
+
+    kind: Literal["allreduce", "reduce_scatter", "all_gather", "broadcast"]
+    shards: tuple[tuple[T, ...], ...]
+    root: int = -1
+
+
+def gradient_transfers(
+    owner_reduction: bool, items: Sequence[T], owner: Callable[[T], int | None], world_size: int
+) -> list[Transfer[T]]:
+    """The reduction of the gradients ``items`` (in the order they are packed), in launch
+    order.
+
+    Every gradient is all-reduced, in one list, unless the plan reduces K-FAC gradients onto
+    their owners (``owner_reduction``, the plan's ``traits.owner_grad_reduction``): then each
+    owner's (``owner(item)``, None for a parameter of no K-FAC layer) go by one
+    reduce-scatter of the owners' shards, in ``items`` order within each, and the rest by
+    one all-reduce after it, which no layer needs before ``step()`` ends. Empty lists send
+    nothing.
+    """
+    if not owner_reduction:
+        return [Transfer("allreduce", (tuple(items),))] if items else []
+    shards: list[list[T]] = [[] for _ in range(world_size)]
+    rest: list[T] = []
+    for item in items:
+        r = owner(item)
+        (rest if r is None else shards[r]).append(item)
+    out: list[Transfer[T]] = []
+    if any(shards):
+        out.append(Transfer("reduce_scatter", tuple(tuple(s) for s in shards)))
+    if rest:
+        out.append(Transfer("allreduce", (tuple(rest),)))
+    return out
+
+
+def update_transfers(owner_reduction: bool, sent_by: Sequence[Sequence[T]]) -> list[Transfer[T]]:
+    """The exchange of the updates of ``sent_by[i]``'s layers (group position i), in launch
+    order.
+
+    Under the owner reduction (``owner_reduction``, the plan's ``traits.owner_grad_reduction``)
+    the owners' shards go by one
+    all-gather, the mirror of the reduce-scatter that brought them their gradients, so the
+    step moves what one all-reduce would; a backend that cannot gather shards of different
+    sizes runs it as one broadcast per owner (:meth:`dpkfac.comm.Communicator.all_gather`,
+    :func:`dpkfac.plan.hardware.uneven_all_gather`). Otherwise each sender, in group order,
+    broadcasts its layers' updates in one fused buffer. A sender with nothing to send sends
+    nothing; an exchange with nothing to send is empty.
+    """
+    if not any(sent_by):
+        return []
+    if owner_reduction:
+        return [Transfer("all_gather", tuple(tuple(s) for s in sent_by))]
+    return [Transfer("broadcast", (tuple(s),), root=i) for i, s in enumerate(sent_by) if s]

@@ -1,0 +1,91 @@
+"""The step's exchanges as data (dpkfac/plan/exchange.py): one description of the gradients'
+reduction and of the updates' exchange, which the runtime launches and the cost model prices.
+
+The pure rules are checked on drawn inputs here; that the runtime's bytes and calls equal the
+cost model's for every scheme is the differential test's (tests/test_costmodel.py,
+tests/test_scale_sim.py), which now read both from this one description.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dpkfac.costmodel import ModelShapes
+from dpkfac.costmodel.traffic import grad_collectives, precond_collectives
+from dpkfac.plan import DPKFACOptions, DPKFACScheme
+from dpkfac.plan.assignment import LayerShape
+from dpkfac.plan.exchange import Transfer, gradient_transfers, update_transfers
+
+senders = st.lists(st.lists(st.integers(0, 50), max_size=4), min_size=1, max_size=6)
+
+
+@given(senders)
+def test_each_sender_broadcasts_its_layers_in_group_order(sent_by: list[list[int]]) -> None:
+    assert update_transfers(False, sent_by) == [
+        Transfer("broadcast", (tuple(s),), root=i) for i, s in enumerate(sent_by) if s
+    ]
+
+
+@given(senders)
+def test_under_the_owner_reduction_one_all_gather_carries_every_shard(
+    sent_by: list[list[int]],
+) -> None:
+    transfers = update_transfers(True, sent_by)
+    if not any(sent_by):
+        assert transfers == []
+        return
+    assert transfers == [Transfer("all_gather", tuple(tuple(s) for s in sent_by))]
+
+
+# Items: (owner or None, tag); None is a parameter of no K-FAC layer.
+items = st.lists(st.tuples(st.none() | st.integers(0, 3), st.integers()), max_size=12)
+
+
+@given(items, st.booleans())
+def test_gradients_travel_once_onto_their_owners_then_the_rest(
+    grads: list[tuple[int | None, int]], owner_reduction: bool
+) -> None:
+    transfers = gradient_transfers(owner_reduction, grads, lambda g: g[0], 4)
+    carried = [g for t in transfers for shard in t.shards for g in shard]
+    assert sorted(map(repr, carried)) == sorted(map(repr, grads))  # each once
+    if not owner_reduction:
+        assert transfers == ([Transfer("allreduce", (tuple(grads),))] if grads else [])
+        return
+    kinds = [t.kind for t in transfers]
+    assert kinds == sorted(kinds, key=["reduce_scatter", "allreduce"].index)  # K-FAC first
+    for t in transfers:
+        if t.kind == "reduce_scatter":
+            assert len(t.shards) == 4
+            for r, shard in enumerate(t.shards):  # each owner's, in the given order
+                assert list(shard) == [g for g in grads if g[0] == r]
+        else:
+            assert list(t.shards[0]) == [g for g in grads if g[0] is None]
+
+
+def _two_layers() -> tuple[ModelShapes, object]:
+    layers = (LayerShape("a", "linear", 5, 3, batch_size=4), LayerShape("b", "linear", 7, 2))
+    shapes = ModelShapes(layers, bias=(False, False), captured=(True, True), other_params=(6,))
+    plan = DPKFACScheme.plan(layers, 2, DPKFACOptions(grad_reduction="owner"))
+    assert sorted(plan.preconditioners) == [(0,), (1,)]  # one layer per owner
+    return shapes, plan
+
+
+def test_the_cost_model_prices_the_same_transfers_on_either_backend() -> None:
+    """gloo gathers no uneven shards: the same all-gather is priced as the communicator
+    runs it there, one broadcast per owner, the same bytes in more calls."""
+    shapes, plan = _two_layers()
+    kw = {"itemsize": 4, "cap_bytes": 2**20, "kl_clip": True}
+    nccl = precond_collectives(shapes, plan, 0, backend="nccl", **kw)
+    gloo = precond_collectives(shapes, plan, 0, backend="gloo", **kw)
+    assert [c.kind for c in nccl] == ["all_gather"]
+    assert [c.kind for c in gloo] == ["broadcast"] * 2
+    assert sum(c.nbytes for c in gloo) == nccl[0].nbytes == 4 * (5 * 3 + 2 + 7 * 2 + 2)
+
+
+def test_the_cost_model_reduces_gradients_as_the_transfers_say() -> None:
+    shapes, plan = _two_layers()
+    owner = grad_collectives(shapes, 2, itemsize=4, cap_bytes=2**20, plan=plan)
+    plain = grad_collectives(shapes, 2, itemsize=4, cap_bytes=2**20)
+    assert [(c.kind, c.nbytes) for c in owner] == [("reduce_scatter", 4 * 29), ("allreduce", 24)]
+    assert [(c.kind, c.nbytes) for c in plain] == [("allreduce", 4 * 35)]
