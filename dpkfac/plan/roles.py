@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from dpkfac.plan.assignment import Placement
 from dpkfac.plan.traits import Traits
 
-__all__ = ["Group", "Plan", "group_of"]
+__all__ = ["Group", "Plan", "RankRoles", "group_of"]
 
 Group = tuple[int, ...]
 
@@ -136,3 +136,49 @@ class Plan:
     def sends_decomposition(self, src: int, layer: int | str, which: str) -> bool:
         """Whether ``src`` broadcasts the decomposition of the factor to its decomposition group."""
         return self.decomposer(layer, which) == src
+
+    def roles_of(self, rank: int) -> RankRoles:
+        """Everything ``rank`` asks of this plan during a step, read once (at placement)."""
+        return RankRoles(
+            rank=rank,
+            traits=self.traits,
+            captures=frozenset(n for n in self.names if self.captures(rank, n)),
+            decomposes=frozenset(
+                (n, w) for n in self.names for w in ("A", "G") if self.decomposes(rank, n, w)
+            ),
+            decomposers={(n, w): self.decomposer(n, w) for n in self.names for w in ("A", "G")},
+            preconditions=frozenset(n for n in self.names if self.preconditions(rank, n)),
+            senders=dict(zip(self.names, self.preconditioners, strict=True)),
+            decomposition_group=self.decomposition_group(rank),
+            update_group=self.update_group(rank),
+        )
+
+
+@dataclass(frozen=True)
+class RankRoles:
+    """One rank's view of a :class:`Plan`, read from it once per placement
+    (:meth:`Plan.roles_of`): what a step asks (does this rank capture, decompose,
+    precondition this layer; who sends its update; which groups it exchanges in) is a set
+    or dict lookup here, not a question to the plan on every step. Layers by name.
+
+    Attributes:
+        rank: the rank.
+        traits: the plan's traits.
+        captures: the layers whose factors the rank builds from its local batch.
+        decomposes: the (layer, factor) pairs whose decomposition the rank computes.
+        decomposers: per (layer, factor), the rank that decomposes it (None: every rank).
+        preconditions: the layers the rank preconditions.
+        senders: per layer, the ranks that send its update (its preconditioners).
+        decomposition_group: the group it exchanges decompositions in (None: none).
+        update_group: the group it exchanges updates in (None: none).
+    """
+
+    rank: int
+    traits: Traits
+    captures: frozenset[str]
+    decomposes: frozenset[tuple[str, str]]
+    decomposers: dict[tuple[str, str], int | None]
+    preconditions: frozenset[str]
+    senders: dict[str, Group]
+    decomposition_group: Group | None
+    update_group: Group | None
