@@ -23,7 +23,6 @@ from types import FrameType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -35,14 +34,13 @@ WARMUP = 3
 def step_files(strategy: str = "dp_kfac", world_size: int = 2, **options: Any) -> Counter[str]:
     """Per file of ``dpkfac/`` (relative path), the distinct functions one step called.
 
-    Runs on rank 0 of torch's fake process group of ``world_size`` ranks (initialised here
-    and destroyed after), a factor and decomposition step (``factor_update_steps`` and
-    ``inv_update_steps`` 1) after :data:`WARMUP` steps.
+    Runs on rank 0 of torch's fake process group of ``world_size`` ranks
+    (:func:`~experiments.bench.fake_cuda.fake_process_group`), a factor and decomposition
+    step (``factor_update_steps`` and ``inv_update_steps`` 1) after :data:`WARMUP` steps.
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from experiments.bench.fake_cuda import fake_process_group
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
+    with fake_process_group(0, world_size):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
         model.append(nn.Linear(16, 4))
@@ -68,8 +66,6 @@ def step_files(strategy: str = "dp_kfac", world_size: int = 2, **options: Any) -
                 sys.setprofile(None)
             opt.step()
         return Counter(path for path, _ in seen)
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
