@@ -15,7 +15,12 @@ from dpkfac.costmodel import ModelShapes
 from dpkfac.costmodel.traffic import grad_collectives, precond_collectives
 from dpkfac.plan import DPKFACOptions, DPKFACScheme
 from dpkfac.plan.assignment import LayerShape
-from dpkfac.plan.exchange import Transfer, gradient_transfers, update_transfers
+from dpkfac.plan.exchange import (
+    Transfer,
+    decomposition_transfers,
+    gradient_transfers,
+    update_transfers,
+)
 
 senders = st.lists(st.lists(st.integers(0, 50), max_size=4), min_size=1, max_size=6)
 
@@ -89,3 +94,8 @@ def test_the_cost_model_reduces_gradients_as_the_transfers_say() -> None:
     plain = grad_collectives(shapes, 2, itemsize=4, cap_bytes=2**20)
     assert [(c.kind, c.nbytes) for c in owner] == [("reduce_scatter", 4 * 29), ("allreduce", 24)]
     assert [(c.kind, c.nbytes) for c in plain] == [("allreduce", 4 * 35)]
+
+
+@given(senders)
+def test_each_decomposer_broadcasts_its_own_in_group_order(sent_by: list[list[int]]) -> None:
+    assert decomposition_transfers(sent_by) == update_transfers(False, sent_by)

@@ -10,8 +10,9 @@ pipelined factor traffic, so the predicted bytes, calls and wire bytes are
 what :meth:`dpkfac.KFACPreconditioner.comm_stats` reports on every rank. All
 tensors of one category are assumed to share one dtype.
 
-The gradients' reduction and the updates' exchange are priced from the runtime's own
-descriptions of them (:mod:`dpkfac.plan.exchange`), which the runtime launches. Still
+The gradients' reduction, the decompositions' broadcasts and the updates' exchange are
+priced from the runtime's own descriptions of them (:mod:`dpkfac.plan.exchange`), which the
+runtime launches. Still
 mirrored from the code, as orders within a buffer: a layer's parameters go weight, then
 bias, and the other parameters after the layers; each layer's update matrix is followed by
 its two KL scalars; decompositions go per source rank, layer by layer, A before G,
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from dpkfac.comm import triangle_numel
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.plan.assignment import LayerShape
-from dpkfac.plan.exchange import gradient_transfers, update_transfers
+from dpkfac.plan.exchange import decomposition_transfers, gradient_transfers, update_transfers
 from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap, shard_rounds, size_cap_buckets
 from dpkfac.plan.hardware import (
     landing_bytes,
@@ -364,7 +365,12 @@ def decomposition_collectives(
         ]
         for src in group
     ]
-    return _broadcasts("decomposition_broadcast", sent, cap_bytes)
+    cat, p = "decomposition_broadcast", len(group)
+    return [
+        c
+        for t in decomposition_transfers(sent)
+        for c in _collectives(cat, "broadcast", t.shards[0], cap_bytes, p)
+    ]
 
 
 def comm_counts(collectives: Sequence[Collective]) -> dict[str, dict[str, int]]:

@@ -1,8 +1,9 @@
 """The exchanges of a step that depend on who preconditions what, as data.
 
-Two exchanges of every step follow from the plan's roles: the gradients' reduction (onto
-every rank, or under the owner reduction onto each layer's owner) and, where a layer's
-preconditioners are not every rank, the exchange of its preconditioned update. What each is
+Three exchanges of a step follow from the plan's roles: the gradients' reduction (onto
+every rank, or under the owner reduction onto each layer's owner); where decompositions are
+placed, their broadcast from each decomposer; and, where a layer's preconditioners are not
+every rank, the exchange of its preconditioned update. What each is
 (which collectives, from which senders, carrying which tensors, in which order) is decided
 here, once, from whether the plan reduces gradients onto owners. The runtime launches the
 lists these functions return, from ``step()`` and from the overlapped engine, bucket by
@@ -21,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
-__all__ = ["Transfer", "gradient_transfers", "update_transfers"]
+__all__ = ["Transfer", "decomposition_transfers", "gradient_transfers", "update_transfers"]
 
 T = TypeVar("T")
 
@@ -90,4 +91,16 @@ def update_transfers(owner_reduction: bool, sent_by: Sequence[Sequence[T]]) -> l
         return []
     if owner_reduction:
         return [Transfer("all_gather", tuple(tuple(s) for s in sent_by))]
+    return _broadcasts(sent_by)
+
+
+def decomposition_transfers(sent_by: Sequence[Sequence[T]]) -> list[Transfer[T]]:
+    """The broadcast of the decompositions ``sent_by[i]`` computed (group position i; the
+    runtime's items are (layer, factor) pairs, the cost model's their tensors' sizes), in
+    launch order: each decomposer, in group order, broadcasts its own in one fused buffer."""
+    return _broadcasts(sent_by)
+
+
+def _broadcasts(sent_by: Sequence[Sequence[T]]) -> list[Transfer[T]]:
+    """Per sender with something to send, in group order, one broadcast of it."""
     return [Transfer("broadcast", (tuple(s),), root=i) for i, s in enumerate(sent_by) if s]

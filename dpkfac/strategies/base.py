@@ -25,7 +25,12 @@ from dpkfac.curvature.decomposition import working_dtype
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.options import KFACOptions, StrategyOptions
 from dpkfac.plan import LayerShape, Placement, Plan, Scheme, Traits
-from dpkfac.plan.exchange import Transfer, gradient_transfers, update_transfers
+from dpkfac.plan.exchange import (
+    Transfer,
+    decomposition_transfers,
+    gradient_transfers,
+    update_transfers,
+)
 from dpkfac.plan.roles import RankRoles
 
 #: The options class of a strategy: its scheme's ``Options``.
@@ -548,16 +553,19 @@ class Strategy(Generic[OptionsT]):
         """
         if not comm.active:
             return
-        pending = []
-        for position, src in enumerate(members):
-            items = [
+        sent_by = [
+            [
                 (layer, w)
                 for layer in layers
                 for w in FACTORS
                 if (layer.name, w) in updated and self._sends_decomposition(src, layer, w)
             ]
-            if not items:
-                continue
+            for src in members
+        ]
+        pending = []
+        for transfer in decomposition_transfers(sent_by):
+            position, (items, *_) = transfer.root, transfer.shards
+            src = members[position]
             tensors: list[torch.Tensor] = []
             for layer, which in items:
                 if src == self.rank:
