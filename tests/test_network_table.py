@@ -38,6 +38,7 @@ def _row(strategy: str, rate: float, seed: int, iteration_ms: float, **over: obj
     )
     if strategy == "dp_kfac_owner_overlap":
         row["kfac_options"] = json.dumps(OVERLAP)
+        row["configuration"] = "owner, overlap"  # what the scheme describes it as
     return row
 
 
@@ -189,3 +190,8 @@ def test_the_answer_names_the_configs_whose_range_meets_the_focus_configs() -> N
     frame.loc[lucky, "iteration_min_ms"] = 17.0  # one run of dp_kfac beat the focus's 18 ms
     first = takeaways.network(frame)[0]
     assert "its range meets 1 other K-FAC config(s)' (dp_kfac)" in first
+    # A config whose "auto" resolved to the focus's choices is the focus, not a rival.
+    frame.loc[lucky, "configuration"] = "owner, overlap"
+    first = takeaways.network(frame)[0]
+    assert "dp_kfac chose the same configuration (owner, overlap)" in first
+    assert "meets" not in first and "fastest K-FAC" not in first

@@ -114,6 +114,11 @@ def _ms(row: dict[str, Any], key: str) -> float:
     return 0.0 if value is None or value != value else 1e3 * float(value)
 
 
+def _text(value: Any) -> str:
+    """A row's text field ('' where it has none: a NaN read back from CSV)."""
+    return "" if value is None or value != value else str(value)
+
+
 def _wire_bytes(row: dict[str, Any]) -> float:
     """Bytes one rank put on the wire per step, every collective category (gradients too)."""
     values = (row.get(f"wire_{c}") for c in COMM_CATEGORIES)
@@ -194,6 +199,9 @@ def _job_entries(
                 "rate_bps": rate,
                 "link_bps": carried,
                 "strategy": r["strategy"],
+                # What the config ran as: its scheme and what it chose ("auto" resolved).
+                "scheme": (json_value(r.get("kfac_options")) or {}).get("strategy", ""),
+                "configuration": _text(r.get("configuration")),
                 "first_order": first_order(r),
                 "iteration_ms": iteration,
                 "compute_ms": compute,

@@ -208,17 +208,22 @@ def network(frame: pd.DataFrame) -> list[str]:
         sgd, kfac = g[g["first_order"]], g[~g["first_order"]]
         if sgd.empty or kfac.empty:
             continue
-        best = kfac.loc[kfac["iteration_ms"].idxmin()]
         focus = kfac[kfac["strategy"] == NETWORK_FOCUS]
+        twins = _same_configuration(kfac, focus.iloc[0]) if not focus.empty else kfac.iloc[:0]
+        distinct = kfac.drop(twins.index)  # a config "auto" resolved to the focus's is the focus
+        best = distinct.loc[distinct["iteration_ms"].idxmin()]
         shown = focus.iloc[0] if not focus.empty else best
         parts = [
             f"DDP SGD {sgd['iteration_ms'].iloc[0]:.0f} ms",
             f"{_with_runs(str(shown['strategy']), shown)} SGD, {shown['vs_floor']:.2f}× its floor, "
             f"which is {shown['floor_vs_sgd']:.2f}× SGD",
         ]
+        if not twins.empty:
+            names = ", ".join(twins["strategy"])
+            parts.append(f"{names} chose the same configuration ({shown['configuration']})")
         if best["strategy"] != shown["strategy"]:
             parts.append(f"fastest K-FAC: {_with_runs(str(best['strategy']), best)}")
-        others = kfac[kfac["strategy"] != shown["strategy"]]
+        others = distinct[distinct["strategy"] != shown["strategy"]]
         if shown["strategy"] == NETWORK_FOCUS and "iteration_min_ms" in others and len(others):
             # Faster in every run than every other config: its slowest run beats their fastest.
             met = others[others["iteration_min_ms"] <= shown["iteration_max_ms"]]
@@ -252,6 +257,16 @@ def network(frame: pd.DataFrame) -> list[str]:
                 f"{errors.median():.0f}%)" + (f"; per part: {', '.join(parts)}." if parts else ".")
             )
     return lines[:5]
+
+
+def _same_configuration(kfac: pd.DataFrame, focus: pd.Series) -> pd.DataFrame:
+    """The other configs of ``kfac`` that ran as ``focus`` does: its scheme with the same
+    choices (``configuration``, what "auto" resolved to); none where the rows lack them, or
+    where the focus chose nothing (an empty text, which a CSV cannot tell from a missing one)."""
+    if not {"scheme", "configuration"} <= set(kfac) or not focus["configuration"]:
+        return kfac.iloc[:0]
+    same = (kfac["scheme"] == focus["scheme"]) & (kfac["configuration"] == focus["configuration"])
+    return kfac[same & (kfac["strategy"] != focus["strategy"])]
 
 
 def _network_line(frame: pd.DataFrame) -> str:
