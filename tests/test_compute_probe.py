@@ -15,6 +15,7 @@ from test_benchmark_tables import MLP_COLUMNS
 from dpkfac.costmodel import PRESETS, Engine
 from dpkfac.costmodel.optimizers import step_bytes
 from dpkfac.costmodel.timing import factor_work, forward_backward_work
+from dpkfac.plan.assignment import EIGH_COEFF
 from experiments.bench import predict
 from experiments.bench.compute_probe import COMPUTE_PROBE_KINDS, job_compute_probes
 
@@ -53,6 +54,9 @@ def test_every_engine_is_timed_on_the_jobs_own_model() -> None:
                 got = factors.setdefault(kind, [0.0, 0.0])
                 got[0], got[1] = got[0] + c, got[1] + a
     assert work["factor"] == factors
+    # Each layer's two factors decomposed, at the cost model's 2 EIGH_COEFF d**3 flops each.
+    eigh = sum(2 * EIGH_COEFF * float(d) ** 3 for s in shapes for d in (s.a_dim, s.g_dim))
+    assert work["eigh"] == {"eigh": [2.0 * len(shapes), pytest.approx(eigh)]}
     updates = sum(4 * s.a_dim * s.g_dim for s in shapes)  # scaled, then copied into .grad
     assert work["host"] == {"pack": [0.0, 4.0 * updates], "host": [float(len(shapes)), 0.0]}
 
@@ -75,10 +79,12 @@ def test_engines_are_scaled_until_they_give_the_probes_seconds() -> None:
         {"kind": "optimizer", "work": {"optimizer": [1, 1e7]}, "seconds": 2e-3},
         {"kind": "forward_backward", "work": {"forward_backward": [3, 6e9]}, "seconds": 0.2},
         {"kind": "factor", "work": {"factor": [4, 1e8], "memory": [0, 6.13e6]}, "seconds": 5e-3},
+        {"kind": "eigh", "work": {"eigh": [6, 3e9]}, "seconds": 0.05},
         {"kind": "host", "work": {"pack": [0, 8e6], "host": [10, 0]}, "seconds": 3e-3},
     ]
     engines = predict.probe_engines({"compute_probes": json.dumps(entries)}, base)
-    assert set(engines) == {"pack", "optimizer", "forward_backward", "factor", "host"}
+    assert set(engines) == {"pack", "optimizer", "forward_backward", "factor", "eigh", "host"}
+    assert engines["eigh"].time(6, 3e9) == pytest.approx(0.05)
     assert engines["pack"].time(0, 4e6) == pytest.approx(1e-3)
     # The preset has no "host" engine (free): the probe less its 2 ms of copies, per call.
     assert engines["host"] == Engine(math.inf, pytest.approx(1e-4))
@@ -92,4 +98,5 @@ def test_engines_are_scaled_until_they_give_the_probes_seconds() -> None:
     assert engines["factor"].time(4, 1e8) == pytest.approx(4e-3)
     hw = predict.probe_hardware({"compute_probes": json.dumps(entries)})
     assert hw.engines["factor"] == engines["factor"]
-    assert hw.engines["eigh"] == base.engines["eigh"]  # not probed: the preset's
+    assert hw.engines["eigh"] == engines["eigh"]
+    assert hw.engines["inverse"] == base.engines["inverse"]  # not probed: the preset's

@@ -195,3 +195,17 @@ def test_the_answer_names_the_configs_whose_range_meets_the_focus_configs() -> N
     first = takeaways.network(frame)[0]
     assert "dp_kfac chose the same configuration (owner, overlap)" in first
     assert "meets" not in first and "fastest K-FAC" not in first
+
+
+def test_rows_without_the_eigh_probe_say_their_decompositions_are_the_presets(
+    tmp_path: Path,
+) -> None:
+    rows = _rows()
+    factor = {"kind": "factor", "work": {"factor": [4, 1e8]}, "seconds": 5e-3}
+    rows["compute_probes"] = json.dumps([factor])
+    text = tables.write_table("network", rows, tmp_path)["md"].read_text()
+    assert "These rows predate the eigh probe" in text
+    eigh = {"kind": "eigh", "work": {"eigh": [6, 3e9]}, "seconds": 0.05}
+    rows["compute_probes"] = json.dumps([factor, eigh])
+    text = tables.write_table("network", rows, tmp_path / "probed")["md"].read_text()
+    assert "predate" not in text

@@ -17,6 +17,11 @@ as a step runs them, nothing of them distributed:
   it (:func:`dpkfac.strategies.base.precondition_layer`, eigenbases of the layer's sizes);
 * ``factor``: every K-FAC layer's A and G factors from the activations and output
   gradients of that pass (the capture hooks' own calls);
+* ``eigh``: every K-FAC layer's damped A and G factors of that pass eigendecomposed, as a
+  decomposition step computes them (:meth:`dpkfac.curvature.KFACLayer.decompose`'s method).
+  The preset's eigh rate was fitted on another machine's LAPACK: on this project's AVX-512
+  host it priced a 769-wide eigh at 2.7× its time, which the paper setting, decomposing every
+  step, pays in full;
 * ``host``: every K-FAC layer's update scaled (the KL clip) and written back into its
   ``.grad``, as ``step()`` ends: per layer a few small kernels and the package's Python,
   the "host" work per layer the cost model's ``step_other`` counts.
@@ -42,6 +47,7 @@ from dpkfac.costmodel.shapes import shapes_from_model
 from dpkfac.costmodel.timing import factor_work, forward_backward_work
 from dpkfac.curvature import EigenDecomposition, KFACLayer, helper_for
 from dpkfac.curvature.kernels import DEFAULT_METHOD
+from dpkfac.plan.assignment import EIGH_COEFF
 from dpkfac.probes import median_time
 
 __all__ = ["COMPUTE_PROBE_KINDS", "COMPUTE_PROBE_REPEATS", "job_compute_probes", "probe_compute"]
@@ -54,6 +60,7 @@ COMPUTE_PROBE_KINDS = (
     "forward_backward",
     "precondition",
     "factor",
+    "eigh",
     "host",
 )
 #: Timed repeats of each probe (after one untimed).
@@ -191,6 +198,16 @@ def probe_compute(
                     total[kind] = (calls + c, amount + a)
         if captured:
             out["factor"] = (_work(total), _median(factors, repeats, device))
+            factors()  # the pass's batch factors, decomposed as a decomposition step does
+            matrices = [x.pending_factor(w) for _, x in captured for w in ("A", "G")]
+
+            def decompose() -> None:
+                for m in matrices:
+                    EigenDecomposition.compute(m, damping=damping, dtype=torch.float32)
+
+            flops = sum(2 * EIGH_COEFF * float(m.shape[0]) ** 3 for m in matrices)
+            work = {"eigh": (float(len(matrices)), flops)}
+            out["eigh"] = (_work(work), _median(decompose, repeats, device))
         updates = [(x, precondition_layer(x, g, damping).matrix) for x, g in grad_matrices()]
         scale = torch.ones((), device=device)
 

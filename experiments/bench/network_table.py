@@ -356,10 +356,12 @@ def model_floors(frame: pd.DataFrame) -> pd.DataFrame:
     return best[["model", "label", "setting", "rate_bps", "strategy", "floor_ms", "floor_vs_sgd"]]
 
 
-def _has_probes(value: Any) -> bool:
-    """Whether a row's ``compute_probes`` cell holds any probe."""
+def _has_probes(value: Any, kind: str | None = None) -> bool:
+    """Whether a row's ``compute_probes`` cell holds any probe (of ``kind``, if given)."""
     probes = json_value(value) if isinstance(value, str) and value else value
-    return isinstance(probes, list) and bool(probes)
+    if not isinstance(probes, list):
+        return False
+    return any(kind is None or p.get("kind") == kind for p in probes)
 
 
 def _rates(values: pd.Series) -> str:
@@ -439,6 +441,16 @@ def write_network(df: pd.DataFrame, out: Path) -> dict[str, Path]:
                     "These rows predate the compute probes (`compute_probes`): their engines are",
                     "the base preset's, timed alone on an idle machine; re-measure the table for",
                     "engines of this host in the job.",
+                ]
+            elif not df["compute_probes"].map(lambda v: _has_probes(v, "eigh")).any():
+                md += [
+                    "",
+                    "These rows predate the eigh probe: decompositions are priced at the base",
+                    "preset's eigh rate, fitted on another machine's LAPACK, which prices this",
+                    "host's eigh at up to 2.7× its time (769 wide). The paper setting, which",
+                    "decomposes every step, carries that error: its K-FAC compute is",
+                    "overpredicted about twice over. Re-measure the table to price",
+                    "decompositions from the job's own probe.",
                 ]
         jobs = frame.drop_duplicates(["model", "setting", "rate_bps"])
         faithful = jobs["faithful_bps"].dropna()
