@@ -295,6 +295,8 @@ class Strategy(Generic[OptionsT]):
         self.plan: Plan | None = None
         #: This rank's view of the plan, read from it once per placement (None: no plan).
         self.roles: RankRoles | None = None
+        #: Lazy factor sync: whether the running factors changed since they were averaged.
+        self.unsynced = False
         #: Whether the plan is final (made from the shapes all ranks agreed on).
         self.placed = False
         self.factor_comm = comm
@@ -479,10 +481,48 @@ class Strategy(Generic[OptionsT]):
             self.comm.wait(handle)
 
     def reduce_factors(self, layers: Sequence[KFACLayer]) -> None:
-        """Turn pending local batch factors into what ``update_factors`` should fold in."""
+        """Turn pending local batch factors into what ``update_factors`` should fold in.
+
+        With ``traits.factor_comm == "allreduce"`` (d_kfac, kaisa, grouped) the batch
+        factors are averaged over the factor group by fused all-reduces (triangle-packed with
+        ``traits.triangle``), or, lazily (``traits.lazy_factor_sync``), folded into the local
+        running averages, which :meth:`sync_factors` averages before the next decomposition.
+        Where no factor is communicated (dp_kfac) this does nothing; a pipelined scheme
+        (spd_kfac) launches its own from :meth:`factor_ready`.
+        """
+        traits = self.traits
+        if traits.factor_comm != "allreduce":
+            return
+        if traits.lazy_factor_sync:
+            self.unsynced = self.unsynced or any(
+                layer.has_pending(w) for layer in layers for w in FACTORS
+            )
+            return
+        items = [(layer, w) for layer in layers for w in FACTORS if layer.has_pending(w)]
+        tensors = [layer.pending_factor(w) for layer, w in items]
+        self.factor_comm.allreduce_mean(
+            tensors, "factor_allreduce", triangle=traits.triangle, cap_bytes=self.bucket_cap_bytes
+        )
+        for (layer, which), tensor in zip(items, tensors, strict=True):
+            layer.set_pending(which, tensor)
 
     def sync_factors(self, layers: Sequence[KFACLayer]) -> None:
-        """Called on decomposition steps before decomposing: make the running factors final."""
+        """Called on decomposition steps before decomposing: make the running factors final.
+
+        Lazy synchronisation (``traits.lazy_factor_sync``): average the running factors over
+        the factor group, in place, when they changed since they last were.
+        """
+        traits = self.traits
+        if traits.factor_comm != "allreduce" or not traits.lazy_factor_sync or not self.unsynced:
+            return
+        self.unsynced = False
+        tensors = [layer.factor(w) for layer in layers for w in FACTORS]
+        self.factor_comm.allreduce_mean(
+            [t for t in tensors if t is not None],
+            "factor_allreduce",
+            triangle=traits.triangle,
+            cap_bytes=self.bucket_cap_bytes,
+        )
 
     def share_decompositions(
         self, layers: Sequence[KFACLayer], updated: set[tuple[str, str]]

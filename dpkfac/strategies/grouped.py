@@ -19,12 +19,12 @@ from typing import Any
 from dpkfac.curvature import KFACLayer
 from dpkfac.curvature.layer import FACTORS
 from dpkfac.plan.grouped import GroupedOptions, GroupedScheme
-from dpkfac.strategies.d_kfac import DKFAC
+from dpkfac.strategies.base import Strategy
 
 __all__ = ["GroupedKFAC", "GroupedOptions"]
 
 
-class GroupedKFAC(DKFAC[GroupedOptions]):
+class GroupedKFAC(Strategy[GroupedOptions]):
     """Factors averaged within groups of k ranks, preconditioning by W = f·P gradient workers."""
 
     scheme = GroupedScheme

@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 from dpkfac.plan.kaisa import KAISAOptions, KAISAScheme
-from dpkfac.strategies.d_kfac import DKFAC
+from dpkfac.strategies.base import Strategy
 
 __all__ = ["KAISA", "KAISAOptions"]
 
 
-class KAISA(DKFAC[KAISAOptions]):
+class KAISA(Strategy[KAISAOptions]):
     """All-reduced factors, column-wise decompositions, row-wise gradient broadcasts."""
 
     scheme = KAISAScheme

@@ -33,20 +33,17 @@ from dpkfac.curvature.layer import FACTORS
 from dpkfac.plan.fusion import CommModel, plan_buckets
 from dpkfac.plan.spd_kfac import SPDKFACOptions, SPDKFACScheme
 from dpkfac.probes import measure_comm_model
-from dpkfac.strategies.d_kfac import DKFAC
+from dpkfac.strategies.base import Strategy
 
 __all__ = ["SPDKFAC", "SPDKFACOptions"]
 
 Key = tuple[str, str]
 
 
-class SPDKFAC(DKFAC[SPDKFACOptions]):
+class SPDKFAC(Strategy[SPDKFACOptions]):
     """Pipelined, fused, triangle-packed factor all-reduces and thresholded placement."""
 
     scheme = SPDKFACScheme
-
-    def sync_factors(self, layers: Sequence[KFACLayer]) -> None:
-        """Batch factors are already averaged by the pipeline: nothing to sync."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
