@@ -328,7 +328,8 @@ def validate_strategy(node: DictConfig, prefix: str = "strategy") -> None:
         ExperimentError: Naming the offending key, its value and the library's reason.
     """
     from dpkfac.options import KFACOptions
-    from dpkfac.strategies import STRATEGIES, canonical_name, strategy_options
+    from dpkfac.plan import SCHEMES
+    from dpkfac.strategies import canonical_name, strategy_options
 
     name = node.get("name")
     if not isinstance(name, str) or not name:
@@ -342,7 +343,7 @@ def validate_strategy(node: DictConfig, prefix: str = "strategy") -> None:
         raise ExperimentError(f"invalid value {prefix}.algorithm={algorithm!r}: {err}") from None
     except TypeError:
         raise ExperimentError(
-            f"invalid value {prefix}.algorithm={algorithm!r}: expected one of {sorted(STRATEGIES)}"
+            f"invalid value {prefix}.algorithm={algorithm!r}: expected one of {sorted(SCHEMES)}"
         ) from None
     options = node_options(node)
     try:

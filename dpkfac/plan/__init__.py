@@ -27,6 +27,7 @@ written in another spelling.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -61,10 +62,33 @@ __all__ = [
     "scheme_options",
 ]
 
-#: The registered schemes, by name, in the order tables list them.
+#: The registered schemes, by name, in the order tables list them; a scheme of another
+#: module of this package joins when its name is first asked for (:func:`canonical_name`).
 SCHEMES: dict[str, type[Scheme]] = {
     cls.name: cls for cls in (DPKFACScheme, DKFACScheme, SPDKFACScheme, KAISAScheme, GroupedScheme)
 }
+
+
+def _load(key: str) -> type[Scheme] | None:
+    """The scheme named ``key`` from its own module, ``dpkfac/plan/<key>.py``, registered once
+    found (None: no such module, or no scheme of that name in it).
+
+    A new scheme is its module alone: the first question about its name imports it, so no
+    list elsewhere has to name it (the configurations name it in ``CONFIGS``).
+    """
+    if not key.isidentifier():
+        return None
+    try:
+        module = importlib.import_module(f"{__name__}.{key}")
+    except ModuleNotFoundError as err:
+        if err.name == f"{__name__}.{key}":
+            return None
+        raise
+    for value in vars(module).values():
+        if isinstance(value, type) and issubclass(value, Scheme) and value.name == key:
+            SCHEMES[key] = value
+            return value
+    return None
 
 
 def name_key(name: str) -> str:
@@ -84,7 +108,7 @@ def canonical_name(name: str) -> str:
         ValueError: the name is not a registered strategy (with the closest one).
     """
     key = name_key(name) if isinstance(name, str) else name
-    if key not in SCHEMES:
+    if key not in SCHEMES and (not isinstance(key, str) or _load(key) is None):
         hint = did_you_mean([key], SCHEMES) if isinstance(key, str) else ""
         expected = "Expected" if hint else "expected"
         raise ValueError(

@@ -19,16 +19,24 @@ from dpkfac.strategies.grouped import GroupedKFAC, GroupedOptions
 from dpkfac.strategies.kaisa import KAISA, KAISAOptions
 from dpkfac.strategies.spd_kfac import SPDKFAC, SPDKFACOptions
 
-#: The runtime class of every registered scheme, by name.
+#: The runtime class of every registered scheme, by name. A scheme whose traits and roles say
+#: all it does needs none of its own: :func:`strategy_class` runs it on the base strategy.
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.scheme.name: cls for cls in (DPKFAC, DKFAC, SPDKFAC, KAISA, GroupedKFAC)
 }
-assert list(STRATEGIES) == list(SCHEMES), "every scheme has exactly one runtime class"
+assert list(STRATEGIES) == list(SCHEMES), "every built-in scheme has one runtime class"
 
 
 def strategy_class(name: str) -> type[Strategy]:
-    """The runtime class registered under ``name`` (any accepted spelling)."""
-    return STRATEGIES[canonical_name(name)]
+    """The runtime class of strategy ``name`` (any accepted spelling): its own, or for a
+    scheme without one the base strategy bound to it, made once."""
+    key = canonical_name(name)
+    if key not in STRATEGIES:
+        scheme = SCHEMES[key]
+        doc = f"{key}: the base strategy, running the plan of {scheme.__name__}."
+        made = type(f"{scheme.__name__}Strategy", (Strategy,), {"scheme": scheme, "__doc__": doc})
+        STRATEGIES[key] = made
+    return STRATEGIES[key]
 
 
 def strategy_options(
