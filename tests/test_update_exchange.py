@@ -18,6 +18,7 @@ from dpkfac.plan.assignment import LayerShape
 from dpkfac.plan.exchange import (
     Transfer,
     decomposition_transfers,
+    factor_transfers,
     gradient_transfers,
     update_transfers,
 )
@@ -99,3 +100,25 @@ def test_the_cost_model_reduces_gradients_as_the_transfers_say() -> None:
 @given(senders)
 def test_each_decomposer_broadcasts_its_own_in_group_order(sent_by: list[list[int]]) -> None:
     assert decomposition_transfers(sent_by) == update_transfers(False, sent_by)
+
+
+@given(st.lists(st.integers(0, 50), max_size=8), st.sampled_from(["none", "allreduce"]))
+def test_factors_travel_in_one_fused_all_reduce_from_step(factors: list[int], comm: str) -> None:
+    transfers = factor_transfers(comm, factors)
+    if comm == "none" or not factors:
+        assert transfers == []
+    else:
+        assert transfers == [Transfer("allreduce", (tuple(factors),))]
+
+
+def test_pipelined_factors_travel_per_fusion_bucket_or_alone_while_profiled() -> None:
+    assert factor_transfers("pipelined", ["a", "b", "c"]) == [
+        Transfer("allreduce", (("a",),)),
+        Transfer("allreduce", (("b",),)),
+        Transfer("allreduce", (("c",),)),
+    ]
+    buckets = [["a", "b"], [], ["c"]]
+    assert factor_transfers("pipelined", ["a", "b", "c"], buckets) == [
+        Transfer("allreduce", (("a", "b"),)),
+        Transfer("allreduce", (("c",),)),
+    ]

@@ -10,10 +10,10 @@ pipelined factor traffic, so the predicted bytes, calls and wire bytes are
 what :meth:`dpkfac.KFACPreconditioner.comm_stats` reports on every rank. All
 tensors of one category are assumed to share one dtype.
 
-The gradients' reduction, the decompositions' broadcasts and the updates' exchange are
-priced from the runtime's own descriptions of them (:mod:`dpkfac.plan.exchange`), which the
-runtime launches. Still
-mirrored from the code, as orders within a buffer: a layer's parameters go weight, then
+The gradients' reduction, the factors' all-reduces, the decompositions' broadcasts and the
+updates' exchange are priced from the runtime's own descriptions of them
+(:mod:`dpkfac.plan.exchange`), which the runtime launches. Still mirrored from the code, as
+orders within a buffer: a layer's parameters go weight, then
 bias, and the other parameters after the layers; each layer's update matrix is followed by
 its two KL scalars; decompositions go per source rank, layer by layer, A before G,
 eigenvectors before eigenvalues.
@@ -27,7 +27,12 @@ from dataclasses import dataclass
 from dpkfac.comm import triangle_numel
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.plan.assignment import LayerShape
-from dpkfac.plan.exchange import decomposition_transfers, gradient_transfers, update_transfers
+from dpkfac.plan.exchange import (
+    decomposition_transfers,
+    factor_transfers,
+    gradient_transfers,
+    update_transfers,
+)
 from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap, shard_rounds, size_cap_buckets
 from dpkfac.plan.hardware import (
     landing_bytes,
@@ -315,13 +320,15 @@ def factor_collectives(
     tri = traits.triangle
     dims = [factor_dim(model, k) for k in keys]
     numels = [triangle_numel(d) if tri else d * d for d in dims]
-    if traits.factor_comm == "allreduce":
-        runs = size_cap_buckets([n * itemsize for n in numels], cap_bytes)
-    elif plan is None:
-        runs = [[i] for i in range(len(keys))]
-    else:
-        index = {k: i for i, k in enumerate(keys)}
-        runs = [[index[(name, which)] for name, which in bucket] for bucket in plan]
+    index = {k: i for i, k in enumerate(keys)}
+    runs: list[list[int]] = []
+    for t in factor_transfers(traits.factor_comm, keys, plan):
+        sent = [index[k] for k in t.shards[0]]
+        if traits.factor_comm == "allreduce":  # fused into capped buffers, as the runtime's
+            sizes = [numels[i] * itemsize for i in sent]
+            runs += [[sent[j] for j in b] for b in size_cap_buckets(sizes, cap_bytes)]
+        else:
+            runs.append(sent)
     return [
         Collective(
             "factor_allreduce",

@@ -1,9 +1,10 @@
 """The exchanges of a step that depend on who preconditions what, as data.
 
-Three exchanges of a step follow from the plan's roles: the gradients' reduction (onto
-every rank, or under the owner reduction onto each layer's owner); where decompositions are
-placed, their broadcast from each decomposer; and, where a layer's preconditioners are not
-every rank, the exchange of its preconditioned update. What each is
+The exchanges of a step follow from the plan's traits and roles: the gradients' reduction
+(onto every rank, or under the owner reduction onto each layer's owner); where factors are
+averaged, their all-reduces; where decompositions are placed, their broadcast from each
+decomposer; and, where a layer's preconditioners are not every rank, the exchange of its
+preconditioned update. What each is
 (which collectives, from which senders, carrying which tensors, in which order) is decided
 here, once, from whether the plan reduces gradients onto owners. The runtime launches the
 lists these functions return, from ``step()`` and from the overlapped engine, bucket by
@@ -22,7 +23,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
-__all__ = ["Transfer", "decomposition_transfers", "gradient_transfers", "update_transfers"]
+__all__ = [
+    "Transfer",
+    "decomposition_transfers",
+    "factor_transfers",
+    "gradient_transfers",
+    "update_transfers",
+]
 
 T = TypeVar("T")
 
@@ -92,6 +99,24 @@ def update_transfers(owner_reduction: bool, sent_by: Sequence[Sequence[T]]) -> l
     if owner_reduction:
         return [Transfer("all_gather", tuple(tuple(s) for s in sent_by))]
     return _broadcasts(sent_by)
+
+
+def factor_transfers(
+    factor_comm: str, factors: Sequence[T], buckets: Sequence[Sequence[T]] | None = None
+) -> list[Transfer[T]]:
+    """The averaging of the batch (or, lazily, running) ``factors`` over the factor group, as
+    the plan's ``traits.factor_comm`` says, in launch order: "none", nothing; "allreduce", one
+    all-reduce of them all in the order given (fused into capped buffers by the
+    communicator), from ``step()``; "pipelined", one all-reduce per fusion bucket of
+    ``buckets`` (None, while the buckets are profiled: each factor alone), launched from the
+    capture hooks as each fills (spd_kfac's hooks keep their own count of what each bucket
+    still waits for, over the same fusion plan the cost model passes here)."""
+    if factor_comm == "none" or not factors:
+        return []
+    if factor_comm == "allreduce":
+        return [Transfer("allreduce", (tuple(factors),))]
+    runs = [[f] for f in factors] if buckets is None else buckets
+    return [Transfer("allreduce", (tuple(run),)) for run in runs if run]
 
 
 def decomposition_transfers(sent_by: Sequence[Sequence[T]]) -> list[Transfer[T]]:

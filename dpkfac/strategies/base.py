@@ -28,6 +28,7 @@ from dpkfac.plan import LayerShape, Placement, Plan, Scheme, Traits
 from dpkfac.plan.exchange import (
     Transfer,
     decomposition_transfers,
+    factor_transfers,
     gradient_transfers,
     update_transfers,
 )
@@ -499,12 +500,17 @@ class Strategy(Generic[OptionsT]):
             )
             return
         items = [(layer, w) for layer in layers for w in FACTORS if layer.has_pending(w)]
-        tensors = [layer.pending_factor(w) for layer, w in items]
-        self.factor_comm.allreduce_mean(
-            tensors, "factor_allreduce", triangle=traits.triangle, cap_bytes=self.bucket_cap_bytes
-        )
-        for (layer, which), tensor in zip(items, tensors, strict=True):
-            layer.set_pending(which, tensor)
+        for transfer in factor_transfers(traits.factor_comm, items):
+            (sent,) = transfer.shards
+            tensors = [layer.pending_factor(w) for layer, w in sent]
+            self.factor_comm.allreduce_mean(
+                tensors,
+                "factor_allreduce",
+                triangle=traits.triangle,
+                cap_bytes=self.bucket_cap_bytes,
+            )
+            for (layer, which), tensor in zip(sent, tensors, strict=True):
+                layer.set_pending(which, tensor)
 
     def sync_factors(self, layers: Sequence[KFACLayer]) -> None:
         """Called on decomposition steps before decomposing: make the running factors final.
@@ -516,13 +522,14 @@ class Strategy(Generic[OptionsT]):
         if traits.factor_comm != "allreduce" or not traits.lazy_factor_sync or not self.unsynced:
             return
         self.unsynced = False
-        tensors = [layer.factor(w) for layer in layers for w in FACTORS]
-        self.factor_comm.allreduce_mean(
-            [t for t in tensors if t is not None],
-            "factor_allreduce",
-            triangle=traits.triangle,
-            cap_bytes=self.bucket_cap_bytes,
-        )
+        held = [t for layer in layers for w in FACTORS if (t := layer.factor(w)) is not None]
+        for transfer in factor_transfers(traits.factor_comm, held):
+            self.factor_comm.allreduce_mean(
+                list(transfer.shards[0]),
+                "factor_allreduce",
+                triangle=traits.triangle,
+                cap_bytes=self.bucket_cap_bytes,
+            )
 
     def share_decompositions(
         self, layers: Sequence[KFACLayer], updated: set[tuple[str, str]]
