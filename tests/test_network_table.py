@@ -155,6 +155,10 @@ def test_the_cost_model_is_checked_per_part_of_the_step(tmp_path: Path) -> None:
     assert errors.loc["K-FAC compute", "rows"] == 4  # SGD's rows have none
     step = frame["pred_error_%"].abs()
     assert errors.loc["step", "mean abs. error %"] == pytest.approx(step.mean())
+    paper = frame.assign(setting="paper")
+    both = network_table.model_errors_by_setting(pd.concat([frame, paper])).set_index("part")
+    assert list(both.columns) == ["practical", "paper"]
+    assert both.loc["step", "paper"] == pytest.approx(step.mean())
     text = tables.write_table("network", _rows(), tmp_path)["md"].read_text()
     assert "## The cost model, held out" in text
     assert "These rows predate the compute probes" in text

@@ -291,6 +291,19 @@ def model_errors(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def model_errors_by_setting(frame: pd.DataFrame) -> pd.DataFrame:
+    """:func:`model_errors`' mean absolute error (%) per part, one column per setting: the
+    settings weigh the parts differently (the paper setting decomposes every step)."""
+    columns = {}
+    for setting, g in frame.groupby("setting", sort=False):
+        errors = model_errors(g)
+        if not errors.empty:
+            columns[str(setting)] = errors.set_index("part")["mean abs. error %"]
+    if not columns:
+        return pd.DataFrame()
+    return pd.DataFrame(columns).rename_axis("part").reset_index()
+
+
 def _phase_table(g: pd.DataFrame) -> pd.DataFrame:
     """Measured and predicted milliseconds of each :data:`MODEL_PHASES` part, per config."""
     show = pd.DataFrame({"strategy": g["strategy"].to_numpy()})
@@ -435,6 +448,14 @@ def write_network(df: pd.DataFrame, out: Path) -> dict[str, Path]:
                 "",
                 to_markdown(errors, dict.fromkeys(errors.columns[2:], 1)),
             ]
+            by_setting = model_errors_by_setting(frame)
+            if len(by_setting.columns) > 2:  # more than one setting
+                md += [
+                    "",
+                    "Mean absolute error (%) per setting:",
+                    "",
+                    to_markdown(by_setting, dict.fromkeys(by_setting.columns[1:], 1)),
+                ]
             if "compute_probes" not in df or not df["compute_probes"].map(_has_probes).any():
                 md += [
                     "",
