@@ -76,7 +76,7 @@ def _load(key: str) -> type[Scheme] | None:
     A new scheme is its module alone: the first question about its name imports it, so no
     list elsewhere has to name it (the configurations name it in ``CONFIGS``).
     """
-    if not key.isidentifier():
+    if not key.isidentifier() or key.startswith("_"):  # a module name, never a private one
         return None
     try:
         module = importlib.import_module(f"{__name__}.{key}")
