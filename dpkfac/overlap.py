@@ -24,8 +24,9 @@ Either way, on the step's last micro-batch (``accumulation_steps``):
 
 * **Gradient reduction, per bucket**, in two parts launched in this order (category
   ``grad_allreduce``): what the bucket's K-FAC layers need, and the rest. With
-  ``grad_reduction="allreduce"`` the first is the bucket's all-reduce and there is no
-  rest. With ``grad_reduction="owner"`` the first reduces the K-FAC layers' gradients
+  ``grad_reduction="allreduce"`` the first is the all-reduce of the K-FAC layers'
+  gradients and the rest the all-reduce of the others (two collectives only where a
+  bucket holds both). With ``grad_reduction="owner"`` the first reduces the K-FAC layers' gradients
   onto their owners (uneven shards, one per owner, no padding; under DDP one rooted
   reduce per owner where the backend's reduce-scatter has no future) and the rest is
   the all-reduce of the other gradients. A layer waits for the first part only: a
@@ -92,7 +93,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dpkfac.comm import Communicator, Handle
 from dpkfac.curvature.layer import KFACLayer, MaskedFold, warn_non_finite
 from dpkfac.device import HostReader
-from dpkfac.plan.exchange import gradient_transfers
+from dpkfac.plan.exchange import gradient_transfers, waited_by_layers
 from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap
 from dpkfac.plan.roles import RankRoles
 from dpkfac.stats import PhaseTimer
@@ -201,8 +202,9 @@ class _Launched:
 
     A bucket's collectives come in two parts, launched in this order: ``kfac``, what
     its K-FAC layers' preconditioning waits for (with the owner reduction the
-    reduce-scatter onto the owners, else the bucket's one all-reduce), and ``rest``,
-    the all-reduce of its other gradients, which no layer needs before ``step()``.
+    reduce-scatter onto the owners, else the all-reduce of their gradients), and
+    ``rest``, the all-reduce of its other gradients, which no layer needs before
+    ``step()``.
     They are waited for separately, so a layer is preconditioned and its update
     exchanged while a large bucket of other gradients (BERT's word embedding, the
     last in the backward pass) is still on the wire.
@@ -214,8 +216,8 @@ class _Launched:
             DDP's views of its bucket, which DDP copies into ``.grad`` at the
             end of the backward pass).
         kfac: the communicator's handles of the K-FAC part.
-        rest: the handles of the other gradients' all-reduce (empty without the
-            owner reduction).
+        rest: the handles of the other gradients' all-reduce (empty where the bucket
+            holds none).
         kfac_future: under DDP, completes once ``kfac`` is settled (None: settle the
             handles with :meth:`Communicator.wait`).
         future: under DDP, completes once the whole bucket is settled (what DDP waits for).
@@ -414,28 +416,33 @@ class OverlapEngine:
         self, index: int, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
     ) -> tuple[list[Handle], list[Handle]]:
         """Launch one bucket's reduction, its K-FAC part first (:class:`_Launched`), as
-        ``step()`` reduces gradients (:func:`~dpkfac.plan.exchange.gradient_transfers`): an
-        all-reduce, or with the owner reduction a reduce-scatter of the K-FAC layers'
-        gradients onto their owners and then an all-reduce of the rest."""
+        :func:`~dpkfac.plan.exchange.gradient_transfers` says with ``kfac_first``: the K-FAC
+        layers' gradients by an all-reduce, or with the owner reduction by a reduce-scatter
+        onto their owners, and then an all-reduce of the rest."""
         owner_of = {
             id(g): self._sender(layers[0])
             for p, g in zip(params, grads, strict=True)
             if (layers := self.layers_of.get(id(p)))
         }
-        owner_reduction = self._roles().traits.owner_grad_reduction
         kfac: list[Handle] = []
         rest: list[Handle] = []
+
+        def owner(g: torch.Tensor) -> int | None:
+            return owner_of.get(id(g))
+
         for transfer in gradient_transfers(
-            owner_reduction, list(grads), lambda g: owner_of.get(id(g)), self.comm.size
+            self._roles().traits.owner_grad_reduction,
+            list(grads),
+            owner,
+            self.comm.size,
+            kfac_first=True,
         ):
-            # Without the owner reduction the one all-reduce is what the layers wait for.
-            rest_part = owner_reduction and transfer.kind == "allreduce"
-            part = "rest" if rest_part else "kfac"
+            part = "kfac" if waited_by_layers(transfer, owner) else "rest"
             with self._tags(bucket=index, part=part):
                 handles = launch_gradients(
                     self.comm, transfer, overlapped=True, futures=self.ctx.ddp is not None
                 )
-            (rest if part == "rest" else kfac).extend(handles)
+            (kfac if part == "kfac" else rest).extend(handles)
         return kfac, rest
 
     # ------------------------------------------------------------- timeline

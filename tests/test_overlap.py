@@ -120,9 +120,12 @@ def _check(results: list[dict[str, Any]], names: list[str]) -> float:
                 bytes_plain = {c: v["bytes"] for c, v in plain["stats"][step].items()}
                 bytes_over = {c: v["bytes"] for c, v in overlapped["stats"][step].items()}
                 assert bytes_over == bytes_plain, (name, rank, step)
-                wire_plain = {c: v["wire_bytes"] for c, v in plain["stats"][step].items()}
-                wire_over = {c: v["wire_bytes"] for c, v in overlapped["stats"][step].items()}
-                assert wire_over == wire_plain, (name, rank, step)
+                # Wire bytes: the same, but for each buffer's integer floor (the overlapped
+                # buckets cut the gradients into other buffers).
+                for c, v in plain["stats"][step].items():
+                    w = overlapped["stats"][step][c]
+                    slack = max(v["calls"], w["calls"], 1)
+                    assert abs(w["wire_bytes"] - v["wire_bytes"]) < slack, (name, rank, step, c)
         for step in range(STEPS):  # identical replicas
             first = results[0][name][True]["params"][step]
             for res in results[1:]:
@@ -145,12 +148,20 @@ def test_overlap_equals_plain_distributed(world_size: int) -> None:
     print(f"P={world_size} max relative difference {worst:.3e}")
 
 
-def test_single_bucket_has_the_same_calls_too() -> None:
-    """With every gradient in one bucket, the collectives are the same ones (P = 2)."""
+def test_single_bucket_splits_its_kfac_gradients_from_the_rest() -> None:
+    """With every gradient in one bucket (P = 2), the overlapped mode all-reduces the K-FAC
+    layers' gradients first and the GroupNorm's after them, so no layer waits for a
+    gradient it does not need: the same bytes in one more call; every other exchange is
+    the same one."""
     results = run_ranks(_both, 2, ["tiny"])
     for res in results:
         for step in range(STEPS):
-            assert res["tiny"][True]["stats"][step] == res["tiny"][False]["stats"][step]
+            over, plain = res["tiny"][True]["stats"][step], res["tiny"][False]["stats"][step]
+            grads_over, grads_plain = over.pop("grad_allreduce"), plain.pop("grad_allreduce")
+            assert over == plain
+            assert grads_over["bytes"] == grads_plain["bytes"]
+            # Step 0 runs the ordinary step() (the placement is not final yet).
+            assert (grads_plain["calls"], grads_over["calls"]) == (1, 1 if step == 0 else 2)
 
 
 # ------------------------------------------------------------------ host reads

@@ -391,23 +391,30 @@ class _Late:
         return out
 
 
-def _late_rest(rank: int, world_size: int, how: str | None) -> dict[str, Any]:
-    """Overlapped owner-reduction steps on EmbedNet (one bucket: the two Linears and the
-    embedding) with the all-reduce of the bucket's non-K-FAC part held back; when each
-    layer was preconditioned and each exchange launched, against when the held all-reduce
-    was due; the gradients step() wrote, against the ordinary dp_kfac step's."""
+def _late_rest(
+    rank: int, world_size: int, how: str | None, reduction: str = "owner"
+) -> dict[str, Any]:
+    """Overlapped steps on EmbedNet (one bucket: the two Linears and the embedding) with the
+    all-reduce of the bucket's non-K-FAC part (the embedding's gradient) held back; when
+    each layer was preconditioned and each exchange launched, against when the held
+    all-reduce was due; the gradients step() wrote, against the ordinary dp_kfac step's.
+    ``reduction``: the gradients' (``grad_reduction``), whose update exchange is an
+    all-gather under the owner reduction and broadcasts otherwise."""
     inner = embed_net()
     model: nn.Module = DistributedDataParallel(inner) if how else inner
-    pre = make_preconditioner(model, "dp_kfac", grad_reduction="owner", overlap=True)
+    pre = make_preconditioner(model, "dp_kfac", grad_reduction=reduction, overlap=True)
     engine = pre.overlap
     assert engine is not None
     due: list[float] = []
     events: list[tuple[str, float]] = []
-    allreduce, exchange = engine.comm.allreduce_mean, engine.bcast_comm.all_gather
+    name = "all_gather" if reduction == "owner" else "broadcast"
+    allreduce, exchange = engine.comm.allreduce_mean, getattr(engine.bcast_comm, name)
+    embedding = inner.embed.weight.numel()
 
     def held(tensors: Any, category: str, **kw: Any) -> Any:
         handle = allreduce(tensors, category, **kw)
-        if kw.get("overlapped"):  # the engine's all-reduce of a bucket's other gradients
+        rest = any(t.numel() == embedding for t in tensors)
+        if kw.get("overlapped") and rest:  # the engine's all-reduce of the embedding
             due.append(time.monotonic() + DELAY_S)
             handle.works = [_Late(w, due[-1]) for w in handle.works]
         return handle
@@ -423,7 +430,7 @@ def _late_rest(rank: int, world_size: int, how: str | None) -> dict[str, Any]:
         return precondition(layer)
 
     engine.comm.allreduce_mean = held  # type: ignore[method-assign]
-    engine.bcast_comm.all_gather = sent  # type: ignore[method-assign]
+    setattr(engine.bcast_comm, name, sent)
     engine._precondition = preconditioned  # type: ignore[method-assign]
     reference = embed_net()
     plain = make_preconditioner(reference, "dp_kfac")
@@ -447,11 +454,15 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("reduction", ["owner", "allreduce"])
 @pytest.mark.parametrize("how", [None, "ddp"])
-def test_a_late_bucket_rest_holds_back_no_preconditioning_or_exchange(how: str | None) -> None:
+def test_a_late_bucket_rest_holds_back_no_preconditioning_or_exchange(
+    how: str | None, reduction: str
+) -> None:
     """The one bucket's K-FAC layers are preconditioned and their updates sent before the
-    all-reduce of its embedding is due: the layers wait for their own gradients only."""
-    for out in run_ranks(_late_rest, 2, how):
+    all-reduce of its embedding is due, whether their gradients are reduced onto their
+    owners or all-reduced: the layers wait for their own gradients only."""
+    for out in run_ranks(_late_rest, 2, how, reduction):
         assert max(out["errors"]) < TOL, out["errors"]
         assert out["early"] and len(out["due"]) >= 3
         for step in out["early"]:

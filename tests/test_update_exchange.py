@@ -21,6 +21,7 @@ from dpkfac.plan.exchange import (
     factor_transfers,
     gradient_transfers,
     update_transfers,
+    waited_by_layers,
 )
 
 senders = st.lists(st.lists(st.integers(0, 50), max_size=4), min_size=1, max_size=6)
@@ -48,15 +49,31 @@ def test_under_the_owner_reduction_one_all_gather_carries_every_shard(
 items = st.lists(st.tuples(st.none() | st.integers(0, 3), st.integers()), max_size=12)
 
 
-@given(items, st.booleans())
+@given(items, st.booleans(), st.booleans())
 def test_gradients_travel_once_onto_their_owners_then_the_rest(
-    grads: list[tuple[int | None, int]], owner_reduction: bool
+    grads: list[tuple[int | None, int]], owner_reduction: bool, kfac_first: bool
 ) -> None:
-    transfers = gradient_transfers(owner_reduction, grads, lambda g: g[0], 4)
+    def owner(g: tuple[int | None, int]) -> int | None:
+        return g[0]
+
+    transfers = gradient_transfers(owner_reduction, grads, owner, 4, kfac_first=kfac_first)
     carried = [g for t in transfers for shard in t.shards for g in shard]
     assert sorted(map(repr, carried)) == sorted(map(repr, grads))  # each once
-    if not owner_reduction:
+    # What the layers wait for comes first; the rest, if any, is one all-reduce after it.
+    waited = [waited_by_layers(t, owner) for t in transfers]
+    assert waited == sorted(waited, reverse=True)
+    if not owner_reduction and not kfac_first:
         assert transfers == ([Transfer("allreduce", (tuple(grads),))] if grads else [])
+        return
+    for t in transfers:
+        if not waited_by_layers(t, owner):
+            assert t == Transfer("allreduce", (tuple(g for g in grads if g[0] is None),))
+    if not owner_reduction:
+        kfac = tuple(g for g in grads if g[0] is not None)
+        assert all(t.kind == "allreduce" for t in transfers)
+        assert [t.shards[0] for t in transfers if waited_by_layers(t, owner)] == (
+            [kfac] if kfac else []
+        )
         return
     kinds = [t.kind for t in transfers]
     assert kinds == sorted(kinds, key=["reduce_scatter", "allreduce"].index)  # K-FAC first

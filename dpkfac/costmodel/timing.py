@@ -433,10 +433,11 @@ def _overlap_backward(
     """Hide gradient and update traffic behind the backward pass (``overlapped_precondition``).
 
     One link, buckets in backward order (:func:`dpkfac.costmodel.traffic.overlap_buckets`,
-    the runtime's own): a bucket's all-reduce starts once the backward has
+    the runtime's own): a bucket's reduction starts once the backward has
     made its gradients ready (:func:`_ready_times`), the owners precondition
-    the layers it completes once it is reduced (each its own, side by side), and
-    those layers' update exchange follows; the link serves whichever is ready first.
+    the layers it completes once their gradients are reduced (each its own, side by
+    side; the bucket's other gradients follow on the link), and those layers' update
+    exchange follows; the link serves whichever is ready first.
     Decomposition and preconditioning run on the compute stream, so they
     lengthen the backward (they stay in the breakdown). Only the link's tail
     past the end of that compute is exposed, to the extent the hardware
@@ -465,14 +466,15 @@ def _overlap_backward(
             t = max(t, arrival) + dur
             continue
         b = buckets[j]
-        t = next_grad + sum(link_time(c) for c in b.grads)
+        reduced = next_grad + sum(link_time(c) for c in b.grads)
+        t = reduced + sum(link_time(c) for c in b.rest)  # the rest follows on the link
         if b.updates:
             # Each owner preconditions its own layers; the exchange waits for the slowest.
             by_owner: dict[int, float] = {}
             for i in b.layers:
                 by_owner[owners[i]] = by_owner.get(owners[i], 0.0) + prec_time(i)
             prec = max(by_owner.values(), default=0.0)
-            queued.append((t + prec, sum(link_time(c) for c in b.updates)))
+            queued.append((reduced + prec, sum(link_time(c) for c in b.updates)))
             queued.sort()
         j += 1
     compute = max(r.get("decomposition", 0.0) + r.get("precondition", 0.0) for r in seconds)

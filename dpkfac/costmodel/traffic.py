@@ -32,6 +32,7 @@ from dpkfac.plan.exchange import (
     factor_transfers,
     gradient_transfers,
     update_transfers,
+    waited_by_layers,
 )
 from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap, shard_rounds, size_cap_buckets
 from dpkfac.plan.hardware import (
@@ -181,7 +182,8 @@ def grad_collectives(
     owners = None
     if plan is not None and plan.traits.owner_grad_reduction:
         owners = [plan.preconditioners[i][0] for i in range(len(model))]
-    return _gradients(items, owners, world_size, itemsize, cap_bytes)
+    transfers = _gradients(items, owners, world_size, itemsize, cap_bytes)
+    return [c for _, colls in transfers for c in colls]
 
 
 def _gradients(
@@ -192,28 +194,37 @@ def _gradients(
     cap_bytes: int | None,
     *,
     futures: bool = True,
-) -> list[Collective]:
+    kfac_first: bool = False,
+) -> list[tuple[bool, list[Collective]]]:
     """The collectives of :func:`~dpkfac.plan.exchange.gradient_transfers` over ``items``
     ((layer index or -1, elements); ``owners``: each layer's owner under the owner
-    reduction, None without it) as the communicator runs them: an all-reduce in capped
-    buckets, a reduce-scatter round by round, or (``futures`` False: a DDP hook on a backend
-    whose reduce-scatter has none) one rooted reduce per owner."""
+    reduction, None without it; ``kfac_first``: as the overlapped engine splits its buckets)
+    as the communicator runs them, per transfer with whether a K-FAC layer waits for it
+    (:func:`~dpkfac.plan.exchange.waited_by_layers`): an all-reduce in capped buckets, a
+    reduce-scatter round by round, or (``futures`` False: a DDP hook on a backend whose
+    reduce-scatter has none) one rooted reduce per owner."""
     cat = "grad_allreduce"
 
     def owner(item: tuple[int, int]) -> int | None:
-        return None if owners is None or item[0] < 0 else owners[item[0]]
+        if item[0] < 0:
+            return None
+        return 0 if owners is None else owners[item[0]]
 
-    out: list[Collective] = []
-    for t in gradient_transfers(owners is not None, items, owner, world_size):
+    out: list[tuple[bool, list[Collective]]] = []
+    transfers = gradient_transfers(
+        owners is not None, items, owner, world_size, kfac_first=kfac_first
+    )
+    for t in transfers:
         sizes = [[n * itemsize for _, n in shard] for shard in t.shards]
         if t.kind == "allreduce":
-            out += _collectives(cat, "allreduce", sizes[0], cap_bytes, world_size)
+            colls = _collectives(cat, "allreduce", sizes[0], cap_bytes, world_size)
         elif futures:
-            out += sharded_collectives(cat, "reduce_scatter", sizes, cap_bytes)
+            colls = sharded_collectives(cat, "reduce_scatter", sizes, cap_bytes)
         else:
-            out += [
+            colls = [
                 c for r in sizes if r for c in _collectives(cat, "reduce", r, cap_bytes, world_size)
             ]
+        out.append((waited_by_layers(t, owner), colls))
     return out
 
 
@@ -457,18 +468,21 @@ class OverlapBucket:
     Attributes:
         params: (layer index or -1, elements) of the parameters it holds, in
             backward order.
-        grads: its gradient reduction: one all-reduce, or under the owner
-            reduction a reduce-scatter of its K-FAC layers' gradients onto their
+        grads: the reduction its K-FAC layers wait for: the all-reduce of their
+            gradients, or under the owner reduction a reduce-scatter onto their
             owners (rooted reduces per owner where the hook needs futures the
-            backend's reduce-scatter lacks) and an all-reduce of the rest.
+            backend's reduce-scatter lacks).
+        rest: launched after it, the all-reduce of its other gradients, which no
+            layer waits for (empty where it holds none).
         layers: the layers whose last parameter it holds: they are
-            preconditioned once it is reduced.
+            preconditioned once its ``grads`` are reduced.
         updates: the exchange of those layers' updates (per owner a capped
             broadcast, or under the owner reduction an all-gather per round).
     """
 
     params: tuple[tuple[int, int], ...]
     grads: tuple[Collective, ...]
+    rest: tuple[Collective, ...]
     layers: tuple[int, ...]
     updates: tuple[Collective, ...]
 
@@ -495,11 +509,14 @@ def overlap_buckets(
     """
     p = plan.world_size
 
-    def reduction(held: Sequence[tuple[int, int]]) -> tuple[Collective, ...]:
-        """One bucket's gradient collectives, as ``OverlapEngine._reduce`` launches them."""
+    def reduction(held: Sequence[tuple[int, int]]) -> tuple[list[Collective], list[Collective]]:
+        """One bucket's gradient collectives, as ``OverlapEngine._reduce`` launches them:
+        what its layers wait for, and the rest."""
         futures = not ddp or reduce_scatter_future(backend)
         owners = owner_of if plan.traits.owner_grad_reduction else None
-        return tuple(_gradients(held, owners, p, itemsize, None, futures=futures))
+        parts = _gradients(held, owners, p, itemsize, None, futures=futures, kfac_first=True)
+        waited = [c for w, colls in parts if w for c in colls]
+        return waited, [c for w, colls in parts if not w for c in colls]
 
     order = model.backward_order() if ddp else model.param_order()[::-1]
     buckets = [tuple(b) for b in _ddp_cut(order, itemsize, cap_bytes)]
@@ -518,12 +535,15 @@ def overlap_buckets(
             kl_clip=kl_clip,
             backend=backend,
         )
-        out.append(OverlapBucket(held, reduction(held), layers, tuple(updates)))
+        waited, rest = reduction(held)
+        out.append(OverlapBucket(held, tuple(waited), tuple(rest), layers, tuple(updates)))
     return out
 
 
 def overlap_collectives(
     buckets: Sequence[OverlapBucket],
 ) -> tuple[list[Collective], list[Collective]]:
-    """The overlapped mode's gradient all-reduces and update broadcasts (one rank's view)."""
-    return [c for b in buckets for c in b.grads], [c for b in buckets for c in b.updates]
+    """The overlapped mode's gradient reductions, in launch order, and update exchanges (one
+    rank's view)."""
+    grads = [c for b in buckets for c in (*b.grads, *b.rest)]
+    return grads, [c for b in buckets for c in b.updates]

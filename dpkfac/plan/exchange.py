@@ -29,6 +29,7 @@ __all__ = [
     "factor_transfers",
     "gradient_transfers",
     "update_transfers",
+    "waited_by_layers",
 ]
 
 T = TypeVar("T")
@@ -54,7 +55,12 @@ class Transfer(Generic[T]):
 
 
 def gradient_transfers(
-    owner_reduction: bool, items: Sequence[T], owner: Callable[[T], int | None], world_size: int
+    owner_reduction: bool,
+    items: Sequence[T],
+    owner: Callable[[T], int | None],
+    world_size: int,
+    *,
+    kfac_first: bool = False,
 ) -> list[Transfer[T]]:
     """The reduction of the gradients ``items`` (in the order they are packed), in launch
     order.
@@ -63,10 +69,14 @@ def gradient_transfers(
     their owners (``owner_reduction``, the plan's ``traits.owner_grad_reduction``): then each
     owner's (``owner(item)``, None for a parameter of no K-FAC layer) go by one
     reduce-scatter of the owners' shards, in ``items`` order within each, and the rest by
-    one all-reduce after it, which no layer needs before ``step()`` ends. Empty lists send
-    nothing.
+    one all-reduce after it, which no layer needs before ``step()`` ends. ``kfac_first``
+    (the overlapped engine's buckets) splits the all-reduce alike: the K-FAC layers'
+    gradients by one all-reduce, then the rest by another, so that a layer never waits for a
+    large gradient of no K-FAC layer that shares its bucket (BERT's word embedding, the
+    backward pass's last bucket): its preconditioning runs while that is on the wire.
+    Empty lists send nothing.
     """
-    if not owner_reduction:
+    if not owner_reduction and not kfac_first:
         return [Transfer("allreduce", (tuple(items),))] if items else []
     shards: list[list[T]] = [[] for _ in range(world_size)]
     rest: list[T] = []
@@ -74,11 +84,21 @@ def gradient_transfers(
         r = owner(item)
         (rest if r is None else shards[r]).append(item)
     out: list[Transfer[T]] = []
-    if any(shards):
+    if not owner_reduction:
+        kfac = [item for item in items if owner(item) is not None]
+        if kfac:
+            out.append(Transfer("allreduce", (tuple(kfac),)))
+    elif any(shards):
         out.append(Transfer("reduce_scatter", tuple(tuple(s) for s in shards)))
     if rest:
         out.append(Transfer("allreduce", (tuple(rest),)))
     return out
+
+
+def waited_by_layers(transfer: Transfer[T], owner: Callable[[T], int | None]) -> bool:
+    """Whether a K-FAC layer waits for this transfer of :func:`gradient_transfers`: it
+    carries a K-FAC layer's gradient (False: the rest, which only ``step()``'s end needs)."""
+    return any(owner(item) is not None for shard in transfer.shards for item in shard)
 
 
 def update_transfers(owner_reduction: bool, sent_by: Sequence[Sequence[T]]) -> list[Transfer[T]]:
