@@ -57,6 +57,9 @@ def test_every_engine_is_timed_on_the_jobs_own_model() -> None:
     # Each layer's two factors decomposed, at the cost model's 2 EIGH_COEFF d**3 flops each.
     eigh = sum(2 * EIGH_COEFF * float(d) ** 3 for s in shapes for d in (s.a_dim, s.g_dim))
     assert work["eigh"] == {"eigh": [2.0 * len(shapes), pytest.approx(eigh)]}
+    # Each factor's fold: its non-finite check and running average, d² (6·4 + 2) bytes.
+    folded = sum(d * d * (6 * 4 + 2) for s in shapes for d in (s.a_dim, s.g_dim))
+    assert work["fold"] == {"fold": [2.0 * len(shapes), float(folded)]}
     updates = sum(4 * s.a_dim * s.g_dim for s in shapes)  # scaled, then copied into .grad
     assert work["host"] == {"pack": [0.0, 4.0 * updates], "host": [float(len(shapes)), 0.0]}
 

@@ -99,10 +99,14 @@ def test_step_other_bytes_pack_every_buffer_and_write_every_update_back() -> Non
     assert step_other_bytes(SHAPES, colls, itemsize=4, kl_clip=True) == 2 * 176 + 4 * updates
 
 
+#: Each factor's fold, d² (6·4 + 2) bytes in float32: layer a's two 4x4, layer b's 6x6 and 2x2.
+FOLDS = {"a": (2.0, 26.0 * (16 + 16)), "b": (2.0, 26.0 * (36 + 4))}
+
+
 def test_step_other_is_in_every_kfac_iteration_and_never_in_sgds() -> None:
     kfac = KFACOptions(kl_clip=None)
     pred = predict(SHAPES, strategy="dp_kfac", world_size=2, hardware=MEMORY, kfac=kfac)
-    step = pred.update
+    step = pred.steps[(False, False)]  # a plain step: no factor to fold
     packed = sum(2 * c.nbytes for c in step.collectives)
     updates = 4 * (4 * 4 + 2 * 6)
     assert step.breakdown["step_other"] == pytest.approx((packed + 2 * updates) / 1e9)
@@ -117,11 +121,40 @@ def test_step_other_is_in_every_kfac_iteration_and_never_in_sgds() -> None:
         options={"overlap": True},
     )
     # The overlapped mode packs its buffers in the backward hooks: the same copies, there.
-    over = overlapped.update
+    over = overlapped.steps[(False, False)]
     packed = sum(2 * c.nbytes for c in over.collectives)
     assert over.breakdown["step_other"] == pytest.approx(2 * updates / 1e9)
     assert over.breakdown["hooks"] == pytest.approx(packed / 1e9)
     assert "hooks" not in step.breakdown
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("strategy", ["dp_kfac", "d_kfac"])
+def test_a_factor_step_folds_what_each_rank_built(strategy: str, overlap: bool) -> None:
+    """Each rank folds the batch factors it built (dp_kfac: its owned layers; d_kfac: every
+    layer), in step() or, overlapped, in the backward hooks; a plain step folds nothing."""
+    if overlap and strategy != "dp_kfac":
+        pytest.skip("only dp_kfac has the overlapped mode")
+    kfac = KFACOptions(kl_clip=None)
+    options = {"overlap": True} if overlap else None
+    pred = predict(
+        SHAPES, strategy=strategy, world_size=2, hardware=MEMORY, kfac=kfac, options=options
+    )
+    where, other = ("hooks", "step_other") if overlap else ("step_other", "hooks")
+    plan = pred.plan
+    for r, work in enumerate(pred.update.work):
+        built = [s.name for i, s in enumerate(SHAPES) if plan.captures(r, i)]
+        if strategy == "d_kfac":
+            assert built == ["a", "b"]
+        want = (sum(FOLDS[n][0] for n in built), sum(FOLDS[n][1] for n in built))
+        assert work[where]["fold"] == want
+        assert "fold" not in work.get(other, {})
+        assert "fold" not in pred.steps[(False, False)].work[r].get(where, {})
+    if strategy == "dp_kfac":  # each layer's factors are built, and folded, once
+        folds = [w[where]["fold"][0] for w in pred.update.work if "fold" in w[where]]
+        assert sum(folds) == 4.0
+    fold = max(w[where]["fold"][1] for w in pred.update.work) / 1e9  # "memory" at 1 GB/s
+    assert pred.update.breakdown[where] >= fold
 
 
 def test_a_measured_host_engine_prices_every_layer_written_back() -> None:

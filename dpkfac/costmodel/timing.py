@@ -31,7 +31,10 @@ Work (``kind -> (calls, amount)``, see :mod:`dpkfac.plan.hardware`) per phase:
   (:func:`step_other_work`): "pack" copies gathering every buffer handed to a
   collective and writing each layer's update back into ``.grad`` (scaled by the
   KL clip first), and one "host" call per layer written back (its Python and
-  small kernels; free unless the hardware has a measured "host" engine);
+  small kernels; free unless the hardware has a measured "host" engine); on a
+  factor step also the fold of every batch factor the rank built into its running
+  average (:func:`fold_work`: a "fold" call of its non-finite check and average per
+  factor), which the overlapped mode runs in its backward hooks instead;
 * communication phases: one call and its wire bytes per collective, plus
   the "unpack" bytes that land it when it is waited on
   (:func:`~dpkfac.plan.hardware.landing_bytes`: averaging and copying back,
@@ -72,6 +75,7 @@ __all__ = [
     "COMPUTE_PHASES",
     "StepPrediction",
     "factor_work",
+    "fold_work",
     "forward_backward_work",
     "owner_seconds",
     "pipelined_plan",
@@ -159,6 +163,25 @@ def factor_work(s: LayerShape, which: str, weight_sharing: str, itemsize: int) -
         nbytes = (n * t + rows) * d * itemsize
     _, flops = kernels.triangle_work(rows, d)
     return {"factor": (1, flops), "memory": (0, float(nbytes))}
+
+
+#: Bytes per element of one factor's fold: the non-finite check reads the batch factor and
+#: writes and reads a boolean per element; the running average ``decay·F + (1-decay)·F_b``
+#: writes ``decay·F`` (read F, write) and adds the batch factor into it (read both, write).
+FOLD_BYTES_PER_ITEM = 6
+FOLD_BYTES_PER_ELEMENT = 2
+
+
+def fold_work(model: ModelShapes, layers: Sequence[int], itemsize: int) -> Work:
+    """Work of folding the batch factors of ``layers`` (indices into ``model``) into their
+    running averages, as a factor step does: per factor one "fold" call of
+    ``d²·(6·itemsize + 2)`` bytes (:data:`FOLD_BYTES_PER_ITEM`), its non-finite check and
+    its running-average update (:meth:`dpkfac.curvature.KFACLayer.update_factors`)."""
+    dims = [d for i in layers for d in (model[i].a_dim, model[i].g_dim)]
+    per_element = FOLD_BYTES_PER_ITEM * itemsize + FOLD_BYTES_PER_ELEMENT
+    if not dims:
+        return {}
+    return {"fold": (float(len(dims)), float(sum(d * d for d in dims) * per_element))}
 
 
 def _fb_flops(s: LayerShape) -> float:
@@ -618,6 +641,7 @@ def step_prediction(
         # the pipelined factor all-reduces. Their packing lengthens the backward pass.
         hooked = {"grad_allreduce", "precond_broadcast"} if overlap else set()
         hooked |= {"factor_allreduce"} if pipelined else set()
+        in_hooks = bool(overlap) and plan.traits.overlapped_precondition
         for r in range(p):
             colls = rank_colls[r] if rank_colls else []
             mine = [c for c in colls if c.category not in hooked]
@@ -626,6 +650,11 @@ def step_prediction(
             )
             packed = sum(2.0 * c.nbytes for c in colls if c.category in hooked)
             work[r]["hooks"] = {"pack": (0.0, packed)} if packed else {}
+            if factor:  # the batch factors this rank built, folded into running averages
+                built = [i for i in range(len(model)) if model.captured[i] and plan.captures(r, i)]
+                where = work[r]["hooks" if in_hooks else "step_other"]
+                for kind, (calls, amount) in fold_work(model, built, factor_itemsize).items():
+                    add_work(where, kind, calls, amount)
         breakdown["step_other"] = max(hw.time(w["step_other"], p) for w in work)
         if hooked and rank_colls:
             breakdown["hooks"] = max(hw.time(w["hooks"], p) for w in work)

@@ -21,7 +21,9 @@ Time is predicted from *work*, a mapping ``kind -> (calls, amount)``:
   back into its tensors, or rebuilding full factors from triangle-packed
   buffers; bytes written; falls back to ``"memory"``), and ``"pack"`` the
   copies that gather tensors into one buffer or write one back (bytes read and
-  written; falls back to ``"unpack"``, the same streaming copy).
+  written; falls back to ``"unpack"``, the same streaming copy); ``"fold"`` is a
+  factor step's fold of a batch factor into its running average, its non-finite check
+  included (bytes read and written; falls back to ``"memory"``).
 
 Both forms are linear in their parameters, so the cost model
 (:func:`dpkfac.costmodel.fitting.calibrate`) fits them to measured
@@ -68,6 +70,7 @@ COMPUTE_KINDS = (
     "optimizer",
     "pack",
     "host",
+    "fold",
 )
 
 #: ``kind -> (calls, amount)``: amount is wire bytes for collectives, flops for compute.
@@ -205,13 +208,13 @@ class Hardware:
     def engine(self, kind: str) -> Engine:
         """The model of compute ``kind``.
 
-        Falls back to "matmul"; "pack" to "unpack"; "unpack" and "optimizer"
+        Falls back to "matmul"; "pack" to "unpack"; "unpack", "optimizer" and "fold"
         (memory-bound passes) to "memory", and "memory" and "host" (the host's work per
         call of ``step()``, which only a measurement in the job gives) to free.
         """
         if kind == "pack" and kind not in self.engines:
             kind = "unpack"
-        if kind in ("unpack", "optimizer") and kind not in self.engines:
+        if kind in ("unpack", "optimizer", "fold") and kind not in self.engines:
             kind = "memory"
         if kind in ("memory", "host"):
             return self.engines.get(kind, Engine(math.inf))

@@ -22,6 +22,10 @@ as a step runs them, nothing of them distributed:
   The preset's eigh rate was fitted on another machine's LAPACK: on this project's AVX-512
   host it priced a 769-wide eigh at 2.7× its time, which the paper setting, decomposing every
   step, pays in full;
+* ``fold``: every K-FAC layer's batch factors of that pass folded into running averages,
+  their non-finite checks read together, as a factor step does
+  (:meth:`dpkfac.curvature.KFACLayer.update_factors`): per factor a few small kernels over
+  its d² elements, which on ResNet-32 cost more than the write-back;
 * ``host``: every K-FAC layer's update scaled (the KL clip) and written back into its
   ``.grad``, as ``step()`` ends: per layer a few small kernels and the package's Python,
   the "host" work per layer the cost model's ``step_other`` counts.
@@ -44,7 +48,7 @@ from torch import nn
 
 from dpkfac.costmodel.optimizers import step_bytes
 from dpkfac.costmodel.shapes import shapes_from_model
-from dpkfac.costmodel.timing import factor_work, forward_backward_work
+from dpkfac.costmodel.timing import factor_work, fold_work, forward_backward_work
 from dpkfac.curvature import EigenDecomposition, KFACLayer, helper_for
 from dpkfac.curvature.kernels import DEFAULT_METHOD
 from dpkfac.plan.assignment import EIGH_COEFF
@@ -61,8 +65,11 @@ COMPUTE_PROBE_KINDS = (
     "precondition",
     "factor",
     "eigh",
+    "fold",
     "host",
 )
+#: The running averages' decay in the ``fold`` probe (its time does not depend on it).
+FOLD_DECAY = 0.95
 #: Timed repeats of each probe (after one untimed).
 COMPUTE_PROBE_REPEATS = 3
 
@@ -208,6 +215,23 @@ def probe_compute(
             flops = sum(2 * EIGH_COEFF * float(m.shape[0]) ** 3 for m in matrices)
             work = {"eigh": (float(len(matrices)), flops)}
             out["eigh"] = (_work(work), _median(decompose, repeats, device))
+            pending = [(x, w, x.pending_factor(w)) for _, x in captured for w in ("A", "G")]
+
+            def fold() -> None:
+                for x, w, m in pending:
+                    x.set_pending(w, m)
+                checks = [(x, w, ok) for _, x in captured for w, ok in x.finite_checks().items()]
+                read = torch.stack([ok for _, _, ok in checks]).tolist()  # one host read
+                finite: dict[str, dict[str, bool]] = {}
+                for (x, w, _), ok in zip(checks, read, strict=True):
+                    finite.setdefault(x.name, {})[w] = bool(ok)
+                for _, x in captured:
+                    x.update_factors(FOLD_DECAY, finite[x.name])
+
+            index = {s.name: i for i, s in enumerate(shapes)}
+            built = [index[s.name] for s, _ in captured]
+            work = fold_work(shapes, built, matrices[0].element_size())
+            out["fold"] = (_work(work), _median(fold, repeats, device))
         updates = [(x, precondition_layer(x, g, damping).matrix) for x, g in grad_matrices()]
         scale = torch.ones((), device=device)
 
