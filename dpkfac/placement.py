@@ -153,8 +153,8 @@ def finalise_placement(
                 "placed %s: owner rank %d, A decomposed by %s, G by %s",
                 x.name,
                 x.owner,
-                x.a_owner,
-                x.g_owner,
+                x.a_decomposer,
+                x.g_decomposer,
             )
     for layer in layers:
         if not strategy.captures(layer):

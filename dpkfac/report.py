@@ -80,7 +80,7 @@ def layer_rows(
     never = set(uncaptured)
     rows = []
     for layer in layers:
-        owners = {w: layer.factors[w].owner for w in FACTORS}
+        owners = {w: layer.factors[w].decomposer for w in FACTORS}
         rows.append(
             {
                 "layer": layer.name,

@@ -161,8 +161,8 @@ def _load_resized(
         here = {
             **entry,
             "owner": layer.owner,
-            "a_owner": layer.factors["A"].owner,
-            "g_owner": layer.factors["G"].owner,
+            "a_decomposer": layer.factors["A"].decomposer,
+            "g_decomposer": layer.factors["G"].decomposer,
         }
         load_layer_state(layer, here, method, held=True)
     # Identical on every rank (they load the same state), so all agree on the step.

@@ -98,7 +98,7 @@ def rank_run(rank, world_size):
     pre = make(model)
     out = run(model, pre, [batch(s, rank) for s in range(3)])
     out["owners"] = [
-        (layer.factors["A"].owner, layer.factors["G"].owner) for layer in pre.layers.values()
+        (layer.a_decomposer, layer.g_decomposer) for layer in pre.layers.values()
     ]
     out["runtime"] = type(pre.strategy).__mro__[1].__name__
     return out

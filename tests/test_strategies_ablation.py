@@ -55,7 +55,7 @@ def _run(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, Any]:
                     if (dec := layer.decomposition(w)) is not None
                 }
             )
-    owners = {n: (x.a_owner, x.g_owner) for n, x in pre.layers.items()}
+    owners = {n: (x.a_decomposer, x.g_decomposer) for n, x in pre.layers.items()}
     dims = [x.dim(w) for x in pre.layers.values() for w in "AG"]
     return {
         "params": params,

@@ -47,7 +47,7 @@ def _stats_after_one_step(rank: int, world_size: int, variant: str, kl_clip):
         F.cross_entropy(model(x), y).backward()
         pre.step()
         opt.step()
-    owners = {n: (layer.owner, layer.a_owner, layer.g_owner) for n, layer in pre.layers.items()}
+    owners = {n: (x.owner, x.a_decomposer, x.g_decomposer) for n, x in pre.layers.items()}
     return pre.comm_stats(), pre.memory_usage(), owners
 
 

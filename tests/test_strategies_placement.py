@@ -55,7 +55,7 @@ def _place(rank: int, world_size: int, strategy: str, options: dict) -> dict:
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
         pre.step()
         opt.step()
-    owners = [(x.owner, x.a_owner, x.g_owner) for x in pre.layers.values()]
+    owners = [(x.owner, x.a_decomposer, x.g_decomposer) for x in pre.layers.values()]
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     # The options as the run resolved them (spd_kfac measures its hardware model).
     return {"owners": owners, "params": params, "options": pre.strategy.options}
@@ -116,3 +116,31 @@ def test_unknown_options_and_values_are_named() -> None:
     assert strategy_class("spd-kfac").name == "spd_kfac"
     pre = dpkfac.KFACPreconditioner(_model(), strategy="d-kfac")
     assert pre.strategy_name == "d_kfac" and "strategy='d_kfac'" in repr(pre)
+
+
+def test_a_layer_has_an_owner_only_where_one_rank_decomposes_both() -> None:
+    """ "Owner" has one meaning: the rank that decomposes both of a layer's factors (-1 where
+    two ranks do, or every rank); the decomposers are named apart."""
+    placed = Placement.per_factor([0, 0, 1, 0, None, None, None, 1])
+    assert placed.owner == (0, -1, -1, -1)
+    assert placed.a_decomposer == (0, 1, None, None)
+    assert placed.g_decomposer == (0, 0, None, 1)
+    assert [placed.decomposer(i, "G") for i in range(4)] == [0, 0, None, 1]
+    assert Placement.per_layer([2, 0]).owner == (2, 0)
+
+
+def test_a_checkpoint_naming_the_decomposers_owners_still_loads() -> None:
+    from dpkfac.curvature import EigenDecomposition, KFACLayer, helper_for
+    from dpkfac.curvature.state import layer_state, load_layer_state
+
+    module = nn.Linear(3, 2)
+    helper = helper_for(module)
+    assert helper is not None
+    layer = KFACLayer("fc", module, helper)
+    layer.set_placement(-1, 1, 0)
+    entry = layer_state(layer, held=False)
+    assert (entry["a_decomposer"], entry["g_decomposer"]) == (1, 0)
+    old = {k: v for k, v in entry.items() if not k.endswith("_decomposer")}
+    old.update(a_owner=0, g_owner=None)  # the keys checkpoints were written with before
+    load_layer_state(layer, old, EigenDecomposition, held=None)
+    assert (layer.owner, layer.a_decomposer, layer.g_decomposer) == (-1, 0, None)

@@ -1,7 +1,7 @@
 """State of one K-FAC layer: running-average factors and their decompositions.
 
 A :class:`KFACLayer` knows nothing about ranks beyond the placement the
-strategy writes into it (``owner`` and each factor's ``owner``); it never
+strategy writes into it (its ``owner`` and each factor's ``decomposer``); it never
 communicates. The per-factor state (running average, decomposition, pending
 batch factor, decomposer) is one :class:`FactorState` for A and one for G.
 Batch factors are accumulated by the capture hooks (summed over
@@ -37,7 +37,7 @@ class FactorState:
     """Everything held for one Kronecker factor (A or G) of one layer.
 
     Attributes:
-        owner: rank that decomposes it, or None when every rank does.
+        decomposer: rank that decomposes it, or None when every rank does.
         running: the running average, or None where this rank holds none.
         decomposition: its decomposition, or None.
         batch: the batch factor summed over the step's captures, awaiting
@@ -46,7 +46,7 @@ class FactorState:
         divisor: what ``batch`` is divided by to give the step's batch factor.
     """
 
-    owner: int | None = 0
+    decomposer: int | None = 0
     running: torch.Tensor | None = None
     decomposition: Decomposition | None = None
     batch: torch.Tensor | None = None
@@ -126,14 +126,13 @@ class KFACLayer:
         name: module name in ``model.named_modules()`` (no DDP prefix).
         module: the module itself.
         helper: the shape/gradient helper for its type.
-        owner: rank that preconditions the layer under dp-kfac; under
-            d-kfac/spd-kfac the rank that decomposes its A factor (its G
-            factor when A is decomposed locally), or -1 when every rank
-            decomposes both (spd-kfac's small factors).
+        owner: the rank that decomposes both its factors, where one rank does
+            (:class:`~dpkfac.plan.assignment.Placement`: under dp-kfac it also builds
+            them and preconditions the layer), or -1 where no one rank does.
         factors: "A" and "G" -> :class:`FactorState`.
         positions / batch_size: T and N of the last captured input (load balancing).
 
-    ``a_factor``/``g_factor`` (the running averages) and ``a_owner``/``g_owner``
+    ``a_factor``/``g_factor`` (the running averages) and ``a_decomposer``/``g_decomposer``
     are views of ``factors`` for the public inspection API.
     """
 
@@ -168,21 +167,21 @@ class KFACLayer:
         return self.factors["G"].running
 
     @property
-    def a_owner(self) -> int | None:
-        return self.factors["A"].owner
+    def a_decomposer(self) -> int | None:
+        return self.factors["A"].decomposer
 
     @property
-    def g_owner(self) -> int | None:
-        return self.factors["G"].owner
+    def g_decomposer(self) -> int | None:
+        return self.factors["G"].decomposer
 
     def dim(self, which: str) -> int:
         """Side of factor ``which``."""
         return self.helper.a_dim if which == "A" else self.helper.g_dim
 
-    def set_placement(self, owner: int, a_owner: int | None, g_owner: int | None) -> None:
+    def set_placement(self, owner: int, a_decomposer: int | None, g_decomposer: int | None) -> None:
         """Write this layer's entry of a :class:`~dpkfac.plan.assignment.Placement`."""
         self.owner = owner
-        self.factors["A"].owner, self.factors["G"].owner = a_owner, g_owner
+        self.factors["A"].decomposer, self.factors["G"].decomposer = a_decomposer, g_decomposer
 
     # ------------------------------------------------------------------ capture
     def accumulate_a(

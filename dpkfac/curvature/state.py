@@ -50,7 +50,7 @@ def layer_state(
         dec = state.decomposition if keep_decomp else None
         entry[which] = _clone(state.running, _CPU) if held else None
         entry[f"{which}_decomp"] = None if dec is None else [_clone(t, _CPU) for t in dec.tensors()]
-        entry[f"{which.lower()}_owner"] = state.owner
+        entry[f"{which.lower()}_owner"] = state.decomposer
     return entry
 
 
@@ -85,7 +85,9 @@ def load_layer_state(
         decompositions: whether to restore the decompositions (None: as
             ``held``), for a gradient worker that holds them without the factors.
     """
-    layer.set_placement(entry["owner"], entry["a_owner"], entry["g_owner"])
+    # Checkpoints from before the decomposers were named so call them "a_owner"/"g_owner".
+    a, g = (entry.get(f"{w}_decomposer", entry.get(f"{w}_owner")) for w in "ag")
+    layer.set_placement(entry["owner"], a, g)
     layer.ever_captured = bool(entry.get("ever_captured", False))
     # Checkpoints from before ever_seen: a captured layer was seen.
     layer.ever_seen = bool(entry.get("ever_seen", layer.ever_captured))

@@ -82,11 +82,11 @@ def _calling_trainer(callback: TrainerCallback) -> tuple[Any, str | None]:
     frame = inspect.currentframe()
     try:
         while frame is not None:
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, Trainer) and callback in owner.callback_handler.callbacks:
+            trainer = frame.f_locals.get("self")
+            if isinstance(trainer, Trainer) and callback in trainer.callback_handler.callbacks:
                 resume = frame.f_locals.get("resume_from_checkpoint")
                 folder = os.fspath(resume) if isinstance(resume, str | os.PathLike) else None
-                return owner, folder
+                return trainer, folder
             frame = frame.f_back
     finally:
         del frame

@@ -140,22 +140,23 @@ class Placement:
     function, so training and prediction can never disagree on it.
 
     Attributes:
-        owner: per layer, the rank that preconditions it where one rank does
-            (dp-kfac), else the rank that decomposes its A factor (its G
-            factor when A is decomposed everywhere), or -1 when every rank
-            decomposes both.
-        a_owner: per layer, the rank that decomposes A, or None when every
+        owner: per layer, its owner: the rank that decomposes both its factors, where one
+            rank does (under dp-kfac the owner also builds them and preconditions the
+            layer; under kaisa its column of gradient workers preconditions it), or -1
+            where no one rank does (its factors decomposed by two ranks, or by every rank).
+            The one meaning of "owner" in the package.
+        a_decomposer: per layer, the rank that decomposes A, or None when every
             rank decomposes it itself.
-        g_owner: the same for G.
+        g_decomposer: the same for G.
     """
 
     owner: tuple[int, ...]
-    a_owner: tuple[int | None, ...]
-    g_owner: tuple[int | None, ...]
+    a_decomposer: tuple[int | None, ...]
+    g_decomposer: tuple[int | None, ...]
 
-    def factor_owner(self, index: int, which: str) -> int | None:
+    def decomposer(self, index: int, which: str) -> int | None:
         """The rank that decomposes factor ``which`` ("A"/"G") of layer ``index``."""
-        return self.a_owner[index] if which == "A" else self.g_owner[index]
+        return self.a_decomposer[index] if which == "A" else self.g_decomposer[index]
 
     @classmethod
     def per_layer(cls, owners: Sequence[int]) -> Placement:
@@ -164,13 +165,12 @@ class Placement:
         return cls(owned, owned, owned)
 
     @classmethod
-    def per_factor(cls, owners: Sequence[int | None]) -> Placement:
-        """Decomposers of ``[A_0, G_0, A_1, G_1, ...]``; ``owner`` follows from them."""
-        a, g = tuple(owners[0::2]), tuple(owners[1::2])
-        first = tuple(
-            next((o for o in pair if o is not None), -1) for pair in zip(a, g, strict=True)
-        )
-        return cls(first, a, g)
+    def per_factor(cls, decomposers: Sequence[int | None]) -> Placement:
+        """Decomposers of ``[A_0, G_0, A_1, G_1, ...]``; a layer's owner is the rank that
+        decomposes both, where one does (-1 otherwise)."""
+        a, g = tuple(decomposers[0::2]), tuple(decomposers[1::2])
+        owner = tuple(x if x == y and x is not None else -1 for x, y in zip(a, g, strict=True))
+        return cls(owner, a, g)
 
 
 def decomposition_seconds(hardware: Hardware, dim: int) -> float:

@@ -68,7 +68,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         n = len(self.names)
-        for name in ("owner", "a_owner", "g_owner"):
+        for name in ("owner", "a_decomposer", "g_decomposer"):
             if len(getattr(self.placement, name)) != n:
                 raise ValueError(f"placement.{name} has not one entry per layer ({n})")
         if len(self.preconditioners) != n:
@@ -87,7 +87,8 @@ class Plan:
 
     # ------------------------------------------------------------------ roles
     def owner(self, layer: int | str) -> int:
-        """The layer's owner (the rank that decomposes its A factor, or -1: every rank)."""
+        """The layer's owner (:class:`~dpkfac.plan.assignment.Placement`: the rank that
+        decomposes both its factors, or -1: no one rank)."""
         return self.placement.owner[self.index(layer)]
 
     def factor_group(self, rank: int) -> Group:
@@ -98,14 +99,14 @@ class Plan:
         """Whether ``rank`` builds the layer's factors from its local batch.
 
         In a factor group of every rank, all capture whatever the owner (a
-        layer decomposed everywhere has no owner, -1).
+        layer whose factors no one rank decomposes has none, -1).
         """
         group = self.factor_group(rank)
         return len(group) == self.world_size or self.owner(layer) in group
 
     def decomposer(self, layer: int | str, which: str) -> int | None:
         """The rank that decomposes factor ``which`` ("A"/"G"), or None: every rank does."""
-        return self.placement.factor_owner(self.index(layer), which)
+        return self.placement.decomposer(self.index(layer), which)
 
     def decomposes(self, rank: int, layer: int | str, which: str) -> bool:
         """Whether ``rank`` computes the decomposition of factor ``which`` of the layer."""

@@ -394,7 +394,9 @@ class Strategy(Generic[OptionsT]):
         assert self.plan is not None
         for i, layer in enumerate(layers):
             placement = self.plan.placement
-            layer.set_placement(placement.owner[i], placement.a_owner[i], placement.g_owner[i])
+            layer.set_placement(
+                placement.owner[i], placement.a_decomposer[i], placement.g_decomposer[i]
+            )
         self.placed = self.placed or final
 
     def restore(self, layers: Sequence[KFACLayer], *, given: StrategyOptions | None = None) -> None:
@@ -403,8 +405,8 @@ class Strategy(Generic[OptionsT]):
             return
         placement = Placement(
             tuple(x.owner for x in layers),
-            tuple(x.factors["A"].owner for x in layers),
-            tuple(x.factors["G"].owner for x in layers),
+            tuple(x.factors["A"].decomposer for x in layers),
+            tuple(x.factors["G"].decomposer for x in layers),
         )
         shapes = [layer_shape(x, 1, 1) for x in layers]
         self._adopt(
