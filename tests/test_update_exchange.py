@@ -8,6 +8,8 @@ tests/test_scale_sim.py), which now read both from this one description.
 
 from __future__ import annotations
 
+import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -20,6 +22,8 @@ from dpkfac.plan.exchange import (
     decomposition_transfers,
     factor_transfers,
     gradient_transfers,
+    update_nbytes,
+    update_shapes,
     update_transfers,
     waited_by_layers,
 )
@@ -139,3 +143,29 @@ def test_pipelined_factors_travel_per_fusion_bucket_or_alone_while_profiled() ->
         Transfer("allreduce", (("a", "b"),)),
         Transfer("allreduce", (("c",),)),
     ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("with_kl", [False, True])
+def test_an_update_travels_as_the_one_layout_says(dtype: torch.dtype, with_kl: bool) -> None:
+    """The runtime's buffers for one layer's update (sender's and receiver's) have the shapes
+    and bytes the cost model counts: the matrix, then the KL scalars in at least float32."""
+    from dpkfac.curvature import KFACLayer, helper_for
+    from dpkfac.strategies.base import Preconditioned, update_buffers
+
+    module = torch.nn.Linear(3, 5).to(dtype)
+    module.weight.grad = torch.zeros_like(module.weight)
+    helper = helper_for(module)
+    assert helper is not None
+    layer = KFACLayer("fc", module, helper)
+    shapes = update_shapes(5, 4, with_kl=with_kl)
+    nbytes = update_nbytes(5, 4, with_kl=with_kl, itemsize=torch.finfo(dtype).bits // 8)
+    sent = Preconditioned(
+        torch.ones(5, 4, dtype=dtype),
+        torch.ones((), dtype=torch.promote_types(dtype, torch.float32)),
+        True,
+    )
+    for result in (sent, None):
+        buffers = update_buffers(layer, result, with_kl=with_kl)
+        assert [tuple(b.shape) for b in buffers] == shapes
+        assert [b.numel() * b.element_size() for b in buffers] == nbytes

@@ -12,25 +12,29 @@ tensors of one category are assumed to share one dtype.
 
 The gradients' reduction, the factors' all-reduces, the decompositions' broadcasts and the
 updates' exchange are priced from the runtime's own descriptions of them
-(:mod:`dpkfac.plan.exchange`), which the runtime launches. Still mirrored from the code, as
-orders within a buffer: a layer's parameters go weight, then
-bias, and the other parameters after the layers; each layer's update matrix is followed by
-its two KL scalars; decompositions go per source rank, layer by layer, A before G,
-eigenvectors before eigenvalues.
+(:mod:`dpkfac.plan.exchange`), which the runtime launches, and so are the tensors within a
+buffer: an update's matrix and KL scalars (:func:`~dpkfac.plan.exchange.update_shapes`), a
+decomposition's tensors (the method's own ``Decomposition.shapes``, factors in
+:data:`~dpkfac.curvature.layer.FACTORS` order). A layer's parameters go weight, then bias
+(:meth:`~dpkfac.costmodel.shapes.ModelShapes.param_numels`, as its module helper yields them),
+and the other parameters after the layers.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dpkfac.comm import triangle_numel
 from dpkfac.costmodel.shapes import ModelShapes
-from dpkfac.plan.assignment import LayerShape
+from dpkfac.curvature.decomposition import DECOMPOSITIONS
+from dpkfac.curvature.layer import FACTORS
 from dpkfac.plan.exchange import (
     decomposition_transfers,
     factor_transfers,
     gradient_transfers,
+    update_nbytes,
     update_transfers,
     waited_by_layers,
 )
@@ -129,14 +133,17 @@ def _update_exchange(
     (:func:`dpkfac.plan.exchange.update_transfers`, the one description of it), priced
     transfer by transfer: a broadcast as its capped buckets, an all-gather round by round,
     or, where the ``backend`` cannot gather uneven shards, as the communicator runs it: one
-    capped broadcast per sender. Each update matrix travels with its two KL scalars when
-    the clip is on."""
-
-    def numels(s: LayerShape) -> tuple[int, ...]:
-        return (s.g_dim * s.a_dim, 2) if kl_clip else (s.g_dim * s.a_dim,)
+    capped broadcast per sender. Each update travels as
+    :func:`~dpkfac.plan.exchange.update_shapes` says (with its KL scalars when the clip is
+    on)."""
 
     def sizes(layers: Sequence[int]) -> list[int]:
-        return [n * itemsize for i in layers for n in numels(model[i])]
+        shapes = [model[i] for i in layers]
+        return [
+            n
+            for s in shapes
+            for n in update_nbytes(s.g_dim, s.a_dim, with_kl=kl_clip, itemsize=itemsize)
+        ]
 
     p, cat = len(senders), "precond_broadcast"
     out: list[Collective] = []
@@ -354,8 +361,10 @@ def factor_collectives(
 
 
 def decomposition_numel(dim: int, compute_method: str) -> list[int]:
-    """Elements of each tensor of one decomposition (eigen: vectors, values)."""
-    return [dim * dim, dim] if compute_method == "eigen" else [dim * dim]
+    """Elements of each tensor of one decomposition, in the order it travels: the tensors
+    of the method's own :meth:`~dpkfac.curvature.decomposition.Decomposition.shapes` (eigen:
+    vectors, then values), which the runtime broadcasts and receives into."""
+    return [math.prod(shape) for shape in DECOMPOSITIONS[compute_method].shapes(dim)]
 
 
 def decomposition_collectives(
@@ -377,9 +386,9 @@ def decomposition_collectives(
             n * itemsize
             for i, s in enumerate(model)
             if model.captured[i]
-            for dim, which in ((s.a_dim, "A"), (s.g_dim, "G"))
+            for which in FACTORS  # the runtime's order: layer by layer, A before G
             if plan.sends_decomposition(src, i, which)
-            for n in decomposition_numel(dim, compute_method)
+            for n in decomposition_numel(s.a_dim if which == "A" else s.g_dim, compute_method)
         ]
         for src in group
     ]

@@ -50,7 +50,7 @@ def layer_state(
         dec = state.decomposition if keep_decomp else None
         entry[which] = _clone(state.running, _CPU) if held else None
         entry[f"{which}_decomp"] = None if dec is None else [_clone(t, _CPU) for t in dec.tensors()]
-        entry[f"{which.lower()}_owner"] = state.decomposer
+        entry[f"{which.lower()}_decomposer"] = state.decomposer
     return entry
 
 

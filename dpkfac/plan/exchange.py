@@ -19,6 +19,7 @@ cost model's (layer index, elements) pairs and layer indices.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
@@ -28,6 +29,8 @@ __all__ = [
     "decomposition_transfers",
     "factor_transfers",
     "gradient_transfers",
+    "update_nbytes",
+    "update_shapes",
     "update_transfers",
     "waited_by_layers",
 ]
@@ -99,6 +102,28 @@ def waited_by_layers(transfer: Transfer[T], owner: Callable[[T], int | None]) ->
     """Whether a K-FAC layer waits for this transfer of :func:`gradient_transfers`: it
     carries a K-FAC layer's gradient (False: the rest, which only ``step()``'s end needs)."""
     return any(owner(item) is not None for shard in transfer.shards for item in shard)
+
+
+#: What travels with an update where the KL clip is on: ⟨V, ∇W⟩ and whether it is
+#: preconditioned, in at least float32 (:data:`KL_MIN_ITEMSIZE` bytes each).
+KL_SCALARS = 2
+KL_MIN_ITEMSIZE = 4
+
+
+def update_shapes(g_dim: int, a_dim: int, *, with_kl: bool) -> list[tuple[int, ...]]:
+    """The tensors one layer's update travels as, in the order they are packed: its
+    ``g_dim x a_dim`` matrix and, with the KL clip on, right after it its :data:`KL_SCALARS`
+    scalars (in the matrix's dtype promoted to at least float32). The runtime sends and
+    receives into these (:func:`dpkfac.strategies.base.update_buffers`) and the cost model
+    counts their bytes (:func:`update_nbytes`)."""
+    return [(g_dim, a_dim), (KL_SCALARS,)] if with_kl else [(g_dim, a_dim)]
+
+
+def update_nbytes(g_dim: int, a_dim: int, *, with_kl: bool, itemsize: int) -> list[int]:
+    """Bytes of each tensor of :func:`update_shapes` for a matrix of ``itemsize`` bytes."""
+    shapes = update_shapes(g_dim, a_dim, with_kl=with_kl)
+    sizes = [itemsize, *[max(itemsize, KL_MIN_ITEMSIZE)] * (len(shapes) - 1)]
+    return [math.prod(shape) * size for shape, size in zip(shapes, sizes, strict=True)]
 
 
 def update_transfers(owner_reduction: bool, sent_by: Sequence[Sequence[T]]) -> list[Transfer[T]]:

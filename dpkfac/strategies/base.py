@@ -30,6 +30,7 @@ from dpkfac.plan.exchange import (
     decomposition_transfers,
     factor_transfers,
     gradient_transfers,
+    update_shapes,
     update_transfers,
 )
 from dpkfac.plan.roles import RankRoles
@@ -95,27 +96,30 @@ def sent_updates(
 def update_buffers(
     layer: KFACLayer, result: Preconditioned | None, *, with_kl: bool
 ) -> list[torch.Tensor]:
-    """The buffers one layer's update travels in, in a fused broadcast bucket.
+    """The buffers one layer's update travels in, in a fused broadcast bucket, as
+    :func:`~dpkfac.plan.exchange.update_shapes` lays them out.
 
     The sender passes its ``result``; a receiver passes None and gets empty
     buffers of the right shapes. With the KL clip on, the update travels with
     ⟨V, ∇W⟩ and its "preconditioned" flag, in at least float32.
     """
+    shape, *kl = update_shapes(layer.helper.g_dim, layer.helper.a_dim, with_kl=with_kl)
     if result is not None:
+        matrix = result.matrix.contiguous()
+        if not kl:
+            return [matrix]
         flag = result.preconditioned
         flag_value = (
             flag.to(result.vg.dtype)
             if isinstance(flag, torch.Tensor)
             else torch.full_like(result.vg, float(flag))
         )
-        matrix = result.matrix.contiguous()
-        meta = torch.stack([result.vg, flag_value])
-    else:
-        grad = layer.helper.module.weight.grad
-        assert grad is not None, "only a layer with a gradient is sent"
-        matrix = grad.new_empty(layer.helper.g_dim, layer.helper.a_dim)
-        meta = matrix.new_zeros(2, dtype=torch.promote_types(matrix.dtype, torch.float32))
-    return [matrix, meta] if with_kl else [matrix]
+        return [matrix, torch.stack([result.vg, flag_value])]
+    grad = layer.helper.module.weight.grad
+    assert grad is not None, "only a layer with a gradient is sent"
+    matrix = grad.new_empty(shape)
+    meta_dtype = torch.promote_types(matrix.dtype, torch.float32)
+    return [matrix, *(matrix.new_zeros(s, dtype=meta_dtype) for s in kl)]
 
 
 def received_updates(
