@@ -23,12 +23,13 @@ import torch
 
 from dpkfac.comm import Communicator
 from dpkfac.plan.fusion import CommModel
-from dpkfac.plan.hardware import Engine, Hardware, Link, Sample
+from dpkfac.plan.hardware import Engine, Hardware, Link, Sample, gloo_link
 from dpkfac.plan.presets import PRESETS
 from dpkfac.plan.probes import (
     ALLREDUCE_PROBE_NUMELS,
     BROADCAST_PROBE_NUMELS,
     EIGH_PROBE_DIMS,
+    MEASURE_ALLREDUCE_NUMELS,
     PROBE_REPEATS,
 )
 
@@ -61,11 +62,16 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
 def measure_in_group(
     comm: Communicator, base: Hardware, fit: HardwareFit, name: str = "measured"
 ) -> Hardware:
-    """This rank's ``eigh`` engine and the group's broadcast link, measured in-process.
+    """This rank's ``eigh`` engine and the group's broadcast and all-reduce links, measured
+    in-process.
 
     A collective: every rank of ``comm`` calls it. Each rank times ``eigh`` of
-    a few factor sizes on its device and a few broadcasts of rank 0's buffers.
-    The ranks meet (a tiny all-reduce) before each broadcast size, and the
+    a few factor sizes on its device, a few broadcasts of rank 0's buffers and a few
+    all-reduces (the gradients' link: priced from the preset, a loopback's, the run's
+    "auto" took a 1 Gbit/s network for a 14 Gbit/s one and chose a configuration 15%
+    slower there). The reduce, reduce-scatter and all-gather links follow from the
+    all-reduce's (:func:`~dpkfac.plan.hardware.gloo_link` on gloo).
+    The ranks meet (a tiny all-reduce) before each probe size, and the
     fastest of the repeats counts, so a rank that arrives late (still timing
     its decompositions, or building another model) does not pass its delay
     off as transfer time. ``fit`` fits this rank's samples; the fitted
@@ -102,24 +108,36 @@ def measure_in_group(
 
         seconds = median_time(synced(decompose), PROBE_REPEATS)
         samples.append(Sample.compute("eigh", 9.0 * d**3, seconds))
-    for numel in BROADCAST_PROBE_NUMELS:
-        buf = torch.zeros(numel, dtype=torch.float32, device=comm.device)
-        comm.agree_max([0.0])  # meet first
-        times = []
-        for _ in range(PROBE_REPEATS):
-            start = time.perf_counter()
-            comm.broadcast([buf], 0, "setup")
-            times.append(time.perf_counter() - start)
-        samples.append(Sample.collective("broadcast", 4 * numel, min(times), comm.size))
+    probes = (("broadcast", BROADCAST_PROBE_NUMELS), ("allreduce", MEASURE_ALLREDUCE_NUMELS))
+    for kind, numels in probes:
+        for numel in numels:
+            buf = torch.zeros(numel, dtype=torch.float32, device=comm.device)
+            comm.agree_max([0.0])  # meet first
+            times = []
+            for _ in range(PROBE_REPEATS):
+                start = time.perf_counter()
+                if kind == "broadcast":
+                    comm.broadcast([buf], 0, "setup")
+                else:
+                    comm.allreduce_mean([buf], "setup")
+                times.append(time.perf_counter() - start)
+            samples.append(Sample.collective(kind, 4 * numel, min(times), comm.size))
     fitted = fit(samples, base=base, name=name)
-    eigh, bcast = fitted.engine("eigh"), fitted.link("broadcast")
-    inv_rate, latency, alpha, beta = comm.agree_max(
-        [1.0 / eigh.rate, eigh.latency, bcast.alpha, bcast.beta]
+    eigh, bcast, reduce = fitted.engine("eigh"), fitted.link("broadcast"), fitted.link("allreduce")
+    inv_rate, latency, alpha, beta, ar_alpha, ar_beta = comm.agree_max(
+        [1.0 / eigh.rate, eigh.latency, bcast.alpha, bcast.beta, reduce.alpha, reduce.beta]
     )
+    allreduce = Link(ar_alpha, ar_beta)
+    # The other kinds follow from the all-reduce as the backend runs them (gloo's own
+    # algorithms; elsewhere the ring's, per accounted wire byte, as the all-reduce).
+    derived = {
+        kind: gloo_link(kind, allreduce, comm.size) if comm.backend == "gloo" else allreduce
+        for kind in ("reduce", "reduce_scatter", "all_gather")
+    }
     return replace(
         base,
         name=name,
-        links={**base.links, "broadcast": Link(alpha, beta)},
+        links={**base.links, **derived, "allreduce": allreduce, "broadcast": Link(alpha, beta)},
         engines={**base.engines, "eigh": Engine(1.0 / inv_rate if inv_rate > 0 else 1e30, latency)},
         sources=(f"measured in-process on {comm.size} ranks by measure_in_group",),
     )

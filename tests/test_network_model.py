@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+from dist_utils import run_ranks
 
 from dpkfac.costmodel import PRESETS, Engine, Hardware, Link, predict, predict_sgd
 from dpkfac.costmodel.shapes import as_model_shapes
@@ -170,3 +171,37 @@ def test_a_measured_host_engine_prices_every_layer_written_back() -> None:
     extra = timed.update.breakdown["step_other"] - free.update.breakdown["step_other"]
     assert extra == pytest.approx(2 * 1e-5)  # two K-FAC layers
     assert MEMORY.engine("host").time(5, 0) == 0.0  # not measured: free
+
+
+def _start_up(rank: int, world_size: int) -> dict:
+    from dpkfac.comm import Communicator
+    from dpkfac.costmodel.fitting import calibrate
+    from dpkfac.probes import start_up_hardware
+    from dpkfac.stats import CommStats
+
+    stats = CommStats()
+    hw = start_up_hardware(Communicator(stats=stats), calibrate)
+    return {"hardware": hw.to_json(), "setup": stats.as_dict().get("setup", {})}
+
+
+@pytest.mark.distributed
+def test_the_start_up_measurement_times_the_gradients_link() -> None:
+    """A strategy that measures its hardware at start-up ("auto", spd_kfac's placement)
+    times the all-reduce too, not only the broadcast, and derives gloo's other kinds from
+    it: the preset's all-reduce is a loopback's, which priced a 1 Gbit/s network's
+    gradients as if at 14 Gbit/s. Every rank agrees; the setup traffic is what the plans
+    book for it."""
+    from dpkfac.plan.probes import MEASURE_COLLECTIVES
+
+    results = run_ranks(_start_up, 2)
+    assert results[0]["hardware"] == results[1]["hardware"]
+    hw = Hardware.from_json(results[0]["hardware"])
+    preset = PRESETS["cpu_gloo_local"]
+    allreduce = hw.links["allreduce"]
+    assert allreduce != preset.links["allreduce"] and allreduce.beta > 0
+    for kind in ("reduce", "reduce_scatter", "all_gather"):
+        assert hw.links[kind] == gloo_link(kind, allreduce, 2)
+    assert hw.links["broadcast"] != preset.links["broadcast"]
+    booked = {"calls": len(MEASURE_COLLECTIVES), "bytes": sum(n for _, n in MEASURE_COLLECTIVES)}
+    for r in results:
+        assert {k: r["setup"][k] for k in booked} == booked

@@ -11,6 +11,7 @@ __all__ = [
     "ALLREDUCE_PROBE_NUMELS",
     "BROADCAST_PROBE_NUMELS",
     "EIGH_PROBE_DIMS",
+    "MEASURE_ALLREDUCE_NUMELS",
     "MEASURE_COLLECTIVES",
     "PROBE_REPEATS",
     "allreduce_probe_collectives",
@@ -25,16 +26,28 @@ ALLREDUCE_PROBE_NUMELS = (256, 16384, 262144)
 #: Repeats of every timed probe.
 PROBE_REPEATS = 3
 
+#: float32 elements of the all-reduces the start-up measurement times (the gradients'
+#: link), up to 4 MiB: a token-bucket-shaped network lets a burst through at line rate,
+#: so only sizes well past it measure the link's rate.
+MEASURE_ALLREDUCE_NUMELS = (256, 16384, 262144, 1048576)
+#: Parameters the ranks agree on after the fit: eigh's inverse rate and latency, then the
+#: broadcast's and the all-reduce's alpha and beta.
+MEASURE_AGREED = 6
+
 #: Collectives of one hardware measurement (:func:`dpkfac.probes.measure_in_group`),
-#: as (kind, bytes): a meeting all-reduce and the repeats of each broadcast size,
-#: then the agreement on the fitted parameters.
+#: as (kind, bytes): per probe size a meeting all-reduce and the repeats of it, the
+#: broadcasts then the all-reduces, then the agreement on the fitted parameters.
 MEASURE_COLLECTIVES: tuple[tuple[str, int], ...] = (
     *(
         collective
-        for n in BROADCAST_PROBE_NUMELS
-        for collective in (("allreduce", 8), *(("broadcast", 4 * n),) * PROBE_REPEATS)
+        for kind, numels in (
+            ("broadcast", BROADCAST_PROBE_NUMELS),
+            ("allreduce", MEASURE_ALLREDUCE_NUMELS),
+        )
+        for n in numels
+        for collective in (("allreduce", 8), *((kind, 4 * n),) * PROBE_REPEATS)
     ),
-    ("allreduce", 8 * 4),
+    ("allreduce", 8 * MEASURE_AGREED),
 )
 
 
