@@ -205,3 +205,23 @@ def test_the_start_up_measurement_times_the_gradients_link() -> None:
     booked = {"calls": len(MEASURE_COLLECTIVES), "bytes": sum(n for _, n in MEASURE_COLLECTIVES)}
     for r in results:
         assert {k: r["setup"][k] for k in booked} == booked
+
+
+def test_the_fold_is_priced_as_a_streaming_pass_where_not_measured() -> None:
+    """Without a measured "fold" engine a fold is priced as the streaming copy a landing
+    is ("unpack", kept as timed alone by a fit of a run's phases), never as "memory",
+    which a fit uses as the factor phase's nuisance term."""
+    slow_memory = Hardware(
+        "h",
+        {"allreduce": AR},
+        {
+            "matmul": Engine(1e12),
+            "eigh": Engine(1e12),
+            "inverse": Engine(1e12),
+            "memory": Engine(1e6),
+            "unpack": Engine(1e10, 1e-6),
+        },
+    )
+    assert slow_memory.engine("fold") == slow_memory.engine("unpack")
+    assert slow_memory.engine("pack") == slow_memory.engine("unpack")
+    assert MEMORY.engine("fold") == MEMORY.engine("memory")  # no unpack: its own fallback

@@ -23,7 +23,9 @@ Time is predicted from *work*, a mapping ``kind -> (calls, amount)``:
   copies that gather tensors into one buffer or write one back (bytes read and
   written; falls back to ``"unpack"``, the same streaming copy); ``"fold"`` is a
   factor step's fold of a batch factor into its running average, its non-finite check
-  included (bytes read and written; falls back to ``"memory"``).
+  included (bytes read and written; falls back to ``"unpack"``, like ``"pack"``: a fit
+  of a run's phases leaves that engine as timed alone, where ``"memory"`` is a factor
+  phase's nuisance term).
 
 Both forms are linear in their parameters, so the cost model
 (:func:`dpkfac.costmodel.fitting.calibrate`) fits them to measured
@@ -208,13 +210,14 @@ class Hardware:
     def engine(self, kind: str) -> Engine:
         """The model of compute ``kind``.
 
-        Falls back to "matmul"; "pack" to "unpack"; "unpack", "optimizer" and "fold"
+        Falls back to "matmul"; "pack" and "fold" to "unpack" (streaming passes over
+        buffers, as a received buffer's landing); "unpack" and "optimizer"
         (memory-bound passes) to "memory", and "memory" and "host" (the host's work per
         call of ``step()``, which only a measurement in the job gives) to free.
         """
-        if kind == "pack" and kind not in self.engines:
+        if kind in ("pack", "fold") and kind not in self.engines:
             kind = "unpack"
-        if kind in ("unpack", "optimizer", "fold") and kind not in self.engines:
+        if kind in ("unpack", "optimizer") and kind not in self.engines:
             kind = "memory"
         if kind in ("memory", "host"):
             return self.engines.get(kind, Engine(math.inf))
