@@ -209,3 +209,21 @@ def test_options_the_trainer_decides_are_refused() -> None:
         KFACCallback(lr=0.1)
     with pytest.raises(ValueError, match=r"\['grad_scaler'\].*loss scaler"):
         KFACCallback(grad_scaler=torch.amp.GradScaler("cpu"))
+
+
+def test_the_module_imports_transformers_only_when_the_callback_is_used() -> None:
+    """``dpkfac`` needs only torch: the module loads without transformers, and the callback
+    made on first use is a ``TrainerCallback``, the same class every time."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import dpkfac.integrations.huggingface as h\n"
+        "assert 'transformers' not in sys.modules, 'imported with the module'\n"
+        "from dpkfac.integrations.huggingface import KFACCallback\n"
+        "from transformers import TrainerCallback\n"
+        "assert issubclass(KFACCallback, TrainerCallback) and h.KFACCallback is KFACCallback\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

@@ -57,10 +57,9 @@ import inspect
 import logging
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import Trainer, TrainerCallback
 
 from dpkfac import KFACPreconditioner
 from dpkfac.integrations._common import build, check_options, follow_lr
@@ -73,12 +72,14 @@ log = logging.getLogger(__name__)
 STATE_FILE = "dpkfac_preconditioner.pt"
 
 
-def _calling_trainer(callback: TrainerCallback) -> tuple[Any, str | None]:
+def _calling_trainer(callback: object) -> tuple[Any, str | None]:
     """The Trainer running ``callback``'s event, and the checkpoint its ``train()`` resumes.
 
     Found on the call stack: the innermost frame whose ``self`` is a Trainer holding this
     callback (``_inner_training_loop``, whose ``resume_from_checkpoint`` is the folder).
     """
+    from transformers import Trainer
+
     frame = inspect.currentframe()
     try:
         while frame is not None:
@@ -96,8 +97,12 @@ def _calling_trainer(callback: TrainerCallback) -> tuple[Any, str | None]:
     )
 
 
-class KFACCallback(TrainerCallback):
+class _KFACCallback:
     """Precondition a ``transformers.Trainer`` run with K-FAC (see the module docstring).
+
+    ``KFACCallback`` is this class with ``transformers.TrainerCallback`` (its other events'
+    no-ops) as a base, made when it is first imported (:func:`__getattr__`), so that
+    importing this module imports transformers only when the callback is used.
 
     Args:
         **kfac_options: :class:`dpkfac.KFACPreconditioner`'s keyword options (``strategy``,
@@ -228,3 +233,23 @@ class KFACCallback(TrainerCallback):
         if args.should_save:
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             torch.save(pre_state, os.path.join(folder, STATE_FILE))
+
+
+if TYPE_CHECKING:  # what the checkers see; at run time, __getattr__ makes it
+    KFACCallback = _KFACCallback
+
+
+def __getattr__(name: str) -> Any:
+    """``KFACCallback``, made on first use: :class:`_KFACCallback` on transformers'
+    ``TrainerCallback`` (imported here, not with the module)."""
+    if name != "KFACCallback":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from transformers import TrainerCallback
+
+    callback = type(
+        "KFACCallback",
+        (_KFACCallback, TrainerCallback),
+        {"__module__": __name__, "__doc__": _KFACCallback.__doc__},
+    )
+    globals()["KFACCallback"] = callback
+    return callback
