@@ -213,6 +213,8 @@ def _gradients(
     cat = "grad_allreduce"
 
     def owner(item: tuple[int, int]) -> int | None:
+        """None for a parameter of no K-FAC layer; without the owner reduction only that
+        matters (which gradients a layer waits for), so any rank stands for the others."""
         if item[0] < 0:
             return None
         return 0 if owners is None else owners[item[0]]
