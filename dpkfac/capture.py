@@ -123,14 +123,17 @@ class Capture:
         self._sites = {
             x.name: CaptureSite(partial(self._capture_compiled, x)) for x in self._layers
         }
+        # Whether Dynamo has traced a forward hook: until then no site holds a call.
+        self._traced = False
 
     def arm(self, *, capture: bool, probing: bool) -> None:
         """Set what the hooks of the next step do; drop what a forward pass without a
         backward pass left."""
         self.active = capture
         self.hooks_active = capture or probing
-        for site in self._sites.values():
-            site.reset()
+        if self._traced:  # an eager model's sites never hold a call
+            for site in self._sites.values():
+                site.reset()
 
     def forget_loss_scale(self) -> None:
         """The next backward pass may run under another loss scale: recompute ``1/s``."""
@@ -170,6 +173,7 @@ class Capture:
             # Grad mode first: a graph traced without gradients (evaluation) then guards on
             # nothing of the schedule, and serves every step.
             active = torch.is_grad_enabled() and self.hooks_active
+            self._traced = True
             return self._sites[layer.name].in_graph(active, args, kwargs, output)
         if self.watch_wrapper and self.wrapper is None:
             # DDP's forward announces itself in a class attribute (torch.compile's DDP

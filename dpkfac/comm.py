@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from dpkfac.device import DeviceMismatch, HostReader, TableCache, check_device
 from dpkfac.plan.fusion import shard_rounds, size_cap_buckets
-from dpkfac.plan.hardware import reduce_scatter_future, uneven_all_gather, wire_bytes
+from dpkfac.plan.hardware import reduce_scatter_future, uneven_all_gather
 from dpkfac.stats import PHASE_OF_CATEGORY, CommStats, PhaseTimer
 
 T = TypeVar("T")
@@ -89,6 +89,10 @@ def unpack_triangle(
 def triangle_numel(dim: int) -> int:
     """Elements sent for a symmetric ``dim``² factor with triangle packing."""
     return dim * (dim + 1) // 2
+
+
+#: Bucket layouts a communicator keeps (:meth:`Communicator._buckets`); a step has a few.
+MAX_LAYOUTS = 256
 
 
 def bucket_plan(
@@ -189,6 +193,9 @@ class Communicator:
         self.label = "main"
         self._parent: Communicator | None = None
         self._in_flight: set[int] = set()
+        #: :func:`bucket_plan` per layout (dtypes, devices and sizes of the tensors, the
+        #: cap): a step hands the same layouts to the same collectives every time.
+        self._layouts: dict[tuple[object, ...], list[list[int]]] = {}
 
     @property
     def isolate(self) -> bool:
@@ -289,21 +296,24 @@ class Communicator:
         return dist.get_global_rank(self.group, group_rank)
 
     # ----------------------------------------------------------------- helpers
-    def wire_bytes(self, kind: str, nbytes: int) -> int:
-        """Bytes one rank sends for a collective under the bandwidth-optimal algorithm:
-        the cost model's own formula (:func:`dpkfac.plan.hardware.wire_bytes`), so that
-        measured and predicted bytes agree by construction. A "rooted" collective (a
-        broadcast or a reduce) sends what a broadcast does.
-
-        ``nbytes`` is the whole buffer: a reduce-scatter's input or an all-gather's
-        output (``P`` shards), of which a ring sends ``(P - 1) / P``.
-        """
-        return wire_bytes("broadcast" if kind == "rooted" else kind, nbytes, self.size)
+    def _buckets(
+        self, tensors: Sequence[torch.Tensor], numels: Sequence[int], cap_bytes: int | None
+    ) -> list[list[int]]:
+        """:func:`bucket_plan` of the tensors, planned once per layout."""
+        key = (cap_bytes, *((t.dtype, t.device, n) for t, n in zip(tensors, numels, strict=True)))
+        if (buckets := self._layouts.get(key)) is None:
+            if len(self._layouts) >= MAX_LAYOUTS:  # shapes that keep changing: plan afresh
+                self._layouts.clear()
+            buckets = self._layouts[key] = bucket_plan(tensors, numels, cap_bytes)
+        return buckets
 
     def record(self, category: str, kind: str, nbytes: int) -> None:
         """Account one collective of ``kind`` ("allreduce", "rooted", "reduce_scatter" or
-        "all_gather") over ``nbytes``."""
-        self.stats.record(category, nbytes, self.wire_bytes(kind, nbytes))
+        "all_gather") over ``nbytes``: the whole buffer, a reduce-scatter's input or an
+        all-gather's output (``P`` shards). A "rooted" collective (a broadcast or a reduce)
+        sends what a broadcast does; the stats derive the wire bytes
+        (:meth:`dpkfac.stats.CommStats.wire_bytes`)."""
+        self.stats.record(category, "broadcast" if kind == "rooted" else kind, nbytes, self.size)
 
     def _launch(
         self, handle: Handle, fn: Callable[..., object], flat: torch.Tensor, **kwargs: object
@@ -483,7 +493,7 @@ class Communicator:
             return handle
         tensors = list(tensors)
         numels = [triangle_numel(t.shape[0]) if triangle else t.numel() for t in tensors]
-        for bucket in bucket_plan(tensors, numels, cap_bytes):
+        for bucket in self._buckets(tensors, numels, cap_bytes):
             parts = [
                 pack_triangle(tensors[i], self.tables) if triangle else tensors[i].reshape(-1)
                 for i in bucket
@@ -562,7 +572,7 @@ class Communicator:
         is_reduce = fn is dist.reduce
         receives = self.rank == root if is_reduce else self.rank != root
         root_kw = {"dst": self.global_rank(root)} if is_reduce else {"src": self.global_rank(root)}
-        for bucket in bucket_plan(tensors, [t.numel() for t in tensors], cap_bytes):
+        for bucket in self._buckets(tensors, [t.numel() for t in tensors], cap_bytes):
             flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
             self._launch(handle, fn, flat, **root_kw)
             if receives:

@@ -3,7 +3,7 @@
 The capture hooks (:class:`~dpkfac.preconditioner.KFACPreconditioner`) are
 Python that Dynamo must not trace: they time their work with the host's clock
 (:class:`~dpkfac.stats.PhaseTimer`), read ``functools.lru_cache`` tables
-(:mod:`dpkfac.curvature.kernels`), mutate the layers' state and may hand a
+(:mod:`dpkfac.curvature.factors`), mutate the layers' state and may hand a
 factor to a strategy that starts a collective at once. Traced, each of these
 is a graph break or a warning, and the compilation that follows a break would
 run inside the hook's timed phase (booked as ``factor_compute``). Left to run

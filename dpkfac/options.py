@@ -22,8 +22,7 @@ from typing import Any
 import torch
 
 from dpkfac.curvature import DECOMPOSITIONS
-from dpkfac.curvature.factors import WEIGHT_SHARING
-from dpkfac.curvature.kernels import FACTOR_METHODS
+from dpkfac.curvature.factors import FACTOR_METHODS, WEIGHT_SHARING
 from dpkfac.plan.options import (
     Scalar,
     Schedule,
@@ -79,7 +78,7 @@ class KFACOptions:
         skip_layers: regexes searched in module names; matches are left alone.
         weight_sharing: "expand" or "reduce" for positions (Conv2d, sequences).
         factor_dtype: dtype factors are built in (None: the weight's dtype).
-        factor_method: how batch factors are built (:mod:`dpkfac.curvature.kernels`):
+        factor_method: how batch factors are built (:mod:`dpkfac.curvature.factors`):
             "auto" (exact fast kernels), "unfold" (original im2col path) or
             "auto_bf16" (bf16 products, opt-in, not exact).
         decomposition_dtype: dtype of decompositions, at least 32-bit.

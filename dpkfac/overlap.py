@@ -93,7 +93,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dpkfac.comm import Communicator, Handle
 from dpkfac.curvature.layer import KFACLayer, MaskedFold, warn_non_finite
 from dpkfac.device import HostReader
-from dpkfac.plan.exchange import gradient_transfers, waited_by_layers
+from dpkfac.plan.exchange import gradient_layout, waited_by_layers
 from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap
 from dpkfac.plan.roles import RankRoles
 from dpkfac.stats import PhaseTimer
@@ -102,6 +102,7 @@ from dpkfac.strategies.base import (
     Preconditioned,
     launch_gradients,
     launch_updates,
+    on_items,
     precondition_layer,
     sent_updates,
 )
@@ -419,28 +420,23 @@ class OverlapEngine:
         :func:`~dpkfac.plan.exchange.gradient_transfers` says with ``kfac_first``: the K-FAC
         layers' gradients by an all-reduce, or with the owner reduction by a reduce-scatter
         onto their owners, and then an all-reduce of the rest."""
-        owner_of = {
-            id(g): self._sender(layers[0])
-            for p, g in zip(params, grads, strict=True)
-            if (layers := self.layers_of.get(id(p)))
-        }
+        owners = tuple(
+            self._sender(layers[0]) if (layers := self.layers_of.get(id(p))) else None
+            for p in params
+        )
         kfac: list[Handle] = []
         rest: list[Handle] = []
-
-        def owner(g: torch.Tensor) -> int | None:
-            return owner_of.get(id(g))
-
-        for transfer in gradient_transfers(
-            self._roles().traits.owner_grad_reduction,
-            list(grads),
-            owner,
-            self.comm.size,
-            kfac_first=True,
-        ):
-            part = "kfac" if waited_by_layers(transfer, owner) else "rest"
+        layout = gradient_layout(
+            self._roles().traits.owner_grad_reduction, owners, self.comm.size, kfac_first=True
+        )
+        for positions in layout:
+            part = "kfac" if waited_by_layers(positions, owners.__getitem__) else "rest"
             with self._tags(bucket=index, part=part):
                 handles = launch_gradients(
-                    self.comm, transfer, overlapped=True, futures=self.ctx.ddp is not None
+                    self.comm,
+                    on_items(positions, grads.__getitem__),
+                    overlapped=True,
+                    futures=self.ctx.ddp is not None,
                 )
             (kfac if part == "kfac" else rest).extend(handles)
         return kfac, rest

@@ -53,6 +53,7 @@ from dpkfac.overlap import OverlapContext, OverlapEngine
 from dpkfac.placement import build_strategy, finalise_placement
 from dpkfac.plan import SCHEMES, Scheme, StrategyOptions, scheme_of, scheme_options
 from dpkfac.plan.configs import resolve as resolve_config
+from dpkfac.plan.options import STEP_RULES
 from dpkfac.report import format_summary, layer_rows, report_construction, skipped_modules
 from dpkfac.state import load_state, save_state
 from dpkfac.stats import CommStats, PhaseTimer
@@ -143,7 +144,7 @@ class KFACPreconditioner:
         factor_dtype: dtype factors are built and accumulated in (default:
             the layer weight's dtype).
         factor_method: how batch factors are built: "auto" (default: exact
-            kernels chosen per layer, see :mod:`dpkfac.curvature.kernels`),
+            kernels chosen per layer, see :mod:`dpkfac.curvature.factors`),
             "unfold" (the original im2col path) or "auto_bf16"
             (bf16 products with float32 sums; opt-in, not exact).
         decomposition_dtype: dtype of decompositions (at least float32; a
@@ -238,6 +239,10 @@ class KFACPreconditioner:
         given = locals()
         settings = KFACOptions(**{f.name: given[f.name] for f in fields(KFACOptions)})
         self.options = _common_options(options, settings)
+        # The options a schedule sets (a callable of the step): the only ones read through
+        # KFACOptions.at, which calls and checks them, at every step; constants were checked
+        # at construction and are read as they are (:meth:`_at`).
+        self._scheduled = frozenset(n for n in STEP_RULES if callable(getattr(self.options, n)))
         self._skip = [re.compile(p) for p in self.options.skip_layers]
         self.model = model
         self.ddp = isinstance(model, DistributedDataParallel)
@@ -422,8 +427,8 @@ class KFACPreconditioner:
             and not probing
         )
         if flags.overlapped:
-            flags.damping = float(self.options.at("damping", step))
-            flags.decay = float(self.options.at("factor_decay", step))
+            flags.damping = float(self._at("damping", step))
+            flags.decay = float(self._at("factor_decay", step))
 
     def _note_buffers(self, nbytes: int) -> None:
         """Record the bytes of batch factors awaiting their fold (the peak is reported)."""
@@ -439,11 +444,18 @@ class KFACPreconditioner:
         timings = {k: v * 1e3 for k, v in self.timings().items()}
         return format_summary(rows, self._skipped, timings)
 
+    def _at(self, name: str, step: int) -> Any:
+        """Option ``name`` (one of ``STEP_RULES``) at ``step``: a schedule's checked value
+        (:meth:`KFACOptions.at`), a constant as it is."""
+        if name in self._scheduled:
+            return self.options.at(name, step)
+        return getattr(self.options, name)
+
     def _is_factor_step(self, step: int) -> bool:
-        return step % self.options.at("factor_update_steps", step) == 0
+        return step % self._at("factor_update_steps", step) == 0
 
     def _is_inv_step(self, step: int) -> bool:
-        return step % self.options.at("inv_update_steps", step) == 0
+        return step % self._at("inv_update_steps", step) == 0
 
     # -------------------------------------------------------------------- step
     @torch.no_grad()
@@ -523,9 +535,9 @@ class KFACPreconditioner:
 
         if any(x.has_pending(w) for x in layers for w in FACTORS) or self._capture.active:
             strat.reduce_factors(layers)
-            self._fold_factors(float(self.options.at("factor_decay", step)))
+            self._fold_factors(float(self._at("factor_decay", step)))
 
-        damping = float(self.options.at("damping", step))
+        damping = float(self._at("damping", step))
         if probe is not None:
             probe.run(step, damping)  # gradients averaged, not yet overwritten
         if self._is_inv_step(step) or self._decompose_next:
@@ -764,8 +776,8 @@ class KFACPreconditioner:
             terms.append(res.vg if flag is True else torch.where(flag, res.vg, 0.0))
         if not terms:
             return None
-        lr = float(self.options.at("lr", step))
-        kl_clip = float(self.options.at("kl_clip", step))
+        lr = float(self._at("lr", step))
+        kl_clip = float(self._at("kl_clip", step))
         device = terms[0].device
         vg_sum = torch.stack([t.to(device) for t in terms]).sum() * lr**2
         if self.takes_scaled_gradients:

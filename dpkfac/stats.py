@@ -8,12 +8,13 @@ torch.distributed, never an estimate.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
+from dpkfac.plan.hardware import wire_bytes
 from dpkfac.timeline import Timeline
 
 COMM_CATEGORIES = (
@@ -47,7 +48,13 @@ PHASE_OF_CATEGORY = {
 
 
 class CommStats:
-    """Bytes and calls of collectives per category on this rank."""
+    """Bytes and calls of collectives per category on this rank.
+
+    Each collective is counted as it is launched (its category, kind, buffer size and group
+    size); the bytes it sends on the wire are derived from those when they are read
+    (:meth:`as_dict`), by the cost model's own formula, so that launching one costs a few
+    dictionary updates and nothing else.
+    """
 
     def __init__(self) -> None:
         self.reset()
@@ -55,21 +62,27 @@ class CommStats:
     def reset(self) -> None:
         self._bytes: dict[str, int] = defaultdict(int)
         self._calls: dict[str, int] = defaultdict(int)
-        self._wire: dict[str, int] = defaultdict(int)
+        self._launched: Counter[tuple[str, str, int, int]] = Counter()
 
-    def record(self, category: str, nbytes: int, wire_bytes: int | None = None) -> None:
-        """Count one collective over a buffer of ``nbytes``.
-
-        Args:
-            category: accounting category.
-            nbytes: size of the buffer handed to torch.distributed.
-            wire_bytes: bytes this rank sends under the bandwidth-optimal
-                algorithm (ring all-reduce: 2(P-1)/P of the buffer; broadcast
-                and reduce: (P-1)/P), so schemes can be compared on the wire.
-        """
+    def record(self, category: str, kind: str, nbytes: int, world_size: int) -> None:
+        """Count one collective of ``kind`` (one of
+        :data:`~dpkfac.plan.hardware.COLLECTIVE_KINDS`) over a buffer of ``nbytes`` (the
+        size handed to torch.distributed) in a group of ``world_size`` ranks."""
         self._bytes[category] += int(nbytes)
         self._calls[category] += 1
-        self._wire[category] += int(nbytes if wire_bytes is None else wire_bytes)
+        self._launched[category, kind, int(nbytes), world_size] += 1
+
+    def wire_bytes(self, category: str) -> int:
+        """Bytes this rank sent for ``category`` under the bandwidth-optimal algorithm (ring
+        all-reduce: 2(P-1)/P of the buffer; broadcast, reduce, reduce-scatter and
+        all-gather: (P-1)/P), :func:`dpkfac.plan.hardware.wire_bytes` per collective (an
+        integer floor each), so schemes can be compared on the wire and measured and
+        predicted bytes agree exactly."""
+        return sum(
+            count * wire_bytes(kind, nbytes, world_size)
+            for (cat, kind, nbytes, world_size), count in self._launched.items()
+            if cat == category
+        )
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         """Every contract category (zero when unused) plus any extra one that was used.
@@ -81,7 +94,7 @@ class CommStats:
             c: {
                 "bytes": self._bytes.get(c, 0),
                 "calls": self._calls.get(c, 0),
-                "wire_bytes": self._wire.get(c, 0),
+                "wire_bytes": self.wire_bytes(c),
             }
             for c in names
         }

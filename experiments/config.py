@@ -70,7 +70,7 @@ def _rank_spec(value: Any) -> bool:
 
 
 def _factor_methods() -> tuple[str, ...]:
-    from dpkfac.curvature.kernels import FACTOR_METHODS
+    from dpkfac.curvature.factors import FACTOR_METHODS
 
     return tuple(FACTOR_METHODS)
 
@@ -265,7 +265,7 @@ _BENCHMARK: Checks = {
     "scale_sim.paper": (lambda v: isinstance(v, bool), "true or false"),
     "scale_sim.factor_method": (
         lambda v: v is None or v in _factor_methods(),
-        "null or a factor_method of dpkfac (dpkfac.curvature.kernels.FACTOR_METHODS)",
+        "null or a factor_method of dpkfac (dpkfac.curvature.factors.FACTOR_METHODS)",
     ),
 }
 

@@ -96,7 +96,7 @@ def factory_calls() -> list[tuple[str, str, str, int, bool]]:
 def test_the_scan_finds_the_factories_it_should() -> None:
     calls = factory_calls()
     # The kernels' tables and the triangle indices are made on the data's device.
-    assert ("curvature/kernels.py", "_mask", "tensor") in {c[:3] for c in calls if c[4]}
+    assert ("curvature/factors.py", "_mask", "tensor") in {c[:3] for c in calls if c[4]}
     assert ("comm.py", "build", "triu_indices") in {c[:3] for c in calls if c[4]}
     assert len(calls) > 20
 

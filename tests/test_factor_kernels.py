@@ -1,4 +1,4 @@
-"""The fast factor kernels (dpkfac.curvature.kernels) against dense float64 references.
+"""The fast factor kernels (dpkfac.curvature.factors) against dense float64 references.
 
 References: the im2col ("unfold") path of the library, an independent naive
 loop over output positions and kernel offsets, and full ``XᵀX`` products.
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dpkfac
-from dpkfac.curvature import kernels
+from dpkfac.curvature import factors as kernels
 from dpkfac.curvature.factors import a_factor, g_factor
 from dpkfac.curvature.modules import helper_for
 

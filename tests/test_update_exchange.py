@@ -167,5 +167,5 @@ def test_an_update_travels_as_the_one_layout_says(dtype: torch.dtype, with_kl: b
     )
     for result in (sent, None):
         buffers = update_buffers(layer, result, with_kl=with_kl)
-        assert [tuple(b.shape) for b in buffers] == shapes
+        assert tuple(tuple(b.shape) for b in buffers) == shapes
         assert [b.numel() * b.element_size() for b in buffers] == nbytes

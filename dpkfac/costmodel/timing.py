@@ -3,12 +3,12 @@
 Work (``kind -> (calls, amount)``, see :mod:`dpkfac.plan.hardware`) per phase:
 
 * ``factor_compute``: per factor, the kernels ``factor_method="auto"`` uses
-  (:mod:`dpkfac.curvature.kernels`): a Conv2d "expand" A factor by shifted
+  (:mod:`dpkfac.curvature.factors`): a Conv2d "expand" A factor by shifted
   correlations, ``2·C²·N·(H+k−1)²`` flops of kind "factor" per shift
   (``2k²−2k+1`` shifts) plus the border corrections, and
   ``3·C·N·(H+k−1)²·itemsize`` "memory" bytes (one flat copy, no im2col);
   LayerShape keeps neither kernel nor stride, so k and C are guessed from
-  ``a_dim`` (:func:`~dpkfac.curvature.kernels.guess_square_kernel`) and the
+  ``a_dim`` (:func:`~dpkfac.curvature.factors.guess_square_kernel`) and the
   input map is taken as the output map (stride 1). Every other product is
   the triangle-only ``XᵀX`` (about ``rows·d²`` flops for ``d ≥ 128``,
   ``2·rows·d²`` below; rows = ``N·T`` for "expand", ``N`` for "reduce")
@@ -143,15 +143,15 @@ class StepPrediction:
 
 def factor_work(s: LayerShape, which: str, weight_sharing: str, itemsize: int) -> Work:
     """Work of building one batch factor ("A" or "G") of layer ``s`` (see the module docstring)."""
-    from dpkfac.curvature import kernels
+    from dpkfac.curvature.factors import guess_square_kernel, shift_count, triangle_work
 
     d = s.a_dim if which == "A" else s.g_dim
     n, t = s.batch_size, s.positions
     if which == "A" and s.kind == "conv2d" and weight_sharing == "expand":
-        k, c = kernels.guess_square_kernel(d)
+        k, c = guess_square_kernel(d)
         side = math.sqrt(t) + k - 1
         flat = n * side * side
-        shifts = kernels.shift_count(k, k)
+        shifts = shift_count(k, k)
         border = n * 4 * (k - 1) * side * (2 * k - 1)  # positions in the corrections
         flops = 2.0 * c * c * (shifts * flat + border)
         return {"factor": (1, flops), "memory": (0, 3.0 * c * flat * itemsize)}
@@ -161,7 +161,7 @@ def factor_work(s: LayerShape, which: str, weight_sharing: str, itemsize: int) -
     else:
         rows = n
         nbytes = (n * t + rows) * d * itemsize
-    _, flops = kernels.triangle_work(rows, d)
+    _, flops = triangle_work(rows, d)
     return {"factor": (1, flops), "memory": (0, float(nbytes))}
 
 

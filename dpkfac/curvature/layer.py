@@ -25,7 +25,7 @@ from dpkfac.curvature.decomposition import (
     precondition,
     working_dtype,
 )
-from dpkfac.curvature.kernels import DEFAULT_METHOD
+from dpkfac.curvature.factors import DEFAULT_METHOD
 from dpkfac.curvature.modules import ModuleHelper, SupportedModule
 from dpkfac.device import HostReader
 
@@ -193,7 +193,7 @@ class KFACLayer:
     ) -> torch.Tensor:
         """Add the batch A factor of input ``x``; returns the running batch sum.
 
-        ``method`` is the ``factor_method`` option (see :mod:`dpkfac.curvature.kernels`).
+        ``method`` is the ``factor_method`` option (see :mod:`dpkfac.curvature.factors`).
         The forward hook runs inside the model's autocast region, which would
         turn the factor's products into half precision: autocast is off here,
         so the factor is built in ``dtype`` whatever the forward runs in.

@@ -11,7 +11,7 @@ class and one registry entry.
 :meth:`ModuleHelper.a_factor` / :meth:`ModuleHelper.g_factor` build the batch
 factors; the default goes through ``a``/``g`` and
 :mod:`dpkfac.curvature.factors`, and :class:`Conv2dHelper` dispatches on
-``factor_method`` (see :mod:`dpkfac.curvature.kernels`): "auto" builds a
+``factor_method`` (see the kernels there): "auto" builds a
 stride-1 expand A factor by shifted correlations, a reduce A factor by masked
 window sums, neither with im2col; "unfold" is the original im2col path.
 """
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpkfac.curvature import kernels
+from dpkfac.curvature import factors
 from dpkfac.curvature.factors import a_factor, conv_g_factor, g_factor
 from dpkfac.device import TableCache
 
@@ -84,7 +84,7 @@ class ModuleHelper(ABC, Generic[ModuleT]):
         x: torch.Tensor,
         weight_sharing: str,
         dtype: torch.dtype | None,
-        method: str = kernels.DEFAULT_METHOD,
+        method: str = factors.DEFAULT_METHOD,
     ) -> tuple[torch.Tensor, int, int]:
         """The batch A factor of layer input ``x``, with N and T.
 
@@ -92,10 +92,10 @@ class ModuleHelper(ABC, Generic[ModuleT]):
             x: the layer input (detached).
             weight_sharing: "expand" or "reduce".
             dtype: dtype the factor is built in (None: the input's).
-            method: a :data:`~dpkfac.curvature.kernels.FACTOR_METHODS` value;
+            method: a :data:`~dpkfac.curvature.factors.FACTOR_METHODS` value;
                 "unfold" keeps the original full product.
         """
-        kernels.check_method(method)
+        factors.check_method(method)
         a = self.a_matrix(x)
         factor = a_factor(
             a,
@@ -112,10 +112,10 @@ class ModuleHelper(ABC, Generic[ModuleT]):
         grad_output: torch.Tensor,
         weight_sharing: str,
         dtype: torch.dtype | None,
-        method: str = kernels.DEFAULT_METHOD,
+        method: str = factors.DEFAULT_METHOD,
     ) -> torch.Tensor:
         """The batch G factor of the layer's output gradient (see :meth:`a_factor`)."""
-        kernels.check_method(method)
+        factors.check_method(method)
         return g_factor(
             self.g_matrix(grad_output),
             weight_sharing=weight_sharing,
@@ -249,7 +249,7 @@ class Conv2dHelper(ModuleHelper[nn.Conv2d]):
         x: torch.Tensor,
         weight_sharing: str,
         dtype: torch.dtype | None,
-        method: str = kernels.DEFAULT_METHOD,
+        method: str = factors.DEFAULT_METHOD,
     ) -> tuple[torch.Tensor, int, int]:
         """A without im2col where the geometry allows (see the module docstring).
 
@@ -257,7 +257,7 @@ class Conv2dHelper(ModuleHelper[nn.Conv2d]):
         first, so the kernels see zero padding (or none). "expand" with a
         stride other than 1 falls back to im2col with the triangle product.
         """
-        kernels.check_method(method)
+        factors.check_method(method)
         if method == "unfold":
             return super().a_factor(x, weight_sharing, dtype, method)
         if x.dim() == 3:
@@ -270,9 +270,9 @@ class Conv2dHelper(ModuleHelper[nn.Conv2d]):
         stride, dilation = (sh, sw), (dh, dw)
         n, _, h, w = x.shape
         kh, kw = conv.kernel_size
-        t = kernels.out_positions((h, w), (kh, kw), stride, padding, dilation)
+        t = factors.out_positions((h, w), (kh, kw), stride, padding, dilation)
         if weight_sharing == "reduce":
-            factor = kernels.conv_a_reduce(
+            factor = factors.conv_a_reduce(
                 x,
                 (kh, kw),
                 stride,
@@ -282,8 +282,8 @@ class Conv2dHelper(ModuleHelper[nn.Conv2d]):
                 bf16=bf16,
                 cache=self.tables,
             )
-        elif kernels.use_shifted(method, stride, (kh, kw), (n, h, w)):
-            factor = kernels.conv_a_shifted(
+        elif factors.use_shifted(method, stride, (kh, kw), (n, h, w)):
+            factor = factors.conv_a_shifted(
                 x, (kh, kw), padding, dilation, has_bias=self.has_bias, bf16=bf16, cache=self.tables
             )
         else:
@@ -301,10 +301,10 @@ class Conv2dHelper(ModuleHelper[nn.Conv2d]):
         grad_output: torch.Tensor,
         weight_sharing: str,
         dtype: torch.dtype | None,
-        method: str = kernels.DEFAULT_METHOD,
+        method: str = factors.DEFAULT_METHOD,
     ) -> torch.Tensor:
         """G by one batched product of the (C, H·W) slices of each sample ("unfold": original)."""
-        kernels.check_method(method)
+        factors.check_method(method)
         if method == "unfold":
             return super().g_factor(grad_output, weight_sharing, dtype, method)
         if grad_output.dim() == 3:

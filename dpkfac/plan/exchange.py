@@ -14,11 +14,15 @@ bucket (:func:`dpkfac.strategies.base.launch_gradients`,
 predicts come from one description, not from two copies kept in step by hand.
 
 The items are whatever the caller names tensors by: the runtime's gradients and layers, the
-cost model's (layer index, elements) pairs and layer indices.
+cost model's (layer index, elements) pairs and layer indices. A step asks the same questions
+every time, so the runtime asks them of positions, once per layout (:func:`gradient_layout`,
+:func:`update_layout`, cached), and puts its tensors in those positions
+(:func:`dpkfac.strategies.base.on_items`): the lists are made once, not on every step.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +32,9 @@ __all__ = [
     "Transfer",
     "decomposition_transfers",
     "factor_transfers",
+    "gradient_layout",
     "gradient_transfers",
+    "update_layout",
     "update_nbytes",
     "update_shapes",
     "update_transfers",
@@ -98,6 +104,24 @@ def gradient_transfers(
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def gradient_layout(
+    owner_reduction: bool,
+    owners: tuple[int | None, ...],
+    world_size: int,
+    *,
+    kfac_first: bool = False,
+) -> tuple[Transfer[int], ...]:
+    """:func:`gradient_transfers` of the gradients at positions ``0..len(owners)-1``, whose
+    owners are ``owners`` (None: no K-FAC layer's), made once per layout."""
+    items = range(len(owners))
+    return tuple(
+        gradient_transfers(
+            owner_reduction, items, owners.__getitem__, world_size, kfac_first=kfac_first
+        )
+    )
+
+
 def waited_by_layers(transfer: Transfer[T], owner: Callable[[T], int | None]) -> bool:
     """Whether a K-FAC layer waits for this transfer of :func:`gradient_transfers`: it
     carries a K-FAC layer's gradient (False: the rest, which only ``step()``'s end needs)."""
@@ -110,13 +134,14 @@ KL_SCALARS = 2
 KL_MIN_ITEMSIZE = 4
 
 
-def update_shapes(g_dim: int, a_dim: int, *, with_kl: bool) -> list[tuple[int, ...]]:
+@functools.lru_cache(maxsize=1024)
+def update_shapes(g_dim: int, a_dim: int, *, with_kl: bool) -> tuple[tuple[int, ...], ...]:
     """The tensors one layer's update travels as, in the order they are packed: its
     ``g_dim x a_dim`` matrix and, with the KL clip on, right after it its :data:`KL_SCALARS`
     scalars (in the matrix's dtype promoted to at least float32). The runtime sends and
     receives into these (:func:`dpkfac.strategies.base.update_buffers`) and the cost model
     counts their bytes (:func:`update_nbytes`)."""
-    return [(g_dim, a_dim), (KL_SCALARS,)] if with_kl else [(g_dim, a_dim)]
+    return ((g_dim, a_dim), (KL_SCALARS,)) if with_kl else ((g_dim, a_dim),)
 
 
 def update_nbytes(g_dim: int, a_dim: int, *, with_kl: bool, itemsize: int) -> list[int]:
@@ -144,6 +169,16 @@ def update_transfers(owner_reduction: bool, sent_by: Sequence[Sequence[T]]) -> l
     if owner_reduction:
         return [Transfer("all_gather", tuple(tuple(s) for s in sent_by))]
     return _broadcasts(sent_by)
+
+
+@functools.lru_cache(maxsize=256)
+def update_layout(
+    owner_reduction: bool, counts: tuple[int, ...]
+) -> tuple[Transfer[tuple[int, int]], ...]:
+    """:func:`update_transfers` where group position r sends ``counts[r]`` updates, made once
+    per layout: its items are (r, j), the j-th update position r sends."""
+    sent_by = [[(r, j) for j in range(n)] for r, n in enumerate(counts)]
+    return tuple(update_transfers(owner_reduction, sent_by))
 
 
 def factor_transfers(

@@ -12,7 +12,7 @@ waiting time are accounted in one place.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
@@ -29,14 +29,17 @@ from dpkfac.plan.exchange import (
     Transfer,
     decomposition_transfers,
     factor_transfers,
-    gradient_transfers,
+    gradient_layout,
+    update_layout,
     update_shapes,
-    update_transfers,
 )
 from dpkfac.plan.roles import RankRoles
 
 #: The options class of a strategy: its scheme's ``Options``.
 OptionsT = TypeVar("OptionsT", bound=StrategyOptions)
+#: A layout's positions, and what a step puts in them.
+I = TypeVar("I")
+T = TypeVar("T")
 
 
 @dataclass
@@ -91,6 +94,13 @@ def sent_updates(
             if (i := at.get(src)) is not None:
                 out[i].append(x)
     return out
+
+
+def on_items(layout: Transfer[I], item: Callable[[I], T]) -> Transfer[T]:
+    """A transfer of a layout (:func:`~dpkfac.plan.exchange.gradient_layout`,
+    :func:`~dpkfac.plan.exchange.update_layout`) with this step's ``item`` at each position."""
+    shards = tuple(tuple(item(i) for i in shard) for shard in layout.shards)
+    return Transfer(layout.kind, shards, layout.root)
 
 
 def update_buffers(
@@ -227,7 +237,9 @@ def launch_updates(
         ]
 
     cat = "precond_broadcast"
-    for transfer in update_transfers(owner_reduction, sent_by):
+    counts = tuple(len(s) for s in sent_by)
+    for layout in update_layout(owner_reduction, counts):
+        transfer = on_items(layout, lambda rj: sent_by[rj[0]][rj[1]])
         if transfer.kind == "broadcast":
             sent = buffers(transfer.root, transfer.shards[0])
             handles.append(
@@ -475,10 +487,12 @@ class Strategy(Generic[OptionsT]):
         grads += [g for p in other_params if (g := p.grad) is not None]
         if not self.comm.active:
             return
-        owner = owner_of.get
-        transfers = gradient_transfers(
-            self.traits.owner_grad_reduction, grads, lambda g: owner(id(g)), self.world_size
+        layout = gradient_layout(
+            self.traits.owner_grad_reduction,
+            tuple(owner_of.get(id(g)) for g in grads),
+            self.world_size,
         )
+        transfers = [on_items(t, grads.__getitem__) for t in layout]
         handles = [
             h
             for t in transfers

@@ -50,7 +50,7 @@ from dpkfac.costmodel.optimizers import step_bytes
 from dpkfac.costmodel.shapes import shapes_from_model
 from dpkfac.costmodel.timing import factor_work, fold_work, forward_backward_work
 from dpkfac.curvature import EigenDecomposition, KFACLayer, helper_for
-from dpkfac.curvature.kernels import DEFAULT_METHOD
+from dpkfac.curvature.factors import DEFAULT_METHOD
 from dpkfac.plan.assignment import EIGH_COEFF
 from dpkfac.probes import median_time
 

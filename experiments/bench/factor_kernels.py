@@ -7,7 +7,7 @@ with the ``factor_kernels`` node of ``conf/benchmark.yaml``: ``batch``, ``reps``
 For every distinct K-FAC layer shape of CIFAR ResNet-32 (shortcut option B, so
 the 1×1 stride-2 projections are included; option A has the same layers
 minus those three) at batch 32, float32, the batch A and G factors are built
-with each method of ``factor_method`` (:mod:`dpkfac.curvature.kernels`) plus
+with each method of ``factor_method`` (:mod:`dpkfac.curvature.factors`) plus
 "unfold+tri" (im2col with the triangle-only product), methods interleaved
 within every repetition (order rotated), median of ``reps`` repetitions.
 Totals weight each shape by how many layers share it. Run for 1 and 2 torch
