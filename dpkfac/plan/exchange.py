@@ -189,8 +189,8 @@ def factor_transfers(
     all-reduce of them all in the order given (fused into capped buffers by the
     communicator), from ``step()``; "pipelined", one all-reduce per fusion bucket of
     ``buckets`` (None, while the buckets are profiled: each factor alone), launched from the
-    capture hooks as each fills (spd_kfac's hooks keep their own count of what each bucket
-    still waits for, over the same fusion plan the cost model passes here)."""
+    capture hooks as each fills (:class:`dpkfac.strategies.spd_kfac.SPDKFAC` launches these
+    transfers, counting what each still waits for; the cost model prices the same list)."""
     if factor_comm == "none" or not factors:
         return []
     if factor_comm == "allreduce":

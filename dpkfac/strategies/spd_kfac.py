@@ -15,7 +15,8 @@ after Shi et al.'s smart parallel D-KFAC:
    :func:`dpkfac.plan.fusion.plan_buckets` merges consecutive factors while
    the next one will be ready before the current bucket's communication would
    finish (or waiting for it costs less than alpha). A bucket is launched as
-   soon as its last factor is built.
+   soon as its last factor is built: the buckets' all-reduces are
+   :func:`dpkfac.plan.exchange.factor_transfers`'s, the list the cost model prices.
 3. **Triangle packing.** Only the upper triangle of each symmetric factor is sent.
 """
 
@@ -30,6 +31,7 @@ import torch
 from dpkfac.comm import Handle, triangle_numel
 from dpkfac.curvature import KFACLayer
 from dpkfac.curvature.layer import FACTORS
+from dpkfac.plan.exchange import Transfer, factor_transfers
 from dpkfac.plan.fusion import CommModel, plan_buckets
 from dpkfac.plan.spd_kfac import SPDKFACOptions, SPDKFACScheme
 from dpkfac.probes import measure_comm_model
@@ -49,6 +51,9 @@ class SPDKFAC(Strategy[SPDKFACOptions]):
         super().__init__(*args, **kwargs)
         #: The fusion buckets of (layer, "A"/"G") keys, fixed after profiling.
         self.fusion_plan: list[list[Key]] | None = None
+        #: Their all-reduces, as :func:`~dpkfac.plan.exchange.factor_transfers` says (the
+        #: description the cost model prices): one per bucket, launched when it fills.
+        self.transfers: list[Transfer[Key]] = []
         self.comm_model: CommModel | None = None
         self._bucket_of: dict[Key, int] = {}
         self._profiles: list[dict[Key, float]] = []
@@ -85,14 +90,15 @@ class SPDKFAC(Strategy[SPDKFACOptions]):
             self._stale.add(key)
             return
         bucket = self._bucket_of.get(key)
-        if bucket is None:
-            self._launch([(layer, which)])
+        if bucket is None:  # profiling, or a factor the plan has not seen: it travels alone
+            for transfer in factor_transfers(self.traits.factor_comm, [key]):
+                self._launch_keys(transfer.shards[0])
             return
         ready = self._ready.setdefault(bucket, [])
         ready.append(key)
-        assert self.fusion_plan is not None, "buckets exist once the fusion plan does"
-        if len(ready) == len(self.fusion_plan[bucket]):
-            self._launch_keys(self.fusion_plan[bucket])
+        (members,) = self.transfers[bucket].shards
+        if len(ready) == len(members):
+            self._launch_keys(members)
 
     def _launch_keys(self, keys: Sequence[Key]) -> None:
         self._launch([(self._layers[name], which) for name, which in keys])
@@ -113,10 +119,9 @@ class SPDKFAC(Strategy[SPDKFACOptions]):
         # usage must match across ranks) still go, in plan order.
         for bucket in sorted(self._ready):
             keys = self._ready[bucket]
-            assert self.fusion_plan is not None, "buckets exist once the fusion plan does"
-            if len(keys) < len(self.fusion_plan[bucket]):
-                order = [k for k in self.fusion_plan[bucket] if k in keys]
-                self._launch_keys(order)
+            (members,) = self.transfers[bucket].shards
+            if len(keys) < len(members):
+                self._launch_keys([k for k in members if k in keys])
         for items, tensors, handle in self._inflight:
             self.comm.wait(handle)
             for (layer, which), tensor in zip(items, tensors, strict=True):
@@ -170,8 +175,16 @@ class SPDKFAC(Strategy[SPDKFACOptions]):
             buckets = plan_buckets(ready, sizes, self.comm_model)
         else:
             buckets = [[i] for i in range(len(order))]
-        self.fusion_plan = [[seen[order[i]] for i in bucket] for bucket in buckets]
-        self._bucket_of = {k: b for b, bucket in enumerate(self.fusion_plan) for k in bucket}
+        self._set_plan([[seen[order[i]] for i in bucket] for bucket in buckets])
+
+    def _set_plan(self, plan: list[list[Key]] | None) -> None:
+        """Fix the fusion plan and the all-reduces that carry it (none: not profiled yet)."""
+        self.fusion_plan = plan
+        keys = [k for bucket in plan or [] for k in bucket]
+        self.transfers = factor_transfers(self.traits.factor_comm, keys, plan) if plan else []
+        self._bucket_of = {
+            k: b for b, transfer in enumerate(self.transfers) for k in transfer.shards[0]
+        }
 
     # ------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -187,12 +200,7 @@ class SPDKFAC(Strategy[SPDKFACOptions]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         plan = state.get("plan")
-        self.fusion_plan = [[(k[0], k[1]) for k in bucket] for bucket in plan] if plan else None
-        self._bucket_of = (
-            {k: b for b, bucket in enumerate(self.fusion_plan) for k in bucket}
-            if self.fusion_plan
-            else {}
-        )
+        self._set_plan([[(k[0], k[1]) for k in bucket] for bucket in plan] if plan else None)
         cm = state.get("comm_model")
         self.comm_model = CommModel(*cm) if cm else None
         self._profiles = [{(n, w): t for n, w, t in p} for p in state.get("profiles", [])]
