@@ -39,8 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dpkfac.amp import check_grad_scaler
-from dpkfac.call_order import CALL_ORDER, WATCH, GradientLedger
-from dpkfac.capture import Capture, Parameters, find_layers
+from dpkfac.capture import CALL_ORDER, WATCH, Capture, GradientLedger, Parameters, find_layers
 from dpkfac.comm import Communicator
 from dpkfac.compile import unwrap_compiled
 from dpkfac.costmodel.auto import Candidate

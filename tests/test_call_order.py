@@ -22,7 +22,7 @@ from strategy_cases import batch, make_model
 from test_core_host_sync import counting_host_reads
 
 import dpkfac
-from dpkfac.call_order import CALL_ORDER
+from dpkfac.capture import CALL_ORDER
 
 STEPS = 4
 SEEN_TWICE = (
