@@ -312,7 +312,7 @@ class Communicator:
         "all_gather") over ``nbytes``: the whole buffer, a reduce-scatter's input or an
         all-gather's output (``P`` shards). A "rooted" collective (a broadcast or a reduce)
         sends what a broadcast does; the stats derive the wire bytes
-        (:meth:`dpkfac.stats.CommStats.wire_bytes`)."""
+        (:meth:`dpkfac.stats.CommStats.as_dict`)."""
         self.stats.record(category, "broadcast" if kind == "rooted" else kind, nbytes, self.size)
 
     def _launch(

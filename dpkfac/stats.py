@@ -72,7 +72,7 @@ class CommStats:
         self._calls[category] += 1
         self._launched[category, kind, int(nbytes), world_size] += 1
 
-    def wire_bytes(self, category: str) -> int:
+    def _wire_bytes(self, category: str) -> int:
         """Bytes this rank sent for ``category`` under the bandwidth-optimal algorithm (ring
         all-reduce: 2(P-1)/P of the buffer; broadcast, reduce, reduce-scatter and
         all-gather: (P-1)/P), :func:`dpkfac.plan.hardware.wire_bytes` per collective (an
@@ -94,7 +94,7 @@ class CommStats:
             c: {
                 "bytes": self._bytes.get(c, 0),
                 "calls": self._calls.get(c, 0),
-                "wire_bytes": self.wire_bytes(c),
+                "wire_bytes": self._wire_bytes(c),
             }
             for c in names
         }

@@ -83,7 +83,7 @@ def wire_bytes(kind: str, nbytes: int, world_size: int) -> int:
     """Bytes one rank sends for one collective over a buffer of ``nbytes``.
 
     The one formula (an integer floor per buffer): the communicator accounts every
-    collective it launches with it (:meth:`dpkfac.stats.CommStats.wire_bytes`), so
+    collective it launches with it (:meth:`dpkfac.stats.CommStats.as_dict`), so
     predicted and measured ``wire_bytes`` agree exactly.
     """
     if kind not in COLLECTIVE_KINDS:
