@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from dpkfac.device import DeviceMismatch, HostReader, TableCache, check_device
 from dpkfac.plan.fusion import shard_rounds, size_cap_buckets
-from dpkfac.plan.hardware import reduce_scatter_future, uneven_all_gather
+from dpkfac.plan.hardware import sharded_by_alltoall
 from dpkfac.stats import PHASE_OF_CATEGORY, CommStats, PhaseTimer
 
 T = TypeVar("T")
@@ -591,7 +591,6 @@ class Communicator:
         cap_bytes: int | None = None,
         async_op: bool = False,
         overlapped: bool = False,
-        futures: bool = False,
     ) -> Handle:
         """Average owner-contiguous tensors onto their owners: one reduce-scatter per round.
 
@@ -600,16 +599,12 @@ class Communicator:
         hands every rank's next run, flattened, to one ``reduce_scatter`` of
         shards of different sizes (no padding: each owner's shard is as large as
         its tensors), which leaves each owner the average of its own; other
-        ranks' copies are left as they are. ``overlapped``: as in :meth:`allreduce_mean`.
-
-        ``futures``: the caller completes the handle through its works' futures
-        (:meth:`settled`, a DDP communication hook). A backend whose reduce-scatter
-        has none (gloo: :func:`~dpkfac.plan.hardware.reduce_scatter_future`) then
-        reduces each owner's tensors onto it by one rooted reduce, one capped
-        bucket per owner: the same bytes, in more calls.
+        ranks' copies are left as they are. On gloo the round is one alltoallv
+        (:func:`~dpkfac.plan.hardware.sharded_by_alltoall`): each rank sends every
+        owner its part and the owner sums the ``P`` parts it receives. Every work
+        completes a future (a DDP communication hook returns them). ``overlapped``:
+        as in :meth:`allreduce_mean`.
         """
-        if futures and self.active and not reduce_scatter_future(self.backend):
-            return self._per_root(dist.reduce, shards, category, cap_bytes, async_op, overlapped)
         return self._sharded(
             shards, category, cap_bytes, async_op, gather=False, overlapped=overlapped
         )
@@ -626,32 +621,10 @@ class Communicator:
 
         ``shards[r]`` are the tensors group rank ``r`` sends (filled on ``r``) and
         every other rank receives into (same shapes, one dtype), in the rounds of
-        :meth:`reduce_scatter_mean`. A backend without an all-gather of uneven
-        shards (gloo: :func:`~dpkfac.plan.hardware.uneven_all_gather`) broadcasts
-        each rank's tensors from it instead, one capped bucket per rank.
+        :meth:`reduce_scatter_mean`; on gloo each round is one alltoallv, every rank
+        sending its shard to every rank.
         """
-        if self.active and not uneven_all_gather(self.backend):
-            return self._per_root(dist.broadcast, shards, category, cap_bytes, async_op)
         return self._sharded(shards, category, cap_bytes, async_op, gather=True)
-
-    def _per_root(
-        self,
-        fn: Callable[..., object],
-        shards: Sequence[Sequence[torch.Tensor]],
-        category: str,
-        cap_bytes: int | None,
-        async_op: bool,
-        overlapped: bool = False,
-    ) -> Handle:
-        """A sharded collective as one rooted ``fn`` (broadcast or reduce) per rank's shard,
-        in one handle: what a backend without the uneven collective runs instead."""
-        handle = Handle(category, overlapped=overlapped)
-        for root, tensors in enumerate(shards):
-            self._rooted(fn, tensors, root, category, cap_bytes, True, handle)
-        handle.done = not handle.works
-        if not async_op:
-            self.wait(handle)
-        return handle
 
     def _sharded(
         self,
@@ -675,6 +648,7 @@ class Communicator:
         like = next(t for ts in shards for t in ts)
         sizes = [[t.numel() * t.element_size() for t in ts] for ts in shards]
         kind = "all_gather" if gather else "reduce_scatter"
+        alltoall = sharded_by_alltoall(self.backend)
         for round_ in shard_rounds(sizes, cap_bytes):
             parts = [[shards[r][i] for i in idx] for r, idx in enumerate(round_)]
             flats = [
@@ -682,23 +656,65 @@ class Communicator:
             ]
             for flat in flats:
                 check_device(flat, self.device, category)
-            self.record(category, kind, sum(f.numel() for f in flats) * like.element_size())
+            nbytes = sum(f.numel() for f in flats) * like.element_size()
+            self.record(category, kind, nbytes)
             self._isolated(handle)
-            mine = flats[self.rank]
-            if gather:  # the others' flats are receive buffers
-                work = dist.all_gather(flats, mine, group=self.group, async_op=True)
-                handle.finish.append(self._spread(flats, parts, skip=self.rank))
+            if alltoall:
+                work, finish = self._alltoall(flats, parts, gather=gather)
+            elif gather:  # the others' flats are receive buffers
+                work = dist.all_gather(flats, flats[self.rank], group=self.group, async_op=True)
+                finish = self._spread(flats, parts, skip=self.rank)
             else:
-                out = torch.empty_like(mine)
+                out = torch.empty_like(flats[self.rank])
                 work = dist.reduce_scatter(out, flats, group=self.group, async_op=True)
                 out_list = [out if r == self.rank else f for r, f in enumerate(flats)]
-                handle.finish.append(self._spread(out_list, parts, only=self.rank, scale=True))
+                finish = self._spread(out_list, parts, only=self.rank, scale=True)
+            handle.finish.append(finish)
             handle.works.append(work)
-            nbytes = sum(f.numel() for f in flats) * like.element_size()
-            self._traced(category, "all_gather" if gather else "reduce_scatter", nbytes, work)
+            self._traced(category, "all_to_all" if alltoall else kind, nbytes, work)
         if not async_op:
             self.wait(handle)
         return handle
+
+    def _alltoall(
+        self, flats: list[torch.Tensor], parts: list[list[torch.Tensor]], *, gather: bool
+    ) -> tuple[object, Callable[[], None]]:
+        """One round of a sharded collective as one alltoallv (``all_to_all_single`` with
+        split sizes): the work, and what unpacks its result once it completed.
+
+        A reduce-scatter sends rank ``r`` this rank's ``flats[r]`` and receives ``P``
+        copies of its own shard's size, one from each rank, which it sums and averages;
+        an all-gather sends its own flat to every rank and receives every rank's.
+        """
+        size, me = self.size, self.rank
+        numels = [f.numel() for f in flats]
+        if gather:
+            send = flats[me].repeat(size)
+            recv = torch.cat(flats)  # every shard's place; the others' are overwritten
+            send_splits, recv_splits = [numels[me]] * size, numels
+        else:
+            send = torch.cat(flats)
+            recv = flats[me].new_empty(size * numels[me])
+            send_splits, recv_splits = numels, [numels[me]] * size
+        work = dist.all_to_all_single(
+            recv,
+            send,
+            output_split_sizes=recv_splits,
+            input_split_sizes=send_splits,
+            group=self.group,
+            async_op=True,
+        )
+        if gather:
+            received = list(recv.split(numels))
+            return work, self._spread(received, parts, skip=me)
+
+        def reduce() -> None:
+            total = recv.view(size, numels[me]).sum(0)
+            self._spread(
+                [total if r == me else flats[r] for r in range(size)], parts, only=me, scale=True
+            )()
+
+        return work, reduce
 
     def _spread(
         self,

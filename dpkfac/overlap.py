@@ -27,27 +27,29 @@ Either way, on the step's last micro-batch (``accumulation_steps``):
   ``grad_reduction="allreduce"`` the first is the all-reduce of the K-FAC layers'
   gradients and the rest the all-reduce of the others (two collectives only where a
   bucket holds both). With ``grad_reduction="owner"`` the first reduces the K-FAC layers' gradients
-  onto their owners (uneven shards, one per owner, no padding; under DDP one rooted
-  reduce per owner where the backend's reduce-scatter has no future) and the rest is
+  onto their owners (uneven shards, one per owner, no padding; on gloo one alltoallv)
+  and the rest is
   the all-reduce of the other gradients. A layer waits for the first part only: a
   large non-K-FAC gradient in its bucket (BERT's word embedding, last in the backward
   pass) stays on the wire while the layer is preconditioned and its update sent.
-* **Factors.** Once every parameter of a layer has its local gradient (its G
-  hook, on the output tensor, fired before), the layer's owner folds the
-  pending batch factors into the running averages, so they are not held.
 * **Preconditioning**, once the backward pass has launched every bucket (in the
   hook that launches the last one, or in ``step()``): the buckets' K-FAC parts
-  are settled in order, and the layers each completes are decomposed (on
-  decomposition steps) and preconditioned by their owners and exchanged
-  (category ``precond_broadcast``): one fused broadcast per owner, or with the
-  owner reduction one all-gather of uneven shards (broadcasts per owner on gloo,
-  which cannot all-gather uneven shards). Not earlier: a hook runs on the
-  backward pass's thread (on a GPU, its stream), so work there delays the launch
-  of every later bucket, whose transfer is the step's critical path where it is
-  large; after the last launch it runs in the shadow of the transfers still on
-  the wire. The exchanges run on a second process group over the same ranks:
-  their launch times differ between ranks, and two groups keep each group's
-  order identical on every rank.
+  are settled in order, and the layers each completes are preconditioned by their
+  owners and exchanged (category ``precond_broadcast``): one fused broadcast per
+  owner, or with the owner reduction one all-gather of uneven shards (one
+  alltoallv on gloo). Not earlier: a hook runs on the backward pass's thread (on a
+  GPU, its stream), so work there delays the launch of every later bucket, whose
+  transfer is the step's critical path where it is large; after the last launch it
+  runs in the shadow of the transfers still on the wire. The exchanges run on a
+  second process group over the same ranks: their launch times differ between
+  ranks, and two groups keep each group's order identical on every rank.
+* **Factors**, in that shadow too: the owner folds a layer's pending batch factors
+  into the running averages right after its update is launched, or on a
+  decomposition step right before it is decomposed (the decomposition reads the
+  new average). A fold reads and writes both running factors; done in the hook
+  that completed the layer's local gradients it held back every later bucket
+  (BERT's last bucket by 25 to 40 ms on factor steps), which outweighs holding
+  the batch factors to the last launch, as ``step()`` without overlap holds them.
 * **step()** launches what the hooks could not (own buckets holding a
   parameter without a gradient), does what the last hook did not, waits for
   the other gradients and the exchanges, applies the KL clip and writes the
@@ -240,8 +242,6 @@ class _StepState:
         # Own buckets only: gradients per parameter, parameters left per bucket.
         self.fired: dict[int, int] = {}
         self.left: list[int] = []
-        # Parameters of each layer still without their local gradient.
-        self.layer_left: dict[str, int] = {}
         # Parameters of each layer still without their reduced gradient.
         self.unreduced: dict[str, int] = {}
         # The reduced gradient of each K-FAC layer's parameter, once its bucket's K-FAC part
@@ -326,7 +326,7 @@ class OverlapEngine:
         st.left = [len(b) for b in self.buckets]
         for x in self.layers:
             n = len(set(map(id, x.helper.parameters())))
-            st.layer_left[x.name] = st.unreduced[x.name] = n
+            st.unreduced[x.name] = n
         self.state = st
 
     @torch.no_grad()
@@ -348,8 +348,6 @@ class OverlapEngine:
                 f"number {n} since the last step()"
             )
         st.left[self.bucket_of[key]] -= 1
-        for layer in self._arrived([param]):
-            self._fold(layer)
         self._launch_own(ready_only=True)
         if len(st.launched) == st.n_buckets:  # the backward pass launched every bucket
             self._drain()
@@ -381,26 +379,10 @@ class OverlapEngine:
         launched.future = torch.futures.collect_all([launched.kfac_future, rest]).then(
             lambda _: buffer
         )
-        for layer in self._arrived(params):
-            self._fold(layer)
         if bucket.is_last():  # DDP launched every bucket; it waits for them after this hook
             self._drain()
         return launched.future
 
-    def _arrived(self, params: Sequence[torch.Tensor]) -> list[KFACLayer]:
-        """Count the parameters' local gradients; the layers this rank captures that now
-        have all of theirs (ready to fold)."""
-        st = self.state
-        assert st is not None
-        ready = []
-        for param in params:
-            for layer in self.layers_of.get(id(param), ()):
-                st.layer_left[layer.name] -= 1
-                if st.layer_left[layer.name] == 0 and layer.name in self._roles().captures:
-                    ready.append(layer)
-        return ready
-
-    # ------------------------------------------------------------- the work
     def _launch(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> _Launched:
         """Launch the next bucket's reduction (:meth:`_reduce`) and note it launched."""
         st = self.state
@@ -436,7 +418,6 @@ class OverlapEngine:
                     self.comm,
                     on_items(positions, grads.__getitem__),
                     overlapped=True,
-                    futures=self.ctx.ddp is not None,
                 )
             (kfac if part == "kfac" else rest).extend(handles)
         return kfac, rest
@@ -519,9 +500,8 @@ class OverlapEngine:
         return [x for x in self.layers if x.name in done]
 
     def _fold(self, layer: KFACLayer) -> None:
-        """Fold the owner's pending batch factors into the running averages (once a step):
-        from the hook that completes the layer's local gradients, so that its batch factors
-        are not held until the end of the backward pass."""
+        """Fold the owner's pending batch factors into the running averages (once a step),
+        after the last bucket's launch (module docstring, "Factors")."""
         st = self.state
         assert st is not None
         if layer.name in st.folded:
@@ -586,8 +566,10 @@ class OverlapEngine:
         rank = self.comm.rank
         roles = self._roles()
         sent_by = sent_updates(roles, range(self.comm.size), layers)
+        decompose = self.ctx.flags.decompose
         for layer in sent_by[rank]:
-            self._prepare(layer)
+            if decompose:  # the decomposition reads this step's average: fold first
+                self._prepare(layer)
             st.results[layer.name] = self._precondition(layer)
         if self.comm.active and any(sent_by):
             with self._tags(part="updates"):
@@ -601,6 +583,11 @@ class OverlapEngine:
                         cap_bytes=self.ctx.bucket_cap_bytes,
                     )
                 )
+        # Preconditioning reads the decompositions only: the folds can wait until the
+        # updates are on their way.
+        for layer in layers:
+            if layer.name in roles.captures:
+                self._prepare(layer)
 
     # ------------------------------------------------------------- step()
     def finish(self) -> dict[str, Preconditioned] | None:

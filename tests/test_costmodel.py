@@ -313,14 +313,7 @@ def _check_cases(
         shapes = shapes_from_model(_model(kind), x0)
         plan = results[0][name][2]
         kfac, options = _split({**RUN, **case_options})
-        # Measured on gloo, which has no all-gather of uneven shards.
-        common = {
-            "world_size": world_size,
-            "hardware": HW,
-            "param_itemsize": ITEM,
-            "kfac": kfac,
-            "backend": "gloo",
-        }
+        common = {"world_size": world_size, "hardware": HW, "param_itemsize": ITEM, "kfac": kfac}
         extra = {"fusion_plan": plan} if name.startswith("spd-measured") else {}
         if name == "spd-measured-hardware":
             # Predicted on the hardware the run measured (identical on every rank).

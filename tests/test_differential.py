@@ -506,7 +506,6 @@ def _check_prediction(run: RunSpec, world_size: int, results: list[dict[str, Any
         kfac=kfac,
         options=options,
         param_itemsize=8,
-        backend="gloo",  # the runs' backend
         ddp=run.ddp,
     )
     for rank, result in enumerate(results):

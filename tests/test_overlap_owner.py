@@ -186,7 +186,6 @@ def test_predicted_bytes_and_calls_equal_measured(world_size: int, how: str | No
         hardware=PRESETS["cpu_gloo_local"],
         param_itemsize=8,
         kfac=kfac,
-        backend="gloo",
         ddp=how is not None,
     )
     for rank, stats in enumerate(measured):

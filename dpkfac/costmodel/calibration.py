@@ -80,12 +80,16 @@ def _rank(
             # Sharded kinds over the same buffer: a shard of n / P elements per rank.
             shard = torch.zeros(n // world_size)
             whole = buf[: shard.numel() * world_size]
+            parts, copies = torch.zeros_like(whole), shard.repeat(world_size)
             ops: dict[str, Callable[[], object]] = {
                 "allreduce": partial(dist.all_reduce, buf),
                 "broadcast": partial(dist.broadcast, buf, src=0),
                 "reduce": partial(dist.reduce, buf, dst=0),
-                "reduce_scatter": partial(dist.reduce_scatter_single, shard, whole),
-                "all_gather": partial(dist.all_gather_single, whole, shard),
+                # As the communicator runs them on gloo, by alltoallv: every rank sends
+                # each owner its part, or its own shard to every rank
+                # (dpkfac.plan.hardware.sharded_by_alltoall).
+                "reduce_scatter": partial(dist.all_to_all_single, parts, whole),
+                "all_gather": partial(dist.all_to_all_single, parts, copies),
             }
             for kind, op in ops.items():
                 secs = _sync_time(op, repeats) - barrier / 5

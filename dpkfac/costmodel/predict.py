@@ -252,7 +252,6 @@ def predict(
     ddp: bool = False,
     bias: Sequence[bool] | None = None,
     other_params: int | Sequence[int] = 0,
-    backend: str | None = None,
     optimizer: str = "sgd_momentum",
 ) -> Prediction:
     """Predict one strategy's traffic, phase times and memory from the preconditioner's options.
@@ -281,9 +280,6 @@ def predict(
         ddp: the model is DDP-wrapped (gradients are not counted by K-FAC;
             the exposed wait on DDP's buckets is the breakdown's ``ddp_grad_comm``).
         bias / other_params: see :func:`as_model_shapes` (plain shapes only).
-        backend: the run's torch.distributed backend, where it is not the
-            hardware's (``Hardware.backend``): it decides which collectives
-            the run may use.
         optimizer: the first-order optimizer whose step ends each iteration
             (a key of :data:`dpkfac.costmodel.optimizers.OPTIMIZER_STATE`;
             ``"none"``: no step is priced).
@@ -298,7 +294,6 @@ def predict(
     i_every = _interval("inv_update_steps", kfac.inv_update_steps)
     model = as_model_shapes(shapes, bias=bias, other_params=other_params)
     p, hw = int(world_size), hardware
-    backend = hw.backend if backend is None else backend
     name = roles = opts = None
     if strategy is None:
         if options:
@@ -358,7 +353,6 @@ def predict(
                 cap_bytes=cap,
                 kl_clip=kl_clip,
                 ddp=ddp,
-                backend=backend,
             )
             every, shared = tr.overlap_collectives(overlap)
             updates = [shared] * p
@@ -378,7 +372,6 @@ def predict(
                     itemsize=param_itemsize,
                     cap_bytes=cap,
                     kl_clip=kl_clip,
-                    backend=backend,
                 ),
             )
         setup = [tr.Collective("setup", kind, nbytes, p) for kind, nbytes in roles.setup]
@@ -415,9 +408,6 @@ def predict(
             compute_method=method,
             factor_itemsize=fi,
             decomposition_itemsize=di,
-            accumulation_steps=kfac.accumulation_steps,
-            # Under DDP the layers fold bucket by bucket, as DDP hands them over.
-            fold_groups=[b.layers for b in overlap] if overlap is not None and ddp else None,
         )
     # Lazy synchronisation sends the running factors before each decomposition
     # instead of the batch factors of each factor update.

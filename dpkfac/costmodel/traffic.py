@@ -41,8 +41,6 @@ from dpkfac.plan.exchange import (
 from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap, shard_rounds, size_cap_buckets
 from dpkfac.plan.hardware import (
     landing_bytes,
-    reduce_scatter_future,
-    uneven_all_gather,
     wire_bytes,
 )
 from dpkfac.plan.roles import Plan
@@ -114,11 +112,6 @@ def _collectives(
     return [Collective(category, kind, n, p) for n in bucket_bytes(sizes, cap)]
 
 
-def _broadcasts(category: str, sent: Sequence[Sequence[int]], cap: int | None) -> list[Collective]:
-    """Per sender of a group (``sent[i]``: the bytes it sends), its capped broadcast buckets."""
-    return [c for sizes in sent for c in _collectives(category, "broadcast", sizes, cap, len(sent))]
-
-
 def _update_exchange(
     model: ModelShapes,
     plan: Plan,
@@ -127,13 +120,11 @@ def _update_exchange(
     itemsize: int,
     cap_bytes: int,
     kl_clip: bool,
-    backend: str,
 ) -> list[Collective]:
     """The update exchange the runtime launches for ``senders[i]``'s layers
     (:func:`dpkfac.plan.exchange.update_transfers`, the one description of it), priced
-    transfer by transfer: a broadcast as its capped buckets, an all-gather round by round,
-    or, where the ``backend`` cannot gather uneven shards, as the communicator runs it: one
-    capped broadcast per sender. Each update travels as
+    transfer by transfer: a broadcast as its capped buckets, an all-gather round by round.
+    Each update travels as
     :func:`~dpkfac.plan.exchange.update_shapes` says (with its KL scalars when the clip is
     on)."""
 
@@ -151,10 +142,8 @@ def _update_exchange(
         shards = [sizes(shard) for shard in transfer.shards]
         if transfer.kind == "broadcast":
             out += _collectives(cat, "broadcast", shards[0], cap_bytes, p)
-        elif uneven_all_gather(backend):
-            out += sharded_collectives(cat, "all_gather", shards, cap_bytes)
         else:
-            out += _broadcasts(cat, shards, cap_bytes)
+            out += sharded_collectives(cat, "all_gather", shards, cap_bytes)
     return out
 
 
@@ -200,16 +189,14 @@ def _gradients(
     itemsize: int,
     cap_bytes: int | None,
     *,
-    futures: bool = True,
     kfac_first: bool = False,
 ) -> list[tuple[bool, list[Collective]]]:
     """The collectives of :func:`~dpkfac.plan.exchange.gradient_transfers` over ``items``
     ((layer index or -1, elements); ``owners``: each layer's owner under the owner
     reduction, None without it; ``kfac_first``: as the overlapped engine splits its buckets)
     as the communicator runs them, per transfer with whether a K-FAC layer waits for it
-    (:func:`~dpkfac.plan.exchange.waited_by_layers`): an all-reduce in capped buckets, a
-    reduce-scatter round by round, or (``futures`` False: a DDP hook on a backend whose
-    reduce-scatter has none) one rooted reduce per owner."""
+    (:func:`~dpkfac.plan.exchange.waited_by_layers`): an all-reduce in capped buckets, or a
+    reduce-scatter round by round."""
     cat = "grad_allreduce"
 
     def owner(item: tuple[int, int]) -> int | None:
@@ -227,12 +214,8 @@ def _gradients(
         sizes = [[n * itemsize for _, n in shard] for shard in t.shards]
         if t.kind == "allreduce":
             colls = _collectives(cat, "allreduce", sizes[0], cap_bytes, world_size)
-        elif futures:
-            colls = sharded_collectives(cat, "reduce_scatter", sizes, cap_bytes)
         else:
-            colls = [
-                c for r in sizes if r for c in _collectives(cat, "reduce", r, cap_bytes, world_size)
-            ]
+            colls = sharded_collectives(cat, "reduce_scatter", sizes, cap_bytes)
         out.append((waited_by_layers(t, owner), colls))
     return out
 
@@ -274,13 +257,12 @@ def precond_collectives(
     itemsize: int,
     cap_bytes: int,
     kl_clip: bool,
-    backend: str = "nccl",
 ) -> list[Collective]:
     """The update exchange ``rank`` takes part in.
 
     Per sender of its update group, one capped broadcast bucket; under owner
-    reduction (``Traits.owner_grad_reduction``), where the ``backend`` gathers
-    uneven shards, one all-gather of the owners' updates per round instead.
+    reduction (``Traits.owner_grad_reduction``) one all-gather of the owners' updates per
+    round instead.
     """
     group = plan.update_group(rank)
     if group is None:
@@ -293,7 +275,6 @@ def precond_collectives(
         itemsize=itemsize,
         cap_bytes=cap_bytes,
         kl_clip=kl_clip,
-        backend=backend,
     )
 
 
@@ -422,8 +403,6 @@ def memory_per_rank(
     compute_method: str,
     factor_itemsize: int,
     decomposition_itemsize: int,
-    accumulation_steps: int = 1,
-    fold_groups: Sequence[Sequence[int]] | None = None,
 ) -> list[dict[str, int]]:
     """``memory_usage()`` of each rank after a factor and decomposition step.
 
@@ -431,13 +410,8 @@ def memory_per_rank(
     group captures (every layer where the group is the world, its own
     layers' where it is the rank alone); a rank holds the decompositions
     of the layers it preconditions. ``buffers`` is the peak of batch factors
-    awaiting their fold: all of them at ``step()``, or under an overlapped
-    strategy, which folds each layer as its backward completes, the largest
-    pending set along the backward pass (with one micro-batch per step: with
-    more, every G of the earlier micro-batches waits too, so all of them).
-    ``fold_groups``: the layers folded together, in the order they fold (under
-    DDP, per bucket: the layers whose last parameter it holds, folded when DDP
-    hands the bucket over); None: one layer at a time, in reverse module order.
+    awaiting their fold: all of them, which wait for ``step()`` (or, under an
+    overlapped strategy, for the last bucket's launch).
     """
     out = []
     captured = [i for i in range(len(model)) if model.captured[i]]
@@ -455,17 +429,6 @@ def memory_per_rank(
             if plan.preconditions(r, i)
             for d in (model[i].a_dim, model[i].g_dim)
         )
-        if plan.traits.overlapped_precondition and sizes and accumulation_steps == 1:
-            # When a group folds, the A factors of it and of every later group still wait,
-            # and the G factors of the group. Without fold_groups, one layer at a time in
-            # the backward pass: when layer j folds, the A of layers up to j and G of j wait.
-            folds = fold_groups if fold_groups is not None else [[i] for i in reversed(sizes)]
-            groups = [[sizes[i] for i in g if i in sizes] for g in folds]
-            buffers = max(
-                sum(a for later in groups[k:] for a, _ in later) + sum(g for _, g in group)
-                for k, group in enumerate(groups)
-                if group
-            )
         out.append(
             {"factors_bytes": factors, "decompositions_bytes": decomps, "buffers_bytes": buffers}
         )
@@ -481,8 +444,7 @@ class OverlapBucket:
             backward order.
         grads: the reduction its K-FAC layers wait for: the all-reduce of their
             gradients, or under the owner reduction a reduce-scatter onto their
-            owners (rooted reduces per owner where the hook needs futures the
-            backend's reduce-scatter lacks).
+            owners.
         rest: launched after it, the all-reduce of its other gradients, which no
             layer waits for (empty where it holds none).
         layers: the layers whose last parameter it holds: they are
@@ -506,7 +468,6 @@ def overlap_buckets(
     cap_bytes: int,
     kl_clip: bool,
     ddp: bool = False,
-    backend: str = "nccl",
 ) -> list[OverlapBucket]:
     """The overlapped mode's backward buckets, each with its reduction and update exchange.
 
@@ -516,16 +477,15 @@ def overlap_buckets(
     DDP's own buckets (:func:`ddp_bucket_params`), which its communication
     hook hands over. A layer is sent once the last bucket holding one of its
     parameters is reduced; under the owner reduction (``Traits.owner_grad_reduction``)
-    the updates are all-gathered per round where the ``backend`` gathers uneven shards.
+    the updates are all-gathered per round.
     """
     p = plan.world_size
 
     def reduction(held: Sequence[tuple[int, int]]) -> tuple[list[Collective], list[Collective]]:
         """One bucket's gradient collectives, as ``OverlapEngine._reduce`` launches them:
         what its layers wait for, and the rest."""
-        futures = not ddp or reduce_scatter_future(backend)
         owners = owner_of if plan.traits.owner_grad_reduction else None
-        parts = _gradients(held, owners, p, itemsize, None, futures=futures, kfac_first=True)
+        parts = _gradients(held, owners, p, itemsize, None, kfac_first=True)
         waited = [c for w, colls in parts if w for c in colls]
         return waited, [c for w, colls in parts if not w for c in colls]
 
@@ -544,7 +504,6 @@ def overlap_buckets(
             itemsize=itemsize,
             cap_bytes=cap_bytes,
             kl_clip=kl_clip,
-            backend=backend,
         )
         waited, rest = reduction(held)
         out.append(OverlapBucket(held, tuple(waited), tuple(rest), layers, tuple(updates)))

@@ -158,9 +158,9 @@ def update_transfers(owner_reduction: bool, sent_by: Sequence[Sequence[T]]) -> l
     Under the owner reduction (``owner_reduction``, the plan's ``traits.owner_grad_reduction``)
     the owners' shards go by one
     all-gather, the mirror of the reduce-scatter that brought them their gradients, so the
-    step moves what one all-reduce would; a backend that cannot gather shards of different
-    sizes runs it as one broadcast per owner (:meth:`dpkfac.comm.Communicator.all_gather`,
-    :func:`dpkfac.plan.hardware.uneven_all_gather`). Otherwise each sender, in group order,
+    step moves what one all-reduce would (:meth:`dpkfac.comm.Communicator.all_gather`; on
+    gloo an alltoallv, :func:`dpkfac.plan.hardware.sharded_by_alltoall`). Otherwise each
+    sender, in group order,
     broadcasts its layers' updates in one fused buffer. A sender with nothing to send sends
     nothing; an exchange with nothing to send is empty.
     """

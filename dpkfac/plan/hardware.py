@@ -50,9 +50,8 @@ __all__ = [
     "Work",
     "add_work",
     "gloo_link",
-    "reduce_scatter_future",
     "scaled",
-    "uneven_all_gather",
+    "sharded_by_alltoall",
     "wire_bytes",
 ]
 
@@ -307,16 +306,23 @@ def scaled(hardware: Hardware, *, network: float = 1.0, compute: float = 1.0) ->
     )
 
 
-def uneven_all_gather(backend: str) -> bool:
-    """Whether ``backend`` gathers shards of different sizes in one call (gloo does not)."""
-    return backend != "gloo"
+def sharded_by_alltoall(backend: str) -> bool:
+    """Whether ``backend``'s sharded collectives (a reduce-scatter or all-gather of owners'
+    shards of different sizes) go by its all-to-all of uneven splits (gloo's alltoallv).
 
-
-def reduce_scatter_future(backend: str) -> bool:
-    """Whether ``backend``'s reduce-scatter completes a future (gloo's does not), which a DDP
-    communication hook must return; without it the shards are reduced onto their owners by
-    one rooted reduce each."""
-    return backend != "gloo"
+    gloo has no all-gather of uneven shards, and its reduce-scatter all-reduces the whole
+    input (twice the bytes a reduce-scatter needs) and completes no future, which a DDP
+    communication hook must return. Its ``all_to_all_single`` with split sizes sends each
+    shard once, straight to the rank that needs it, in both directions at once, and
+    completes a future: a reduce-scatter is each rank sending every owner its part (the
+    owner sums what arrives), an all-gather each rank sending its shard to every rank.
+    Both put a bandwidth-optimal ring's bytes on the wire (the accounted
+    :func:`wire_bytes`, shards balanced). The rooted reduces a hook fell back to before
+    sent half as many bytes again (gloo reduces to a root by a reduce-scatter then a
+    gather: :func:`gloo_link`), and per-owner broadcasts loaded one direction of each link
+    at a time.
+    """
+    return backend == "gloo"
 
 
 def gloo_link(kind: str, allreduce: Link, world_size: int) -> Link:
@@ -332,11 +338,12 @@ def gloo_link(kind: str, allreduce: Link, world_size: int) -> Link:
 
     * ``broadcast``: a binomial tree; every non-root receives the buffer once, so over
       balanced roots a rank sends ``(P-1)/P`` of the bytes, as accounted: 1;
-    * ``all_gather``: a ring, ``(P-1)/P`` of the buffer per rank: 1;
+    * ``all_gather``: the communicator's gather of owners' shards runs as alltoallv
+      (:func:`sharded_by_alltoall`), each rank's shard once to every rank, ``(P-1)/P`` of
+      the buffer per rank over balanced owners: 1;
     * ``reduce``: a ring reduce-scatter, ``(P-1)/P`` of the buffer per rank, then each
       rank's chunk to the root, ``1/P`` more over balanced roots: ``1 + 1/P``;
-    * ``reduce_scatter``: torch's gloo backend all-reduces the whole input (one all-reduce
-      per rank's shard) and keeps its own chunk: twice the accounted bytes, ``P`` calls.
+    * ``reduce_scatter``: alltoallv too, every rank's part once to its owner: 1.
 
     The start-up ``alpha`` is the all-reduce's per collective call (the same host and link).
     """
@@ -345,6 +352,5 @@ def gloo_link(kind: str, allreduce: Link, world_size: int) -> Link:
     p = max(int(world_size), 1)
     if kind == "allreduce":
         return allreduce
-    factor = {"broadcast": 1.0, "all_gather": 1.0, "reduce": 1.0 + 1.0 / p}.get(kind, 2.0)
-    calls = p if kind == "reduce_scatter" else 1
-    return Link(calls * allreduce.alpha, factor * allreduce.beta, calls * allreduce.alpha_log2p)
+    factor = 1.0 + 1.0 / p if kind == "reduce" else 1.0
+    return Link(allreduce.alpha, factor * allreduce.beta, allreduce.alpha_log2p)

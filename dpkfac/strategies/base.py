@@ -158,16 +158,15 @@ def launch_gradients(
     *,
     cap_bytes: int | None = None,
     overlapped: bool = False,
-    futures: bool = False,
 ) -> list[Handle]:
     """Launch one transfer of :func:`dpkfac.plan.exchange.gradient_transfers` (async): the one
     way gradients are reduced, from ``step()`` and from the overlapped engine alike.
 
     An all-reduce averages its gradients on every rank; a reduce-scatter averages each
     owner's onto it, in one call where they share a dtype, else by one rooted reduce per
-    owner (no single flat buffer). ``overlapped`` and ``futures``: as
-    :meth:`~dpkfac.comm.Communicator.reduce_scatter_mean` takes them (the overlapped
-    engine's buckets, and under DDP a communication hook that needs futures).
+    owner (no single flat buffer). ``overlapped``: as
+    :meth:`~dpkfac.comm.Communicator.reduce_scatter_mean` takes it (the overlapped
+    engine's buckets).
     """
     cat, (first, *_) = "grad_allreduce", transfer.shards
     if transfer.kind == "allreduce":
@@ -184,7 +183,7 @@ def launch_gradients(
             for r, s in enumerate(shards)
         ]
     handle = comm.reduce_scatter_mean(
-        shards, cat, cap_bytes=cap_bytes, async_op=True, overlapped=overlapped, futures=futures
+        shards, cat, cap_bytes=cap_bytes, async_op=True, overlapped=overlapped
     )
     return [handle]
 

@@ -16,8 +16,10 @@ communication of plain SGD, in two collectives per bucket round whatever P is
 (:meth:`~dpkfac.comm.Communicator.reduce_scatter_mean`). Shards are unpadded:
 each owner's is as large as its layers (uneven collectives). Where the K-FAC
 gradients are of several dtypes, one rooted reduce per owner is used instead of
-the reduce-scatter, and the all-gather runs once per dtype. On gloo, which
-cannot all-gather uneven shards, the updates travel by one broadcast per owner.
+the reduce-scatter, and the all-gather runs once per dtype. On gloo, whose
+reduce-scatter sends an all-reduce's bytes and which cannot all-gather uneven
+shards, both go by one alltoallv per round
+(:func:`~dpkfac.plan.hardware.sharded_by_alltoall`).
 
 ``overlap=True`` asks the preconditioner for its overlapped execution mode
 (:mod:`dpkfac.overlap`): the gradient reduction (either kind), the owners'
