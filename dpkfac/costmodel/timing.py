@@ -34,7 +34,8 @@ Work (``kind -> (calls, amount)``, see :mod:`dpkfac.plan.hardware`) per phase:
   small kernels; free unless the hardware has a measured "host" engine); on a
   factor step also the fold of every batch factor the rank built into its running
   average (:func:`fold_work`: a "fold" call of its non-finite check and average per
-  factor), which the overlapped mode runs in its backward hooks instead;
+  factor; the overlapped mode runs it after the last bucket's launch, where it hides
+  transfers as preconditioning does);
 * communication phases: one call and its wire bytes per collective, plus
   the "unpack" bytes that land it when it is waited on
   (:func:`~dpkfac.plan.hardware.landing_bytes`: averaging and copying back,
@@ -452,6 +453,7 @@ def _overlap_backward(
     ends: Sequence[float],
     backward_end: float,
     compute_method: str,
+    folds: Sequence[float],
 ) -> None:
     """Hide gradient and update traffic behind the backward pass (``overlapped_precondition``).
 
@@ -461,9 +463,10 @@ def _overlap_backward(
     the layers it completes once their gradients are reduced (each its own, side by
     side; the bucket's other gradients follow on the link), and those layers' update
     exchange follows; the link serves whichever is ready first.
-    Decomposition and preconditioning run on the compute stream, so they
-    lengthen the backward (they stay in the breakdown). Only the link's tail
-    past the end of that compute is exposed, to the extent the hardware
+    Decomposition, preconditioning and the folds of a factor step (``folds``: seconds per
+    rank) run on the compute stream after the last launch, so they lengthen the
+    backward (they stay in the breakdown). Only the link's tail past the end of that
+    compute is exposed, to the extent the hardware
     overlaps (:func:`exposed`); the rest is serial. The collectives, hence
     the bytes, are unchanged: only the ``grad_comm`` and ``precond_comm``
     waits shrink (by the same factor on every rank). ``ends``, ``backward_end``: :func:`timeline`'s.
@@ -500,11 +503,19 @@ def _overlap_backward(
             queued.append((reduced + prec, sum(link_time(c) for c in b.updates)))
             queued.sort()
         j += 1
-    compute = max(r.get("decomposition", 0.0) + r.get("precondition", 0.0) for r in seconds)
+    compute = max(
+        r.get("decomposition", 0.0) + r.get("precondition", 0.0) + fold
+        for r, fold in zip(seconds, folds, strict=True)
+    )
     scale = exposed(serial, t - (backward_end + compute), hw.overlap) / serial
     for r in seconds:
         r["grad_comm"] *= scale
         r["precond_comm"] *= scale
+
+
+def _built(model: ModelShapes, plan: Plan, rank: int) -> list[int]:
+    """The layers whose batch factors ``rank`` builds (and folds)."""
+    return [i for i in range(len(model)) if model.captured[i] and plan.captures(rank, i)]
 
 
 def step_prediction(
@@ -591,6 +602,10 @@ def step_prediction(
             t["factor_comm"] = hidden + (1.0 - hw.overlap) * (t["factor_comm"] - unpack) + unpack
     if plan is not None and plan.traits.overlapped_precondition and overlap:
         _, ends, backward_end = timeline(model, hw, weight_sharing, factor_itemsize, factor)
+        folds = [
+            hw.time(fold_work(model, _built(model, plan, r), factor_itemsize), p) if factor else 0.0
+            for r in range(p)
+        ]
         _overlap_backward(
             model,
             plan,
@@ -601,6 +616,7 @@ def step_prediction(
             ends=ends,
             backward_end=backward_end,
             compute_method=compute_method,
+            folds=folds,
         )
     ddp_wait = 0.0
     if ddp and p > 1:
@@ -641,7 +657,6 @@ def step_prediction(
         # the pipelined factor all-reduces. Their packing lengthens the backward pass.
         hooked = {"grad_allreduce", "precond_broadcast"} if overlap else set()
         hooked |= {"factor_allreduce"} if pipelined else set()
-        in_hooks = bool(overlap) and plan.traits.overlapped_precondition
         for r in range(p):
             colls = rank_colls[r] if rank_colls else []
             mine = [c for c in colls if c.category not in hooked]
@@ -651,10 +666,10 @@ def step_prediction(
             packed = sum(2.0 * c.nbytes for c in colls if c.category in hooked)
             work[r]["hooks"] = {"pack": (0.0, packed)} if packed else {}
             if factor:  # the batch factors this rank built, folded into running averages
-                built = [i for i in range(len(model)) if model.captured[i] and plan.captures(r, i)]
-                where = work[r]["hooks" if in_hooks else "step_other"]
-                for kind, (calls, amount) in fold_work(model, built, factor_itemsize).items():
-                    add_work(where, kind, calls, amount)
+                for kind, (calls, amount) in fold_work(
+                    model, _built(model, plan, r), factor_itemsize
+                ).items():
+                    add_work(work[r]["step_other"], kind, calls, amount)
         breakdown["step_other"] = max(hw.time(w["step_other"], p) for w in work)
         if hooked and rank_colls:
             breakdown["hooks"] = max(hw.time(w["hooks"], p) for w in work)
