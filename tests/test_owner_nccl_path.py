@@ -1,15 +1,14 @@
 """The owner reduction's collectives as NCCL runs them, on the in-process group.
 
-gloo reduce-scatters shards of different sizes but cannot all-gather them, and its
-reduce-scatter completes no future (which a DDP communication hook must return), so on
-gloo the owner path broadcasts the updates per owner and, inside DDP, reduces onto each
-owner with a rooted reduce. Every other backend takes one all-gather of uneven shards per
-round and one reduce-scatter per bucket. torch's fake process group cannot copy uneven
+On gloo the owner path's sharded collectives go by alltoallv (gloo has no all-gather of
+uneven shards, and its reduce-scatter sends an all-reduce's bytes and completes no future,
+which a DDP communication hook must return). Every other backend takes its own all-gather
+of uneven shards per round and reduce-scatter per bucket. torch's fake process group cannot copy uneven
 shards of real tensors, so those calls run here on the project's in-process group
 (``experiments.threads``, backend ``threads``), which implements them as NCCL does
 (coalesced broadcasts and reduces, one per root): the update equals dp_kfac's in float64
 to 1e-12, replicas are bitwise identical, and the calls and bytes are the cost model's for
-a backend that gathers uneven shards.
+every backend.
 """
 
 from __future__ import annotations
@@ -99,11 +98,10 @@ def test_uneven_all_gather_and_reduce_scatter_give_dp_kfacs_update(world_size: i
             hardware=PRESETS["cpu_gloo_local"],
             param_itemsize=8,
             kfac=kfac,
-            backend="nccl",  # what the in-process group does is what NCCL does
             ddp=ddp,
         )
         for rank, res in enumerate(results):
             assert res[name]["stats"][-1] == pred.update.comm_of(rank), (name, rank)
-        # Uncapped: one all-gather of every owner's updates (gloo: one broadcast per owner).
+        # Uncapped: one all-gather of every owner's updates.
         if name == "owner":
             assert results[0][name]["stats"][-1]["precond_broadcast"]["calls"] == 1
