@@ -47,9 +47,10 @@ Either way, on the step's last micro-batch (``accumulation_steps``):
   into the running averages right after its update is launched, or on a
   decomposition step right before it is decomposed (the decomposition reads the
   new average). A fold reads and writes both running factors; done in the hook
-  that completed the layer's local gradients it held back every later bucket
-  (BERT's last bucket by 25 to 40 ms on factor steps), which outweighs holding
-  the batch factors to the last launch, as ``step()`` without overlap holds them.
+  that completed the layer's local gradients, it held back every later bucket
+  (docs/design.md, section 3.5: BERT's last bucket by 7 ms more per factor step),
+  which outweighs holding the batch factors to the last launch, as ``step()``
+  without overlap holds them.
 * **step()** launches what the hooks could not (own buckets holding a
   parameter without a gradient), does what the last hook did not, waits for
   the other gradients and the exchanges, applies the KL clip and writes the

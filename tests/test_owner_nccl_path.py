@@ -3,8 +3,8 @@
 On gloo the owner path's sharded collectives go by alltoallv (gloo has no all-gather of
 uneven shards, and its reduce-scatter sends an all-reduce's bytes and completes no future,
 which a DDP communication hook must return). Every other backend takes its own all-gather
-of uneven shards per round and reduce-scatter per bucket. torch's fake process group cannot copy uneven
-shards of real tensors, so those calls run here on the project's in-process group
+of uneven shards per round and reduce-scatter per bucket. torch's fake process group cannot
+copy uneven shards of real tensors, so those calls run here on the project's in-process group
 (``experiments.threads``, backend ``threads``), which implements them as NCCL does
 (coalesced broadcasts and reduces, one per root): the update equals dp_kfac's in float64
 to 1e-12, replicas are bitwise identical, and the calls and bytes are the cost model's for
