@@ -651,24 +651,27 @@ class Communicator:
         alltoall = sharded_by_alltoall(self.backend)
         for round_ in shard_rounds(sizes, cap_bytes):
             parts = [[shards[r][i] for i in idx] for r, idx in enumerate(round_)]
-            flats = [
-                torch.cat([t.reshape(-1) for t in ts]) if ts else like.new_empty(0) for ts in parts
-            ]
-            for flat in flats:
-                check_device(flat, self.device, category)
-            nbytes = sum(f.numel() for f in flats) * like.element_size()
+            numels = [sum(t.numel() for t in ts) for ts in parts]
+            nbytes = sum(numels) * like.element_size()
             self.record(category, kind, nbytes)
             self._isolated(handle)
             if alltoall:
-                work, finish = self._alltoall(flats, parts, gather=gather)
-            elif gather:  # the others' flats are receive buffers
-                work = dist.all_gather(flats, flats[self.rank], group=self.group, async_op=True)
-                finish = self._spread(flats, parts, skip=self.rank)
+                work, finish = self._alltoall(parts, numels, like, category, gather=gather)
             else:
-                out = torch.empty_like(flats[self.rank])
-                work = dist.reduce_scatter(out, flats, group=self.group, async_op=True)
-                out_list = [out if r == self.rank else f for r, f in enumerate(flats)]
-                finish = self._spread(out_list, parts, only=self.rank, scale=True)
+                flats = [
+                    torch.cat([t.reshape(-1) for t in ts]) if ts else like.new_empty(0)
+                    for ts in parts
+                ]
+                for flat in flats:
+                    check_device(flat, self.device, category)
+                if gather:  # the others' flats are receive buffers
+                    work = dist.all_gather(flats, flats[self.rank], group=self.group, async_op=True)
+                    finish = self._spread(flats, parts, skip=self.rank)
+                else:
+                    out = torch.empty_like(flats[self.rank])
+                    work = dist.reduce_scatter(out, flats, group=self.group, async_op=True)
+                    out_list = [out if r == self.rank else f for r, f in enumerate(flats)]
+                    finish = self._spread(out_list, parts, only=self.rank, scale=True)
             handle.finish.append(finish)
             handle.works.append(work)
             self._traced(category, "all_to_all" if alltoall else kind, nbytes, work)
@@ -677,25 +680,32 @@ class Communicator:
         return handle
 
     def _alltoall(
-        self, flats: list[torch.Tensor], parts: list[list[torch.Tensor]], *, gather: bool
+        self,
+        parts: list[list[torch.Tensor]],
+        numels: list[int],
+        like: torch.Tensor,
+        category: str,
+        *,
+        gather: bool,
     ) -> tuple[object, Callable[[], None]]:
         """One round of a sharded collective as one alltoallv (``all_to_all_single`` with
         split sizes): the work, and what unpacks its result once it completed.
 
-        A reduce-scatter sends rank ``r`` this rank's ``flats[r]`` and receives ``P``
-        copies of its own shard's size, one from each rank, which it sums and averages;
-        an all-gather sends its own flat to every rank and receives every rank's.
+        A reduce-scatter sends rank ``r`` this rank's copy of ``parts[r]`` and receives
+        ``P`` buffers of its own shard's size, one from each rank, which it sums and
+        averages; an all-gather sends its own shard to every rank and receives every
+        rank's. Each packs what it sends in one copy.
         """
         size, me = self.size, self.rank
-        numels = [f.numel() for f in flats]
+        sent = parts[me] * size if gather else [t for ts in parts for t in ts]
+        send = torch.cat([t.reshape(-1) for t in sent]) if sent else like.new_empty(0)
         if gather:
-            send = flats[me].repeat(size)
-            recv = torch.cat(flats)  # every shard's place; the others' are overwritten
+            recv = like.new_empty(sum(numels))
             send_splits, recv_splits = [numels[me]] * size, numels
         else:
-            send = torch.cat(flats)
-            recv = flats[me].new_empty(size * numels[me])
+            recv = like.new_empty(size * numels[me])
             send_splits, recv_splits = numels, [numels[me]] * size
+        check_device(send, self.device, category)
         work = dist.all_to_all_single(
             recv,
             send,
@@ -705,14 +715,11 @@ class Communicator:
             async_op=True,
         )
         if gather:
-            received = list(recv.split(numels))
-            return work, self._spread(received, parts, skip=me)
+            return work, self._spread(list(recv.split(numels)), parts, skip=me)
 
-        def reduce() -> None:
+        def reduce() -> None:  # once the work completed: the P received parts, summed
             total = recv.view(size, numels[me]).sum(0)
-            self._spread(
-                [total if r == me else flats[r] for r in range(size)], parts, only=me, scale=True
-            )()
+            self._spread([total] * size, parts, only=me, scale=True)()
 
         return work, reduce
 

@@ -384,6 +384,7 @@ class OverlapEngine:
             self._drain()
         return launched.future
 
+    # ------------------------------------------------------------- the work
     def _launch(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> _Launched:
         """Launch the next bucket's reduction (:meth:`_reduce`) and note it launched."""
         st = self.state
@@ -507,16 +508,18 @@ class OverlapEngine:
         assert st is not None
         if layer.name in st.folded:
             return
-        st.folded.add(layer.name)
         flags = self.ctx.flags
-        if flags.capture:  # batch factors are pending on capture steps only
+        if flags.capture and not st.folded:
+            # Batch factors are pending on capture steps only, and all of them wait for the
+            # step's first fold (no capture follows the last launch): that is their peak.
             self.ctx.note_buffers(sum(x.pending_nbytes() for x in self.layers))
+        st.folded.add(layer.name)
         self._instant("fold", layer=layer.name)
         records = layer.fold_masked(flags.decay, keep=self.ctx.scaled)
         st.folds += [(layer, record) for record in records]
 
     def _prepare(self, layer: KFACLayer) -> None:
-        """Fold (if the hooks did not) and, on decomposition steps, decompose (once a step)."""
+        """Fold (if not yet this step) and, on decomposition steps, decompose (once a step)."""
         st = self.state
         assert st is not None
         self._fold(layer)

@@ -600,12 +600,15 @@ def step_prediction(
         unpack = hw.time({"unpack": work[0]["factor_comm"].get("unpack", (0.0, 0.0))}, p)
         for t in seconds:
             t["factor_comm"] = hidden + (1.0 - hw.overlap) * (t["factor_comm"] - unpack) + unpack
+    # A factor step's folds, per rank: of the batch factors it built, into running averages.
+    folds = [
+        fold_work(model, _built(model, plan, r), factor_itemsize)
+        if factor and plan is not None
+        else {}
+        for r in range(p)
+    ]
     if plan is not None and plan.traits.overlapped_precondition and overlap:
         _, ends, backward_end = timeline(model, hw, weight_sharing, factor_itemsize, factor)
-        folds = [
-            hw.time(fold_work(model, _built(model, plan, r), factor_itemsize), p) if factor else 0.0
-            for r in range(p)
-        ]
         _overlap_backward(
             model,
             plan,
@@ -616,7 +619,7 @@ def step_prediction(
             ends=ends,
             backward_end=backward_end,
             compute_method=compute_method,
-            folds=folds,
+            folds=[hw.time(f, p) for f in folds],
         )
     ddp_wait = 0.0
     if ddp and p > 1:
@@ -665,11 +668,8 @@ def step_prediction(
             )
             packed = sum(2.0 * c.nbytes for c in colls if c.category in hooked)
             work[r]["hooks"] = {"pack": (0.0, packed)} if packed else {}
-            if factor:  # the batch factors this rank built, folded into running averages
-                for kind, (calls, amount) in fold_work(
-                    model, _built(model, plan, r), factor_itemsize
-                ).items():
-                    add_work(work[r]["step_other"], kind, calls, amount)
+            for kind, (calls, amount) in folds[r].items():
+                add_work(work[r]["step_other"], kind, calls, amount)
         breakdown["step_other"] = max(hw.time(w["step_other"], p) for w in work)
         if hooked and rank_colls:
             breakdown["hooks"] = max(hw.time(w["hooks"], p) for w in work)
