@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from dpkfac.device import DeviceMismatch, HostReader, TableCache, check_device
 from dpkfac.plan.fusion import shard_rounds, size_cap_buckets
-from dpkfac.plan.hardware import sharded_by_alltoall
+from dpkfac.plan.hardware import alltoall_calls, sharded_by_alltoall
 from dpkfac.stats import PHASE_OF_CATEGORY, CommStats, PhaseTimer
 
 T = TypeVar("T")
@@ -40,6 +40,46 @@ T = TypeVar("T")
 
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete within the configured timeout."""
+
+
+def _cuts(n: int, calls: int) -> list[int]:
+    """Where ``calls`` consecutive, near-equal pieces of ``n`` elements start, and ``n``."""
+    return [n * c // calls for c in range(calls + 1)]
+
+
+def _sizes(cuts: Sequence[Sequence[int]], call: int) -> list[int]:
+    """Each shard's piece in call ``call``, from every shard's :func:`_cuts`."""
+    return [cut[call + 1] - cut[call] for cut in cuts]
+
+
+def _views(tensors: Sequence[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+    """Flat views of elements ``[lo, hi)`` of ``tensors`` laid end to end."""
+    out, start = [], 0
+    for t in tensors:
+        end = start + t.numel()
+        if end > lo and start < hi:
+            out.append(t.reshape(-1)[max(lo - start, 0) : min(hi, end) - start])
+        start = end
+    return out
+
+
+def _fill(tensors: Sequence[torch.Tensor], pieces: Sequence[torch.Tensor]) -> None:
+    """Copy the elements of ``pieces`` laid end to end into ``tensors`` laid end to end (a
+    tensor across a boundary between pieces is copied from the joined parts)."""
+    at, offset = 0, 0  # the piece being read, and how far into it
+    for t in tensors:
+        need, taken = t.numel(), []
+        while need:
+            piece = pieces[at]
+            take = min(need, piece.numel() - offset)
+            if take:
+                taken.append(piece[offset : offset + take])
+            offset += take
+            need -= take
+            if offset == piece.numel():
+                at, offset = at + 1, 0
+        if taken:
+            t.copy_((taken[0] if len(taken) == 1 else torch.cat(taken)).view_as(t))
 
 
 def _triu(
@@ -599,7 +639,7 @@ class Communicator:
         hands every rank's next run, flattened, to one ``reduce_scatter`` of
         shards of different sizes (no padding: each owner's shard is as large as
         its tensors), which leaves each owner the average of its own; other
-        ranks' copies are left as they are. On gloo the round is one alltoallv
+        ranks' copies are left as they are. On gloo the round goes by alltoallv
         (:func:`~dpkfac.plan.hardware.sharded_by_alltoall`): each rank sends every
         owner its part and the owner sums the ``P`` parts it receives. Every work
         completes a future (a DDP communication hook returns them). ``overlapped``:
@@ -621,7 +661,7 @@ class Communicator:
 
         ``shards[r]`` are the tensors group rank ``r`` sends (filled on ``r``) and
         every other rank receives into (same shapes, one dtype), in the rounds of
-        :meth:`reduce_scatter_mean`; on gloo each round is one alltoallv, every rank
+        :meth:`reduce_scatter_mean`; on gloo each round is alltoallv, every rank
         sending its shard to every rank.
         """
         return self._sharded(shards, category, cap_bytes, async_op, gather=True)
@@ -656,7 +696,7 @@ class Communicator:
             self.record(category, kind, nbytes)
             self._isolated(handle)
             if alltoall:
-                work, finish = self._alltoall(parts, numels, like, category, gather=gather)
+                works, finish = self._alltoall(parts, numels, like, category, gather=gather)
             else:
                 flats = [
                     torch.cat([t.reshape(-1) for t in ts]) if ts else like.new_empty(0)
@@ -672,9 +712,11 @@ class Communicator:
                     work = dist.reduce_scatter(out, flats, group=self.group, async_op=True)
                     out_list = [out if r == self.rank else f for r, f in enumerate(flats)]
                     finish = self._spread(out_list, parts, only=self.rank, scale=True)
+                works = [work]
             handle.finish.append(finish)
-            handle.works.append(work)
-            self._traced(category, "all_to_all" if alltoall else kind, nbytes, work)
+            handle.works.extend(works)
+            # A round on the timeline: launched with its first call, ended with its last.
+            self._traced(category, "all_to_all" if alltoall else kind, nbytes, works[-1])
         if not async_op:
             self.wait(handle)
         return handle
@@ -687,64 +729,93 @@ class Communicator:
         category: str,
         *,
         gather: bool,
-    ) -> tuple[object, Callable[[], None]]:
-        """One round of a sharded collective as one alltoallv (``all_to_all_single`` with
-        split sizes): the work, and what unpacks its result once it completed.
+    ) -> tuple[list[Any], Callable[[], None]]:
+        """One round of a sharded collective as alltoallv (``all_to_all_single`` with split
+        sizes): its works, and what unpacks its result once they completed.
 
         A reduce-scatter sends rank ``r`` this rank's copy of ``parts[r]`` and receives
         ``P`` buffers of its own shard's size, one from each rank, which it sums and
         averages; an all-gather sends its own shard to every rank and receives every
-        rank's. Each packs what it sends in one copy.
+        rank's. The round is cut into :func:`~dpkfac.plan.hardware.alltoall_calls` calls,
+        each carrying the next piece of every shard and launched together, so that both
+        directions of a link carry data at once (gloo sends one large message per
+        direction in turn). What it sends is packed in one copy, call after call.
         """
         size, me = self.size, self.rank
-        sent = parts[me] * size if gather else [t for ts in parts for t in ts]
-        send = torch.cat([t.reshape(-1) for t in sent]) if sent else like.new_empty(0)
-        if gather:
-            recv = like.new_empty(sum(numels))
-            send_splits, recv_splits = [numels[me]] * size, numels
-        else:
-            recv = like.new_empty(size * numels[me])
-            send_splits, recv_splits = numels, [numels[me]] * size
+        calls = alltoall_calls(max(numels) * like.element_size())
+        cuts = [_cuts(n, calls) for n in numels]
+        # Per call c: what each peer gets (sent) and what arrives from each (received).
+        sent = [parts[me]] * size if gather else parts
+        sent_cuts = [cuts[me]] * size if gather else cuts
+        views = [
+            v
+            for c in range(calls)
+            for r in range(size)
+            for v in _views(sent[r], sent_cuts[r][c], sent_cuts[r][c + 1])
+        ]
+        send = torch.cat(views) if views else like.new_empty(0)
+        recv = like.new_empty(sum(numels) if gather else size * numels[me])
         check_device(send, self.device, category)
-        work = dist.all_to_all_single(
-            recv,
-            send,
-            output_split_sizes=recv_splits,
-            input_split_sizes=send_splits,
-            group=self.group,
-            async_op=True,
-        )
+        works, received = [], []
+        send_at = recv_at = 0
+        for c in range(calls):
+            piece = _sizes(cuts, c)
+            send_splits = [piece[me]] * size if gather else piece
+            recv_splits = piece if gather else [piece[me]] * size
+            send_c = send[send_at : send_at + sum(send_splits)]
+            recv_c = recv[recv_at : recv_at + sum(recv_splits)]
+            send_at += send_c.numel()
+            recv_at += recv_c.numel()
+            works.append(
+                dist.all_to_all_single(
+                    recv_c,
+                    send_c,
+                    output_split_sizes=recv_splits,
+                    input_split_sizes=send_splits,
+                    group=self.group,
+                    async_op=True,
+                )
+            )
+            received.append(recv_c)
         if gather:
-            return work, self._spread(list(recv.split(numels)), parts, skip=me)
+            # Rank r's shard arrives in pieces, call after call.
+            pieces = [
+                [got.split(_sizes(cuts, c))[r] for c, got in enumerate(received)]
+                for r in range(size)
+            ]
+            return works, self._spread(pieces, parts, skip=me)
 
-        def reduce() -> None:  # once the work completed: the P received parts, summed
-            total = recv.view(size, numels[me]).sum(0)
+        def reduce() -> None:  # once the works completed: the P received parts, summed
+            total = like.new_empty(numels[me])
+            for c, got in enumerate(received):
+                lo, hi = cuts[me][c], cuts[me][c + 1]
+                torch.sum(got.view(size, hi - lo), 0, out=total[lo:hi])
             self._spread([total] * size, parts, only=me, scale=True)()
 
-        return work, reduce
+        return works, reduce
 
     def _spread(
         self,
-        flats: list[torch.Tensor],
+        flats: Sequence[torch.Tensor | Sequence[torch.Tensor]],
         parts: list[list[torch.Tensor]],
         *,
         skip: int | None = None,
         only: int | None = None,
         scale: bool = False,
     ) -> Callable[[], None]:
-        """Copy received flat shards back into their tensors (averaged with ``scale``)."""
+        """Copy received flat shards (each one tensor, or its consecutive pieces) back into
+        their tensors (averaged with ``scale``)."""
         size = self.size
 
         def finish() -> None:
             for r, (flat, ts) in enumerate(zip(flats, parts, strict=True)):
                 if r == skip or (only is not None and r != only):
                     continue
+                pieces = [flat] if isinstance(flat, torch.Tensor) else list(flat)
                 if scale:
-                    flat.div_(size)
-                offset = 0
-                for t in ts:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+                    for piece in pieces:
+                        piece.div_(size)
+                _fill(ts, pieces)
 
         return finish
 

@@ -27,7 +27,7 @@ Either way, on the step's last micro-batch (``accumulation_steps``):
   ``grad_reduction="allreduce"`` the first is the all-reduce of the K-FAC layers'
   gradients and the rest the all-reduce of the others (two collectives only where a
   bucket holds both). With ``grad_reduction="owner"`` the first reduces the K-FAC layers' gradients
-  onto their owners (uneven shards, one per owner, no padding; on gloo one alltoallv)
+  onto their owners (uneven shards, one per owner, no padding; on gloo by alltoallv)
   and the rest is
   the all-reduce of the other gradients. A layer waits for the first part only: a
   large non-K-FAC gradient in its bucket (BERT's word embedding, last in the backward

@@ -4,8 +4,9 @@ Each rank owns a run of tensors of its own size (no padding). The reduce-scatter
 leaves every owner the average of its tensors and the others' as they were; the
 all-gather hands every rank's tensors to every rank (on gloo, whose
 reduce-scatter sends an all-reduce's bytes and which has no all-gather of uneven
-shards, both by one alltoallv per round, whose work completes a future as a DDP
-communication hook needs). Rounds under a
+shards, both by alltoallv, whose works complete futures as a DDP communication hook
+needs; a round is cut into calls that carry a piece of every shard each, and a tensor
+may straddle two calls). Rounds under a
 byte cap come from one pure rule, and the cost model books exactly what is handed
 over, round by round.
 """
@@ -20,6 +21,7 @@ from dist_utils import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import dpkfac.plan.hardware as hardware
 from dpkfac.comm import Communicator
 from dpkfac.costmodel.traffic import comm_counts, sharded_collectives
 from dpkfac.plan.fusion import shard_rounds
@@ -43,21 +45,46 @@ def _shards(world_size: int, rank: int, fill: bool) -> list[list[torch.Tensor]]:
     return out
 
 
-def _reduce_scatter(rank: int, world_size: int, cap: int | None) -> dict[str, Any]:
+def _calls(world_size: int, cap: int | None) -> int:
+    """The alltoallv calls gloo's rounds take (:func:`~dpkfac.plan.hardware.alltoall_calls`)."""
+    sizes = [[8 * n for n in SIZES[r]] for r in range(world_size)]
+    return sum(
+        hardware.alltoall_calls(max(sum(sizes[r][i] for i in idx) for r, idx in enumerate(rnd)))
+        for rnd in shard_rounds(sizes, cap)
+    )
+
+
+def _cut(message: int | None) -> None:
+    """A smaller message per call (``None``: the library's), so that a round takes several."""
+    if message is not None:
+        hardware.ALLTOALL_MESSAGE_BYTES = message
+
+
+def _reduce_scatter(
+    rank: int, world_size: int, cap: int | None, message: int | None = None
+) -> dict[str, Any]:
+    _cut(message)
     comm = Communicator()
     shards = _shards(world_size, rank, fill=True)
     handle = comm.reduce_scatter_mean(shards, "grad_allreduce", cap_bytes=cap, async_op=True)
     # Each round's work completes a future (a DDP communication hook returns them).
     torch.futures.wait_all([w.get_future() for w in handle.works])
     comm.wait(handle)
-    return {"shards": shards, "stats": comm.stats.as_dict()}
+    return {
+        "shards": shards,
+        "stats": comm.stats.as_dict(),
+        "works": len(handle.works),
+        "calls": _calls(world_size, cap),
+    }
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-@pytest.mark.parametrize("cap", [None, 40])
-def test_each_owner_gets_the_average_of_its_own_tensors(world_size: int, cap: int | None) -> None:
-    results = run_ranks(_reduce_scatter, world_size, cap)
+@pytest.mark.parametrize(("cap", "message"), [(None, None), (40, None), (None, 24), (40, 16)])
+def test_each_owner_gets_the_average_of_its_own_tensors(
+    world_size: int, cap: int | None, message: int | None
+) -> None:
+    results = run_ranks(_reduce_scatter, world_size, cap, message)
     mean_rank = sum(range(world_size)) / world_size
     for rank, out in enumerate(results):
         for r, tensors in enumerate(out["shards"]):
@@ -68,11 +95,18 @@ def test_each_owner_gets_the_average_of_its_own_tensors(world_size: int, cap: in
         sizes = [[8 * n for n in SIZES[r]] for r in range(world_size)]
         predicted = comm_counts(sharded_collectives("grad_allreduce", "reduce_scatter", sizes, cap))
         assert out["stats"]["grad_allreduce"] == predicted["grad_allreduce"], rank
+        # A round is one collective in the books, however many calls carry it.
+        assert out["works"] == out["calls"], rank
+        if message is not None:
+            assert out["calls"] > len(shard_rounds([[8 * n for n in s] for s in SIZES], cap))
     if cap is not None:  # the cap splits the exchange into rounds
         assert results[0]["stats"]["grad_allreduce"]["calls"] > 1
 
 
-def _all_gather(rank: int, world_size: int, cap: int | None) -> dict[str, Any]:
+def _all_gather(
+    rank: int, world_size: int, cap: int | None, message: int | None = None
+) -> dict[str, Any]:
+    _cut(message)
     comm = Communicator()
     shards = _shards(world_size, rank, fill=False)
     shards[rank] = _shards(world_size, rank, fill=True)[rank]
@@ -82,15 +116,17 @@ def _all_gather(rank: int, world_size: int, cap: int | None) -> dict[str, Any]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("cap", [None, 40])
-def test_every_rank_receives_every_owners_tensors(world_size: int, cap: int | None) -> None:
-    results = run_ranks(_all_gather, world_size, cap)
+@pytest.mark.parametrize(("cap", "message"), [(None, None), (40, None), (None, 24)])
+def test_every_rank_receives_every_owners_tensors(
+    world_size: int, cap: int | None, message: int | None
+) -> None:
+    results = run_ranks(_all_gather, world_size, cap, message)
     for out in results:
         for r, tensors in enumerate(out["shards"]):
             for i, t in enumerate(tensors):
                 expected = torch.arange(t.numel(), dtype=torch.float64) + 100.0 * r + 10.0 * i + r
                 assert torch.equal(t, expected), (r, i)
-        # gloo gathers uneven shards by one alltoallv per round, accounted as the gather.
+        # gloo gathers uneven shards by alltoallv, each round accounted as one gather.
         assert out["backend"] == "gloo"
         sizes = [[8 * n for n in SIZES[r]] for r in range(world_size)]
         predicted = comm_counts(sharded_collectives("precond_broadcast", "all_gather", sizes, cap))

@@ -63,6 +63,8 @@ def _rank(
     repeats: int,
     q: Queue[tuple[int, bytes]],
 ) -> None:
+    from dpkfac.comm import Communicator
+
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
@@ -73,27 +75,26 @@ def _rank(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=60),
         )
+        comm = Communicator()
         out = []
         barrier = _sync_time(lambda: None, 3 * repeats, inner=1)
         for n in sizes:
             buf = torch.zeros(n)
-            # Sharded kinds over the same buffer: a shard of n / P elements per rank.
-            shard = torch.zeros(n // world_size)
-            whole = buf[: shard.numel() * world_size]
-            parts, copies = torch.zeros_like(whole), shard.repeat(world_size)
+            # Sharded kinds over the same buffer: a shard of n / P elements per rank, as the
+            # communicator runs them (on gloo by alltoallv: every rank sends each owner its
+            # part, or its own shard to every rank; dpkfac.plan.hardware.sharded_by_alltoall).
+            shards = [[torch.zeros(n // world_size)] for _ in range(world_size)]
+            nsharded = world_size * (n // world_size)
             ops: dict[str, Callable[[], object]] = {
                 "allreduce": partial(dist.all_reduce, buf),
                 "broadcast": partial(dist.broadcast, buf, src=0),
                 "reduce": partial(dist.reduce, buf, dst=0),
-                # As the communicator runs them on gloo, by alltoallv: every rank sends
-                # each owner its part, or its own shard to every rank
-                # (dpkfac.plan.hardware.sharded_by_alltoall).
-                "reduce_scatter": partial(dist.all_to_all_single, parts, whole),
-                "all_gather": partial(dist.all_to_all_single, parts, copies),
+                "reduce_scatter": partial(comm.reduce_scatter_mean, shards, "setup"),
+                "all_gather": partial(comm.all_gather, shards, "setup"),
             }
             for kind, op in ops.items():
                 secs = _sync_time(op, repeats) - barrier / 5
-                nbytes = whole.numel() * 4 if kind in ("reduce_scatter", "all_gather") else n * 4
+                nbytes = nsharded * 4 if kind in ("reduce_scatter", "all_gather") else n * 4
                 out.append((kind, nbytes, secs))
         q.put((rank, pickle.dumps(out)))
     finally:

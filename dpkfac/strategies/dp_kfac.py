@@ -18,7 +18,7 @@ each owner's is as large as its layers (uneven collectives). Where the K-FAC
 gradients are of several dtypes, one rooted reduce per owner is used instead of
 the reduce-scatter, and the all-gather runs once per dtype. On gloo, whose
 reduce-scatter sends an all-reduce's bytes and which cannot all-gather uneven
-shards, both go by one alltoallv per round
+shards, both go by alltoallv
 (:func:`~dpkfac.plan.hardware.sharded_by_alltoall`).
 
 ``overlap=True`` asks the preconditioner for its overlapped execution mode

@@ -5,7 +5,7 @@ go onto their owners, and the owners' updates come back, while the all-reduce of
 other gradients is on the wire (BERT's 23.8 MB word embedding). Per direction the link then
 carries about what SGD's one all-reduce of the bucket carries; whether it costs that is a
 property of the link, gloo and TCP, which this probe measures on the emulated network with
-the collectives the communicator runs on gloo (alltoallv, :mod:`dpkfac.comm`):
+the communicator's own sharded collectives (on gloo alltoallv, :mod:`dpkfac.comm`):
 
 * ``alone``: the all-reduce of ``big_mb``;
 * ``whole``: one all-reduce of ``big_mb`` plus the side flows' mean bytes per direction
@@ -103,39 +103,41 @@ def _rank(spec: dict[str, Any]) -> dict[str, list[float]]:
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
-        rank, second = dist.get_rank(), dist.new_group([0, 1])
+        from dpkfac.comm import Communicator
+
+        # The side flows go as the step sends them: the communicator's sharded collectives
+        # (on gloo alltoallv, cut into calls), the exchanges on a second group.
+        comm = Communicator()
+        comm2 = comm.duplicate("exchanges")
         flows = SideFlows(**spec["flows"])
         big = torch.ones(int(spec["big_mb"] * MB) // 4)
         mean_side = (flows.sent_mb(0) + flows.sent_mb(1)) / 2
         whole = torch.ones(int((spec["big_mb"] + mean_side) * MB) // 4)
 
-        def numels(shards: Sequence[float]) -> list[int]:
-            return [int(s * MB) // 4 for s in shards]
+        def shards(mb: Sequence[float]) -> list[list[torch.Tensor]]:
+            return [[torch.ones(int(s * MB) // 4)] if s else [] for s in mb]
 
-        def reduction(f: SideFlows, group: Any = None) -> Any:
-            n = numels(f.reduction)
-            out = torch.empty(2 * n[rank])
-            send = torch.ones(sum(n))
-            return dist.all_to_all_single(out, send, [n[rank]] * 2, n, group=group, async_op=True)
+        def reduction(f: SideFlows) -> Any:
+            return comm.reduce_scatter_mean(shards(f.reduction), "grad_allreduce", async_op=True)
 
-        def exchange(shards: Sequence[float], group: Any = None) -> Any:
-            n = numels(shards)
-            out, send = torch.empty(sum(n)), torch.ones(2 * n[rank])
-            return dist.all_to_all_single(out, send, n, [n[rank]] * 2, group=group, async_op=True)
+        def exchange(mb: Sequence[float], c: Communicator) -> Any:
+            return c.all_gather(shards(mb), "precond_broadcast", async_op=True)
 
         def beside(f: SideFlows) -> None:
-            works = [reduction(f), dist.all_reduce(big, async_op=True)]
+            handles = [reduction(f)]
+            work = dist.all_reduce(big, async_op=True)
             start = time.perf_counter()
-            for shards, delay in zip(f.exchanges, f.delays_ms, strict=True):
+            for mb, delay in zip(f.exchanges, f.delays_ms, strict=True):
                 time.sleep(max(0.0, delay / 1e3 - (time.perf_counter() - start)))
-                works.append(exchange(shards, second))
-            for w in works:
-                w.wait()
+                handles.append(exchange(mb, comm2))
+            work.wait()
+            for h, c in zip(handles, [comm] + [comm2] * len(f.exchanges), strict=True):
+                c.wait(h)
 
         def in_turn() -> None:
-            reduction(flows).wait()
-            for shards in flows.exchanges:
-                exchange(shards).wait()
+            comm.wait(reduction(flows))
+            for mb in flows.exchanges:
+                comm.wait(exchange(mb, comm))
             dist.all_reduce(big)
 
         runs: dict[str, Callable[[], object]] = {
