@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from dpkfac.device import DeviceMismatch, HostReader, TableCache, check_device
 from dpkfac.plan.fusion import shard_rounds, size_cap_buckets
-from dpkfac.plan.hardware import alltoall_calls, sharded_by_alltoall
+from dpkfac.plan.hardware import message_calls, sharded_by_alltoall
 from dpkfac.stats import PHASE_OF_CATEGORY, CommStats, PhaseTimer
 
 T = TypeVar("T")
@@ -368,9 +368,15 @@ class Communicator:
         nbytes = flat.numel() * flat.element_size()
         self.record(handle.category, kind, nbytes)
         self._isolated(handle)
-        work = fn(flat, group=self.group, async_op=True, **kwargs)
-        handle.works.append(work)
-        self._traced(handle.category, getattr(fn, "__name__", kind), nbytes, work)
+        # A rooted collective sends its whole buffer to a peer: on gloo in consecutive pieces,
+        # launched together (plan.hardware.message_calls), into the same buffer.
+        calls = 1 if kind == "allreduce" else message_calls(self.backend, nbytes)
+        works = [
+            fn(piece, group=self.group, async_op=True, **kwargs)
+            for piece in flat.tensor_split(calls)
+        ]
+        handle.works.extend(works)
+        self._traced(handle.category, getattr(fn, "__name__", kind), nbytes, works[-1])
 
     def _traced(self, category: str, kind: str, nbytes: int, work: object) -> None:
         """Record a launched collective on the timer's timeline, if it has one (on a track
@@ -736,13 +742,13 @@ class Communicator:
         A reduce-scatter sends rank ``r`` this rank's copy of ``parts[r]`` and receives
         ``P`` buffers of its own shard's size, one from each rank, which it sums and
         averages; an all-gather sends its own shard to every rank and receives every
-        rank's. The round is cut into :func:`~dpkfac.plan.hardware.alltoall_calls` calls,
+        rank's. The round is cut into :func:`~dpkfac.plan.hardware.message_calls` calls,
         each carrying the next piece of every shard and launched together, so that both
         directions of a link carry data at once (gloo sends one large message per
         direction in turn). What it sends is packed in one copy, call after call.
         """
         size, me = self.size, self.rank
-        calls = alltoall_calls(max(numels) * like.element_size())
+        calls = message_calls(self.backend, max(numels) * like.element_size())
         cuts = [_cuts(n, calls) for n in numels]
         # Per call c: what each peer gets (sent) and what arrives from each (received).
         sent = [parts[me]] * size if gather else parts

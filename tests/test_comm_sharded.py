@@ -46,10 +46,12 @@ def _shards(world_size: int, rank: int, fill: bool) -> list[list[torch.Tensor]]:
 
 
 def _calls(world_size: int, cap: int | None) -> int:
-    """The alltoallv calls gloo's rounds take (:func:`~dpkfac.plan.hardware.alltoall_calls`)."""
+    """The alltoallv calls gloo's rounds take (:func:`~dpkfac.plan.hardware.message_calls`)."""
     sizes = [[8 * n for n in SIZES[r]] for r in range(world_size)]
     return sum(
-        hardware.alltoall_calls(max(sum(sizes[r][i] for i in idx) for r, idx in enumerate(rnd)))
+        hardware.message_calls(
+            "gloo", max(sum(sizes[r][i] for i in idx) for r, idx in enumerate(rnd))
+        )
         for rnd in shard_rounds(sizes, cap)
     )
 
@@ -57,7 +59,7 @@ def _calls(world_size: int, cap: int | None) -> int:
 def _cut(message: int | None) -> None:
     """A smaller message per call (``None``: the library's), so that a round takes several."""
     if message is not None:
-        hardware.ALLTOALL_MESSAGE_BYTES = message
+        hardware.GLOO_MESSAGE_BYTES = message
 
 
 def _reduce_scatter(

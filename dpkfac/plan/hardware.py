@@ -41,17 +41,17 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 __all__ = [
-    "ALLTOALL_MESSAGE_BYTES",
     "COLLECTIVE_KINDS",
     "COMPUTE_KINDS",
+    "GLOO_MESSAGE_BYTES",
     "Engine",
     "Hardware",
     "Link",
     "Sample",
     "Work",
     "add_work",
-    "alltoall_calls",
     "gloo_link",
+    "message_calls",
     "scaled",
     "sharded_by_alltoall",
     "wire_bytes",
@@ -327,22 +327,27 @@ def sharded_by_alltoall(backend: str) -> bool:
     return backend == "gloo"
 
 
-#: The most bytes one rank sends one peer in one alltoallv call of a sharded round on gloo.
-#: gloo's TCP pair carries one large message per direction half-duplex in practice: at P=2
-#: on the emulated 1 Gbit/s network, 14 MB each way took 243 ms in one alltoallv and 122 ms
-#: cut into calls of 512 KiB per peer, launched together (the link's rate both ways at once);
-#: on loopback the cut cost nothing measurable (27 ms against 27 ms).
-ALLTOALL_MESSAGE_BYTES = 512 * 2**10
+#: The most bytes one rank sends one peer in one call of gloo's rooted and sharded
+#: collectives (broadcast, reduce, alltoallv). gloo's TCP pair carries one large message per
+#: direction in turn, not both at once, wherever two transfers cross on a link: at P=2 on the
+#: emulated 1 Gbit/s network, 14 MB each way took 243 ms as one alltoallv and 122 ms cut into
+#: calls of 512 KiB per peer launched together (the link's rate both ways); two broadcasts of
+#: 4 MB from either rank, 64 ms as one call each and 34 ms cut. On loopback the cut cost nothing
+#: measurable (27 ms against 27 ms for the 14 MB alltoallv). gloo's ring all-reduce sends its
+#: buffer in segments already and runs at the link's rate uncut.
+GLOO_MESSAGE_BYTES = 512 * 2**10
 
 
-def alltoall_calls(largest_shard_bytes: int) -> int:
-    """How many alltoallv calls one round of a sharded collective is cut into on gloo
-    (:func:`sharded_by_alltoall`), its largest shard being ``largest_shard_bytes``: each call
-    carries a consecutive piece of every shard, at most :data:`ALLTOALL_MESSAGE_BYTES` of
-    each. Every rank knows every shard's size, so every rank cuts alike. The cost model
-    keeps pricing the round as one collective: the calls are launched together and
-    pipeline on the wire."""
-    return max(1, -(-int(largest_shard_bytes) // ALLTOALL_MESSAGE_BYTES))
+def message_calls(backend: str, largest_message_bytes: int) -> int:
+    """How many calls one rooted or sharded collective is cut into on ``backend``, the largest
+    message one rank sends one peer in it being ``largest_message_bytes``: on gloo each call
+    carries a consecutive piece of every message, at most :data:`GLOO_MESSAGE_BYTES` of
+    each, and the calls are launched together; one call elsewhere (NCCL pipelines its own
+    chunks). Every rank knows every message's size, so every rank cuts alike. The cost model
+    prices the collective as one: its calls pipeline on the wire."""
+    if backend != "gloo":
+        return 1
+    return max(1, -(-int(largest_message_bytes) // GLOO_MESSAGE_BYTES))
 
 
 def gloo_link(kind: str, allreduce: Link, world_size: int) -> Link:
