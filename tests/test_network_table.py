@@ -199,6 +199,31 @@ def test_the_answer_names_the_configs_whose_range_meets_the_focus_configs() -> N
     first = takeaways.network(frame)[0]
     assert "dp_kfac chose the same configuration (owner, overlap)" in first
     assert "meets" not in first and "fastest K-FAC" not in first
+    # A chooser that resolved to the focus's configuration in some runs only: those runs
+    # are the focus's; its other runs are the rival, compared with the focus's range.
+    frame.loc[lucky, "configuration"] = "owner"
+    frame.loc[lucky, "runs_by_configuration"] = json.dumps(
+        {"owner, overlap": [2, 17.0], "owner": [1, 25.0]}
+    )
+    first = takeaways.network(frame)[0]
+    assert "dp_kfac chose the same configuration in 2 of 3 runs" in first
+    assert "faster than every other K-FAC config in every run" in first
+    frame.loc[lucky, "runs_by_configuration"] = json.dumps(
+        {"owner, overlap": [2, 25.0], "owner": [1, 17.0]}
+    )
+    assert "its range meets 1 other K-FAC config(s)' (dp_kfac)" in takeaways.network(frame)[0]
+
+
+def test_each_run_is_counted_under_the_configuration_it_ran() -> None:
+    df = _rows()
+    auto = (df["strategy"] == "dp_kfac") & (df["network"] == "emulated")  # 3 runs per rate
+    df.loc[auto, "configuration"] = ["owner, overlap", "owner", "owner, overlap"] * 2
+    frame = network_table.network_frame(df, predict=False)
+    runs = frame.loc[frame["strategy"] == "dp_kfac", "runs_by_configuration"]
+    assert len(runs) == 2
+    for text in runs:
+        by = json.loads(text)
+        assert {c: n for c, (n, _) in by.items()} == {"owner, overlap": 2, "owner": 1}
 
 
 def test_rows_without_the_eigh_probe_say_their_decompositions_are_the_presets(

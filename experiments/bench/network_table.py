@@ -32,6 +32,7 @@ is the cost model's prediction from the job's link probe alone
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -223,6 +224,26 @@ def _job_entries(
     return out
 
 
+def _runs_by_configuration(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per job and strategy, what each run resolved to: ``runs_by_configuration`` (JSON, so that
+    the page's CSV carries it) maps each configuration (what "auto" chose; "" for a fixed
+    config) to its runs' count and fastest iteration (ms). A chooser is not a configuration:
+    its runs are compared with the configurations they ran."""
+    configs = runs["configuration"].map(_text) if "configuration" in runs else ""
+    timed = runs.assign(ms=1e3 * runs["iteration_s"], configuration=configs)
+    out = []
+    for key, g in timed.groupby([*JOB, "strategy"]):
+        by = g.groupby("configuration")["ms"].agg(["count", "min"])
+        entry = dict(zip([*JOB, "strategy"], key, strict=True))
+        entry["runs_by_configuration"] = json.dumps(
+            {str(c): [int(n), float(m)] for c, (n, m) in by.iterrows()}, sort_keys=True
+        )
+        out.append(entry)
+    frame = pd.DataFrame(out, columns=[*JOB, "strategy", "runs_by_configuration"])
+    frame["world_size"] = frame["world_size"].astype(int)
+    return frame
+
+
 def network_frame(df: pd.DataFrame, *, predict: bool = True) -> pd.DataFrame:
     """One row per (model, setting, rate, strategy config): the median run, split and floored.
 
@@ -249,6 +270,7 @@ def network_frame(df: pd.DataFrame, *, predict: bool = True) -> pd.DataFrame:
         bounds = ranges.agg(iteration_min_ms="min", iteration_max_ms="max").reset_index()
         bounds["world_size"] = bounds["world_size"].astype(int)
         frame = frame.merge(bounds, on=[*JOB, "strategy"], how="left")
+        frame = frame.merge(_runs_by_configuration(runs), on=[*JOB, "strategy"], how="left")
         parts.append(with_spread(frame, vs_sgd_spread(runs), "world_size"))
     if not parts:
         return pd.DataFrame()

@@ -11,6 +11,7 @@ reader sees first are the tables' own, so they cannot drift from them
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -225,8 +226,14 @@ def network(frame: pd.DataFrame) -> list[str]:
             parts.append(f"fastest K-FAC: {_with_runs(str(best['strategy']), best)}")
         others = distinct[distinct["strategy"] != shown["strategy"]]
         if shown["strategy"] == NETWORK_FOCUS and "iteration_min_ms" in others and len(others):
-            # Faster in every run than every other config: its slowest run beats their fastest.
-            met = others[others["iteration_min_ms"] <= shown["iteration_max_ms"]]
+            # Faster in every run than every other config: its slowest run beats their fastest,
+            # a chooser's runs that resolved to the focus's configuration being the focus's.
+            fastest, chose = _rivals(others, shown)
+            parts += [
+                f"{name} chose the same configuration in {n} of {total} runs"
+                for name, (n, total) in chose.items()
+            ]
+            met = others[fastest <= shown["iteration_max_ms"]]
             names = ", ".join(met["strategy"].head(3)) + (", ..." if len(met) > 3 else "")
             parts.append(
                 "faster than every other K-FAC config in every run"
@@ -257,6 +264,27 @@ def network(frame: pd.DataFrame) -> list[str]:
                 f"{errors.median():.0f}%)" + (f"; per part: {', '.join(parts)}." if parts else ".")
             )
     return lines[:5]
+
+
+def _rivals(others: pd.DataFrame, focus: pd.Series) -> tuple[pd.Series, dict[str, tuple[int, int]]]:
+    """Each other config's fastest run that did not run the focus's configuration (a
+    chooser's runs that resolved to it are the focus's: ``runs_by_configuration``), and, per
+    chooser with such runs, how many of its runs they were (of all)."""
+    fastest = others["iteration_min_ms"].copy()
+    chose: dict[str, tuple[int, int]] = {}
+    if "runs_by_configuration" not in others or not focus.get("configuration"):
+        return fastest, chose
+    for index, row in others.iterrows():
+        text = row["runs_by_configuration"]
+        if not isinstance(text, str) or row.get("scheme") != focus.get("scheme"):
+            continue
+        runs = json.loads(text)
+        same = runs.get(str(focus["configuration"]))
+        rest = [ms for config, (_, ms) in runs.items() if config != focus["configuration"]]
+        if same and rest:
+            chose[str(row["strategy"])] = (same[0], sum(n for n, _ in runs.values()))
+            fastest[index] = min(rest)
+    return fastest, chose
 
 
 def _same_configuration(kfac: pd.DataFrame, focus: pd.Series) -> pd.DataFrame:
