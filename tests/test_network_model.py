@@ -135,14 +135,15 @@ def test_step_other_is_in_every_kfac_iteration_and_never_in_sgds() -> None:
 )
 def test_a_factor_step_folds_what_each_rank_built(strategy: str, overlap: bool) -> None:
     """Each rank folds the batch factors it built (dp_kfac: its owned layers; d_kfac: every
-    layer) outside the timed phases: in step(), or overlapped (dp_kfac's mode) after the last
-    bucket's launch, never in the backward hooks; a plain step folds nothing."""
+    layer) outside the timed phases: in step(), or overlapped (dp_kfac's mode) in the hook that
+    launches the last bucket, inside the backward pass (booked with the hooks' work); a plain
+    step folds nothing."""
     kfac = KFACOptions(kl_clip=None)
     options = {"overlap": True} if overlap else None
     pred = predict(
         SHAPES, strategy=strategy, world_size=2, hardware=MEMORY, kfac=kfac, options=options
     )
-    where, other = "step_other", "hooks"
+    where, other = ("hooks", "step_other") if overlap else ("step_other", "hooks")
     plan = pred.plan
     for r, work in enumerate(pred.update.work):
         built = [s.name for i, s in enumerate(SHAPES) if plan.captures(r, i)]

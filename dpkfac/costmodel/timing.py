@@ -34,8 +34,9 @@ Work (``kind -> (calls, amount)``, see :mod:`dpkfac.plan.hardware`) per phase:
   small kernels; free unless the hardware has a measured "host" engine); on a
   factor step also the fold of every batch factor the rank built into its running
   average (:func:`fold_work`: a "fold" call of its non-finite check and average per
-  factor; the overlapped mode runs it after the last bucket's launch, where it hides
-  transfers as preconditioning does);
+  factor; the overlapped mode runs it in the hook that launches the last bucket, inside the
+  backward pass, so it is booked with the hooks' work (``hooks``), and it hides transfers
+  there as preconditioning does);
 * communication phases: one call and its wire bytes per collective, plus
   the "unpack" bytes that land it when it is waited on
   (:func:`~dpkfac.plan.hardware.landing_bytes`: averaging and copying back,
@@ -660,6 +661,9 @@ def step_prediction(
         # the pipelined factor all-reduces. Their packing lengthens the backward pass.
         hooked = {"grad_allreduce", "precond_broadcast"} if overlap else set()
         hooked |= {"factor_allreduce"} if pipelined else set()
+        # The overlapped mode folds in the hook that launches the last bucket (inside the
+        # backward pass, before step()); otherwise step() folds.
+        folded_in = "hooks" if plan.traits.overlapped_precondition and overlap else "step_other"
         for r in range(p):
             colls = rank_colls[r] if rank_colls else []
             mine = [c for c in colls if c.category not in hooked]
@@ -669,9 +673,9 @@ def step_prediction(
             packed = sum(2.0 * c.nbytes for c in colls if c.category in hooked)
             work[r]["hooks"] = {"pack": (0.0, packed)} if packed else {}
             for kind, (calls, amount) in folds[r].items():
-                add_work(work[r]["step_other"], kind, calls, amount)
+                add_work(work[r][folded_in], kind, calls, amount)
         breakdown["step_other"] = max(hw.time(w["step_other"], p) for w in work)
-        if hooked and rank_colls:
+        if any(w["hooks"] for w in work):
             breakdown["hooks"] = max(hw.time(w["hooks"], p) for w in work)
     if optimizer_bytes:
         breakdown["optimizer"] = hw.time({"optimizer": (1, optimizer_bytes)}, p)
