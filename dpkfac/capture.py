@@ -356,6 +356,12 @@ class Parameters:
     def _trainable_others(self) -> list[nn.Parameter]:
         return [p for p in self.all if p.requires_grad and id(p) not in self.kfac]
 
+    def layout(self, layers: Sequence[KFACLayer]) -> list[tuple[int, int]]:
+        """Every trainable parameter in module order, as (index of its layer in ``layers``,
+        or -1 for none, elements): what the cost model prices the step's gradients from."""
+        owner = {id(p): i for i, layer in enumerate(layers) for p in layer.helper.parameters()}
+        return [(owner.get(id(p), -1), p.numel()) for p in self.all if p.requires_grad]
+
     def follow_unfrozen(self, *, hooks_fixed: Callable[[], bool], ddp: bool) -> None:
         """Follow parameters unfrozen since construction (the same on every rank).
 

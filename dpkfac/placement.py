@@ -23,11 +23,13 @@ import copy
 import dataclasses
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 from dpkfac.comm import Communicator
 from dpkfac.costmodel.auto import Candidate, log_choice
 from dpkfac.costmodel.fitting import calibrate
 from dpkfac.costmodel.predict import choose_options
+from dpkfac.costmodel.shapes import ModelShapes, as_model_shapes
 from dpkfac.curvature import KFACLayer
 from dpkfac.curvature.decomposition import Decomposition
 from dpkfac.options import KFACOptions
@@ -78,11 +80,12 @@ _RESOLVED_MAX = 64
 
 def _resolve_once(
     strategy: Strategy,
-    shapes: Sequence[LayerShape],
+    shapes: ModelShapes,
     *,
     world_size: int,
     kfac: KFACOptions,
     overlap_installed: bool,
+    ddp: bool,
 ) -> tuple[StrategyOptions, list[Candidate]]:
     """``choose_options`` for these inputs, computed once per process (copies handed out)."""
     scheme = strategy.scheme
@@ -90,7 +93,16 @@ def _resolve_once(
     # cost model never reads it; every other option is part of the key.
     options = {f.name: getattr(kfac, f.name) for f in dataclasses.fields(kfac) if f.name != "lr"}
     key = repr(
-        (scheme.name, strategy.options, list(shapes), world_size, options, overlap_installed)
+        (
+            scheme.name,
+            strategy.options,
+            shapes,
+            shapes.order,
+            world_size,
+            options,
+            overlap_installed,
+            ddp,
+        )
     )
     if key not in _RESOLVED:
         if len(_RESOLVED) >= _RESOLVED_MAX:
@@ -102,8 +114,29 @@ def _resolve_once(
             world_size=world_size,
             kfac=kfac,
             allow=lambda c: overlap_installed or not scheme.traits(c).overlapped_precondition,
+            ddp=ddp,
         )
     return copy.deepcopy(_RESOLVED[key])
+
+
+def _model_shapes(
+    layers: Sequence[KFACLayer],
+    shapes: Sequence[LayerShape],
+    parameters: Sequence[tuple[int, int]],
+) -> ModelShapes:
+    """The layers' shapes with the model's other trainable parameters, in model order (a
+    layer has a bias where it holds two of them); the layers' alone without ``parameters``."""
+    if not parameters:
+        return as_model_shapes(shapes)
+    held = [sum(1 for i, _ in parameters if i == k) for k in range(len(layers))]
+    return replace(
+        as_model_shapes(
+            shapes,
+            bias=[n > 1 for n in held],
+            other_params=[n for i, n in parameters if i < 0],
+        ),
+        order=tuple(parameters),
+    )
 
 
 def finalise_placement(
@@ -114,13 +147,18 @@ def finalise_placement(
     kfac: KFACOptions,
     given: StrategyOptions,
     overlap_installed: bool,
+    parameters: Sequence[tuple[int, int]] = (),
+    ddp: bool = False,
 ) -> list[Candidate] | None:
     """Place layers from the first batch's shapes, agreed on by all ranks.
 
     Where options are left to choose ("auto"), the cost model resolves them
     first for these shapes, and the strategy is configured with the choice; a
     candidate that overlaps is allowed only where the overlapped mode's hooks
-    were installed at construction (``overlap_installed``).
+    were installed at construction (``overlap_installed``). The choice prices the
+    whole model: ``parameters`` are its trainable parameters in ``model.parameters()``
+    order, as (index of their K-FAC layer in ``layers`` or -1, elements), whose
+    gradients the step reduces beside the layers'; ``ddp``: the model is DDP-wrapped.
 
     Returns:
         Every candidate "auto" priced, or None where the strategy was already
@@ -139,10 +177,11 @@ def finalise_placement(
     if not strategy.configured:
         chosen, choice = _resolve_once(
             strategy,
-            shapes,
+            _model_shapes(layers, shapes, parameters),
             world_size=comm.size,
             kfac=kfac,
             overlap_installed=overlap_installed,
+            ddp=ddp,
         )
         strategy.configure(chosen)
         log_choice(strategy.scheme, comm.size, chosen, choice)

@@ -514,6 +514,8 @@ class KFACPreconditioner:
                 kfac=self.options,
                 given=self._given_options,
                 overlap_installed=self._overlap is not None,
+                parameters=self._params.layout(layers),
+                ddp=self.ddp,
             )
             if choice is not None:
                 self.choice = choice

@@ -9,6 +9,7 @@ every rank.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -17,9 +18,12 @@ from dist_utils import run_ranks
 from strategy_cases import batch, make_model, max_rel_err, run
 
 import dpkfac
+from dpkfac.capture import Parameters
 from dpkfac.costmodel import PRESETS, choose_options, predict, zoo
+from dpkfac.curvature import KFACLayer, helper_for
 from dpkfac.options import KFACOptions
 from dpkfac.plan import DPKFACOptions, scheme_of
+from dpkfac.plan.hardware import scaled, wire_bytes
 
 KW: dict[str, Any] = {"kl_clip": 0.01, "damping": 0.01, "collective_timeout": 60.0}
 
@@ -77,6 +81,42 @@ def test_auto_follows_the_tolerance_rule_at_scale(intervals: tuple[int, int]) ->
         options=auto,
     )
     assert pred.options == chosen
+
+
+def test_auto_prices_the_gradients_of_the_other_parameters_too() -> None:
+    """BERT-base's word embedding is no K-FAC layer, yet its gradient crosses the wire every
+    step: "auto" prices the whole model (priced from the layers alone, a run chose the owner
+    mode without overlap where it measured up to 29% slower)."""
+    shapes, base = zoo.ZOO["bert_base"]
+    order = shapes.param_order()
+    others = [x for x in order if x[0] < 0]
+    # Model order, as a run reports it: the embeddings first, so they are ready last.
+    model = replace(shapes, order=(*others[:3], *(x for x in order if x[0] >= 0), *others[3:]))
+    hw = scaled(PRESETS["v100_ib100"], network=0.01)
+    kfac = KFACOptions(factor_update_steps=10, inv_update_steps=100, kl_clip=base.kl_clip)
+    auto = DPKFACOptions(grad_reduction="auto", overlap="auto", hardware=hw)
+    scheme = scheme_of("dp_kfac")
+    _, whole = choose_options(scheme, auto, shapes=model, world_size=2, kfac=kfac)
+    _, layers = choose_options(scheme, auto, shapes=list(shapes), world_size=2, kfac=kfac)
+    rest = sum(n for _, n in others) * 4
+    wire = hw.link("allreduce").time(1, wire_bytes("allreduce", rest, 2), 2)
+    for w, c in zip(whole, layers, strict=True):
+        assert w.label == c.label
+        if not w.options.overlap:  # reduced in step(), after the backward pass
+            assert w.iteration - c.iteration >= 0.9 * wire, w.label
+
+
+def test_a_run_reports_every_trainable_parameter_in_model_order() -> None:
+    """What a run hands "auto" (:meth:`dpkfac.capture.Parameters.layout`): each trainable
+    parameter, in ``model.parameters()`` order, with its K-FAC layer's index or -1."""
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(10, 4), torch.nn.Linear(4, 3), torch.nn.LayerNorm(3)
+    )
+    model[2].bias.requires_grad_(False)  # frozen: not reduced, not priced
+    helper = helper_for(model[1])
+    assert helper is not None
+    layers = [KFACLayer("1", model[1], helper)]
+    assert Parameters(model, layers).layout(layers) == [(-1, 40), (0, 12), (0, 3), (-1, 3)]
 
 
 def _train(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 gloo's TCP pair carries one large message per direction in turn, so where two transfers
 cross on a link (two owners broadcasting at once) each would run at half the link's rate:
 the communicator cuts a rooted collective's buffer into consecutive pieces, launched
-together into the same buffer (:func:`dpkfac.plan.hardware.message_calls`). The books
+together into the same buffer (:func:`dpkfac.comm.message_calls`). The books
 still count one collective per bucket, as the cost model prices it.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from dist_utils import run_ranks
 
-import dpkfac.plan.hardware as hardware
+import dpkfac.comm as comm_module
 from dpkfac.comm import Communicator
 
 SIZES = (5, 1, 7)  # elements of the tensors, float64: 104 bytes in one bucket
@@ -23,7 +23,7 @@ SIZES = (5, 1, 7)  # elements of the tensors, float64: 104 bytes in one bucket
 
 def _rooted(rank: int, world_size: int, message: int | None) -> dict[str, Any]:
     if message is not None:
-        hardware.GLOO_MESSAGE_BYTES = message
+        comm_module.GLOO_MESSAGE_BYTES = message
     comm = Communicator()
     root = world_size - 1
     sent = [
@@ -38,7 +38,7 @@ def _rooted(rank: int, world_size: int, message: int | None) -> dict[str, Any]:
         "sent": sent,
         "reduced": reduced,
         "works": works,
-        "calls": hardware.message_calls("gloo", 8 * sum(SIZES)),
+        "calls": comm_module.message_calls("gloo", 8 * sum(SIZES)),
         "stats": comm.stats.as_dict(),
     }
 

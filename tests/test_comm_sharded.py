@@ -21,7 +21,7 @@ from dist_utils import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import dpkfac.plan.hardware as hardware
+import dpkfac.comm as comm_module
 from dpkfac.comm import Communicator
 from dpkfac.costmodel.traffic import comm_counts, sharded_collectives
 from dpkfac.plan.fusion import shard_rounds
@@ -46,10 +46,10 @@ def _shards(world_size: int, rank: int, fill: bool) -> list[list[torch.Tensor]]:
 
 
 def _calls(world_size: int, cap: int | None) -> int:
-    """The alltoallv calls gloo's rounds take (:func:`~dpkfac.plan.hardware.message_calls`)."""
+    """The alltoallv calls gloo's rounds take (:func:`~dpkfac.comm.message_calls`)."""
     sizes = [[8 * n for n in SIZES[r]] for r in range(world_size)]
     return sum(
-        hardware.message_calls(
+        comm_module.message_calls(
             "gloo", max(sum(sizes[r][i] for i in idx) for r, idx in enumerate(rnd))
         )
         for rnd in shard_rounds(sizes, cap)
@@ -59,7 +59,7 @@ def _calls(world_size: int, cap: int | None) -> int:
 def _cut(message: int | None) -> None:
     """A smaller message per call (``None``: the library's), so that a round takes several."""
     if message is not None:
-        hardware.GLOO_MESSAGE_BYTES = message
+        comm_module.GLOO_MESSAGE_BYTES = message
 
 
 def _reduce_scatter(

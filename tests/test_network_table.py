@@ -238,3 +238,24 @@ def test_rows_without_the_eigh_probe_say_their_decompositions_are_the_presets(
     rows["compute_probes"] = json.dumps([factor, eigh])
     text = tables.write_table("network", rows, tmp_path / "probed")["md"].read_text()
     assert "predate" not in text
+
+
+@pytest.mark.parametrize(
+    ("configuration", "expected"),
+    [("owner", ("owner", False)), ("owner, overlap", ("owner", True)), ("", ("allreduce", False))],
+)
+def test_a_row_is_priced_at_its_world_size_as_its_run_resolved_auto(
+    configuration: str, expected: tuple[str, bool]
+) -> None:
+    """A row of "auto" is predicted at its own world size as what it ran (its
+    ``configuration``), not as what the cost model would choose today: a chooser's rows stay
+    comparable across its changes. At another world size the run would choose again."""
+    row = fake_row("dp_kfac")
+    kfac = {**json.loads(row["kfac_options"]), "grad_reduction": "auto", "overlap": "auto"}
+    row.update(kfac_options=json.dumps(kfac), configuration=configuration)
+    m = predict.measurement(row)
+    assert m.options.grad_reduction == "auto"  # what the run was given
+    options = predict.as_ran(row, m).options
+    assert (options.grad_reduction, options.overlap) == expected
+    unknown = {**row, "configuration": float("nan")}  # nothing recorded: resolved when priced
+    assert predict.as_ran(unknown, m).options.grad_reduction == "auto"

@@ -327,7 +327,7 @@ def predict_measurement(
         options, _ = choose_options(
             scheme_of(m.strategy),
             options,
-            shapes=list(m.shapes),
+            shapes=m.shapes,
             world_size=p,
             kfac=m.kfac,
             hardware=m.measured_hardware,

@@ -43,7 +43,6 @@ from pathlib import Path
 __all__ = [
     "COLLECTIVE_KINDS",
     "COMPUTE_KINDS",
-    "GLOO_MESSAGE_BYTES",
     "Engine",
     "Hardware",
     "Link",
@@ -51,7 +50,6 @@ __all__ = [
     "Work",
     "add_work",
     "gloo_link",
-    "message_calls",
     "scaled",
     "sharded_by_alltoall",
     "wire_bytes",
@@ -325,29 +323,6 @@ def sharded_by_alltoall(backend: str) -> bool:
     at a time.
     """
     return backend == "gloo"
-
-
-#: The most bytes one rank sends one peer in one call of gloo's rooted and sharded
-#: collectives (broadcast, reduce, alltoallv). gloo's TCP pair carries one large message per
-#: direction in turn, not both at once, wherever two transfers cross on a link: at P=2 on the
-#: emulated 1 Gbit/s network, 14 MB each way took 243 ms as one alltoallv and 122 ms cut into
-#: calls of 512 KiB per peer launched together (the link's rate both ways); two broadcasts of
-#: 4 MB from either rank, 64 ms as one call each and 34 ms cut. On loopback the cut cost nothing
-#: measurable (27 ms against 27 ms for the 14 MB alltoallv). gloo's ring all-reduce sends its
-#: buffer in segments already and runs at the link's rate uncut.
-GLOO_MESSAGE_BYTES = 512 * 2**10
-
-
-def message_calls(backend: str, largest_message_bytes: int) -> int:
-    """How many calls one rooted or sharded collective is cut into on ``backend``, the largest
-    message one rank sends one peer in it being ``largest_message_bytes``: on gloo each call
-    carries a consecutive piece of every message, at most :data:`GLOO_MESSAGE_BYTES` of
-    each, and the calls are launched together; one call elsewhere (NCCL pipelines its own
-    chunks). Every rank knows every message's size, so every rank cuts alike. The cost model
-    prices the collective as one: its calls pipeline on the wire."""
-    if backend != "gloo":
-        return 1
-    return max(1, -(-int(largest_message_bytes) // GLOO_MESSAGE_BYTES))
 
 
 def gloo_link(kind: str, allreduce: Link, world_size: int) -> Link:

@@ -158,7 +158,9 @@ def _model_terms(rows: list[dict[str, Any]], predict: bool) -> list[dict[str, fl
         if link is not None and link.beta > 0:
             terms["link_bps"] = 8 / link.beta
         if predict:
-            m = predict_lib.measurement(r, shapes=shapes, weight_sharing=sharing)
+            m = predict_lib.as_ran(
+                r, predict_lib.measurement(r, shapes=shapes, weight_sharing=sharing)
+            )
             pred = fitting.predict_measurement(m, predict_lib.probe_hardware(r))
             amortised = predict_lib.amortised_prediction(r, pred)["iteration_s"]
             terms["pred_iteration_ms"] = 1e3 * amortised

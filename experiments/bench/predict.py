@@ -164,6 +164,24 @@ def measurement(
     )
 
 
+def as_ran(row: Mapping[str, Any], m: Measurement) -> Measurement:
+    """``m`` with its strategy's options as its run resolved them, to price the row at its
+    own world size: where "auto" chose, the candidate its ``configuration`` names (the
+    scheme's own description of it), not what the cost model would choose today (a
+    chooser's rows stay comparable across changes to it). At another world size a run
+    would choose again: there ``m`` itself is priced."""
+    ran = row.get("configuration")
+    if m.strategy is None or m.options is None or not isinstance(ran, str):
+        return m
+    scheme = scheme_of(m.strategy)
+    if scheme.resolved(m.options):
+        return m
+    for candidate in scheme.candidates(m.options, m.world_size):
+        if scheme.describe(candidate) == ran:
+            return replace(m, options=candidate)
+    return m
+
+
 def shapes_per_row(
     rows: Iterable[Mapping[str, Any]], *, paper: bool = False
 ) -> Iterator[tuple[ModelShapes, str]]:
