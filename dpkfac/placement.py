@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -96,8 +97,7 @@ def _resolve_once(
         (
             scheme.name,
             strategy.options,
-            shapes,
-            shapes.order,
+            shapes,  # its repr holds the parameters' order too
             world_size,
             options,
             overlap_installed,
@@ -128,11 +128,11 @@ def _model_shapes(
     layer has a bias where it holds two of them); the layers' alone without ``parameters``."""
     if not parameters:
         return as_model_shapes(shapes)
-    held = [sum(1 for i, _ in parameters if i == k) for k in range(len(layers))]
+    held = Counter(i for i, _ in parameters)
     return replace(
         as_model_shapes(
             shapes,
-            bias=[n > 1 for n in held],
+            bias=[held[k] > 1 for k in range(len(layers))],
             other_params=[n for i, n in parameters if i < 0],
         ),
         order=tuple(parameters),
