@@ -31,6 +31,7 @@ from dpkfac.costmodel.auto import Candidate, log_choice
 from dpkfac.costmodel.fitting import calibrate
 from dpkfac.costmodel.predict import choose_options
 from dpkfac.costmodel.shapes import ModelShapes, as_model_shapes
+from dpkfac.costmodel.traffic import with_buckets
 from dpkfac.curvature import KFACLayer
 from dpkfac.curvature.decomposition import Decomposition
 from dpkfac.options import KFACOptions
@@ -173,11 +174,18 @@ def finalise_placement(
     shapes = [
         layer_shape(x, k * int(stats[2 * i]), int(stats[2 * i + 1])) for i, x in enumerate(layers)
     ]
+    model = _model_shapes(layers, shapes, parameters)
+    # Each layer's backward bucket, as the overlapped mode cuts them: placement balances
+    # every bucket where the mode overlaps (the cost model places its candidates alike).
+    itemsize = next((p.element_size() for x in layers for p in x.helper.parameters()), 4)
+    shapes = with_buckets(
+        shapes, model, itemsize=itemsize, cap_bytes=kfac.bucket_cap_bytes, ddp=ddp
+    )
     choice = None
     if not strategy.configured:
         chosen, choice = _resolve_once(
             strategy,
-            _model_shapes(layers, shapes, parameters),
+            model,
             world_size=comm.size,
             kfac=kfac,
             overlap_installed=overlap_installed,

@@ -5,15 +5,20 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dpkfac.plan.assignment import (
+    BUCKET_COST_TOLERANCE,
     COSTS,
     EIGH_COEFF,
     LayerShape,
     assign_factors,
     assign_layers,
+    bucket_lpt_assign,
     compute_cost,
     compute_cost_inverse,
     factor_decomposition_cost,
@@ -256,3 +261,121 @@ def test_bert_and_resnet_like_balancing_lowers_busiest_rank() -> None:
         lpt = max(rank_loads(assign_layers(shapes, p), costs, p))
         assert lpt < rr
         assert lpt >= max(max(costs), sum(costs) / p)
+
+
+# --- per-bucket balance (the overlapped mode) -----------------------------------------------
+
+
+def _linear(name: str, d_in: int, d_out: int, bucket: int | None) -> LayerShape:
+    return replace(LayerShape.linear(name, d_in, d_out, batch_size=32, positions=64), bucket=bucket)
+
+
+def _bert_block_shapes(blocks: int = 3, hidden: int = 192) -> list[LayerShape]:
+    """BERT's K-FAC layers, the overlapped mode's two buckets as a 1/4-size BERT-base
+    cuts them: the last block's MLP and the head first, everything else in the second."""
+    shapes = []
+    for b in range(blocks):
+        mlp = 0 if b == blocks - 1 else 1
+        for name in ("query", "key", "value", "attention"):
+            shapes.append(_linear(f"{b}.{name}", hidden, hidden, 1))
+        shapes.append(_linear(f"{b}.intermediate", hidden, 4 * hidden, mlp))
+        shapes.append(_linear(f"{b}.output", 4 * hidden, hidden, mlp))
+    return [*shapes, _linear("qa", hidden, 2, 0)]
+
+
+def _spread(shapes: list[LayerShape], owners: list[int], p: int) -> int:
+    """The largest difference between two ranks' shares of one bucket (elements)."""
+    return max(max(v) - min(v) for v in _bucket_shares(shapes, owners, p).values())
+
+
+def _bucket_shares(shapes: list[LayerShape], owners: list[int], p: int) -> dict[int, list[int]]:
+    shares: dict[int, list[int]] = {}
+    for s, r in zip(shapes, owners, strict=True):
+        assert s.bucket is not None
+        shares.setdefault(s.bucket, [0] * p)[r] += s.g_dim * s.a_dim
+    return shares
+
+
+def test_bert_buckets_split_evenly_only_when_asked() -> None:
+    """Global LPT leaves the first bucket's two MLP layers on one owner (its update
+    exchange one-way on the link) and the second bucket's shares 1.5 against 2.7 MB; per
+    bucket both are even, at the same busiest-rank cost within the tolerance."""
+    shapes = _bert_block_shapes()
+    costs = [compute_cost(s) for s in shapes]
+    plain = assign_layers(shapes, 2)
+    by_bucket = assign_layers(shapes, 2, by_bucket=True)
+    # 2 MLP layers of the last block (148,224 and 147,648 elements) and the head's 386.
+    assert _spread(shapes, plain, 2) > 200_000
+    assert _spread(shapes, by_bucket, 2) < 1_000
+    busiest = max(rank_loads(plain, costs, 2))
+    assert max(rank_loads(by_bucket, costs, 2)) <= (1 + BUCKET_COST_TOLERANCE) * busiest
+    # At P=4 the first bucket's 3 layers cannot be spread over 4 ranks: LPT's placement.
+    assert assign_layers(shapes, 4, by_bucket=True) == assign_layers(shapes, 4)
+    # Without every layer's bucket, nothing to balance: LPT's placement.
+    unknown = [*shapes[:-1], _linear("qa", 192, 2, None)]
+    assert assign_layers(unknown, 2, by_bucket=True) == assign_layers(unknown, 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    items=st.lists(
+        st.tuples(st.integers(0, 10_000), st.integers(0, 4), st.floats(0, 1e6, allow_nan=False)),
+        max_size=40,
+    ),
+    p=st.integers(1, 6),
+)
+def test_bucket_lpt_keeps_every_bucket_within_one_item(
+    items: list[tuple[int, int, float]], p: int
+) -> None:
+    """Within a bucket the greedy rule never lets two ranks' shares differ by more than the
+    bucket's largest item, and the assignment is a pure function of its inputs."""
+    sizes = [float(s) for s, _, _ in items]
+    buckets = [b for _, b, _ in items]
+    costs = [c for _, _, c in items]
+    owners = bucket_lpt_assign(sizes, buckets, costs, p)
+    assert owners == bucket_lpt_assign(sizes, buckets, costs, p)
+    assert all(0 <= r < p for r in owners)
+    for b in set(buckets):
+        held = [0.0] * p
+        for size, bucket, r in zip(sizes, buckets, owners, strict=True):
+            if bucket == b:
+                held[r] += size
+        largest = max(size for size, bucket in zip(sizes, buckets, strict=True) if bucket == b)
+        assert max(held) - min(held) <= largest
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    dims=st.lists(
+        st.tuples(
+            st.sampled_from([16, 64, 192, 768]),
+            st.sampled_from([16, 64, 192, 768]),
+            st.integers(0, 3),
+        ),
+        min_size=1,
+        max_size=24,
+    ),
+    p=st.integers(2, 8),
+)
+def test_by_bucket_costs_at_most_the_tolerance_over_lpt(
+    dims: list[tuple[int, int, int]], p: int
+) -> None:
+    """The per-bucket placement is taken only within :data:`BUCKET_COST_TOLERANCE` of
+    LPT's busiest rank; otherwise LPT's placement stands."""
+    shapes = [_linear(f"l{i}", a, g, b) for i, (a, g, b) in enumerate(dims)]
+    costs = [compute_cost(s) for s in shapes]
+    lpt = assign_layers(shapes, p)
+    chosen = assign_layers(shapes, p, by_bucket=True)
+    busiest = max(rank_loads(lpt, costs, p))
+    assert max(rank_loads(chosen, costs, p)) <= (1 + BUCKET_COST_TOLERANCE) * busiest + 1e-9
+    sizes = [float(s.g_dim * s.a_dim) for s in shapes]
+    assert chosen in (lpt, bucket_lpt_assign(sizes, [b for *_, b in dims], costs, p))
+
+
+def test_bucket_lpt_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="2 sizes, 1 buckets"):
+        bucket_lpt_assign([1.0, 2.0], [0], [1.0, 1.0], 2)
+    with pytest.raises(ValueError, match="size of item 0"):
+        bucket_lpt_assign([-1.0], [0], [1.0], 2)
+    with pytest.raises(ValueError, match="bucket must be >= 0"):
+        _linear("l", 4, 4, -1)

@@ -13,6 +13,7 @@ without overlap, and the configurations overlap refuses.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -357,3 +358,38 @@ def test_cost_model_overlap_is_no_slower_and_moves_the_same_bytes(
         for c, kind in (("grad_allreduce", "allreduce"), ("precond_broadcast", "broadcast"))
     )
     assert serial.update.iteration == pytest.approx(base.update.iteration + extra)
+
+
+@pytest.mark.parametrize("cap_bytes", [600, 4_000, 25 * 2**20])
+def test_placement_buckets_are_the_engines(cap_bytes: int) -> None:
+    """The bucket placement balances (``LayerShape.bucket``, from the run's parameters in
+    model order: :func:`dpkfac.costmodel.traffic.with_buckets`) is the engine's own: the
+    bucket of :func:`dpkfac.overlap.backward_buckets` holding each layer's last gradient."""
+    from dpkfac.costmodel.shapes import as_model_shapes
+    from dpkfac.costmodel.traffic import with_buckets
+    from dpkfac.overlap import backward_buckets
+    from dpkfac.plan.assignment import LayerShape
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(50, 8), nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 4)
+    )
+    kfac = [1, 3, 4]  # the Linear layers, in module order
+    params = list(model.parameters())
+    layer_of = {id(p): kfac.index(i) for i in kfac for p in model[i].parameters()}
+    layout = [(layer_of.get(id(p), -1), p.numel()) for p in params]
+    shapes = [LayerShape.linear(str(i), model[i].in_features, model[i].out_features) for i in kfac]
+    others = as_model_shapes(shapes, other_params=[n for i, n in layout if i < 0])
+    placed = with_buckets(
+        shapes, replace(others, order=tuple(layout)), itemsize=4, cap_bytes=cap_bytes
+    )
+    backward = params[::-1]
+    buckets = backward_buckets(backward, cap_bytes)
+    engine = {}
+    for b, held in enumerate(buckets):
+        for i in held:
+            if id(backward[i]) in layer_of:
+                engine[layer_of[id(backward[i])]] = b
+    assert [s.bucket for s in placed] == [engine[k] for k in range(len(kfac))]
+    if cap_bytes == 600:
+        assert len({s.bucket for s in placed}) > 1  # the small cap cuts layers apart

@@ -303,7 +303,15 @@ def predict(
         name = scheme.name
         given = scheme_options(name, options)
         # Placed by the step's batch, k micro-batches of the shapes' batch, as at run time.
-        step_shapes = [replace(s, batch_size=s.batch_size * kfac.accumulation_steps) for s in model]
+        # Each layer with the overlapped mode's bucket that completes it, which placement
+        # balances where the mode overlaps (as the run's first step does).
+        step_shapes = tr.with_buckets(
+            [replace(s, batch_size=s.batch_size * kfac.accumulation_steps) for s in model],
+            model,
+            itemsize=param_itemsize,
+            cap_bytes=kfac.bucket_cap_bytes,
+            ddp=ddp,
+        )
         # What the run would fill in at start-up (a measured hardware model, "auto").
         opts, _ = choose_options(
             scheme, given, shapes=model, world_size=p, kfac=kfac, hardware=hw, ddp=ddp

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dpkfac.comm import triangle_numel
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.curvature.decomposition import DECOMPOSITIONS
 from dpkfac.curvature.layer import FACTORS
+from dpkfac.plan.assignment import LayerShape
 from dpkfac.plan.exchange import (
     decomposition_transfers,
     factor_transfers,
@@ -52,6 +53,7 @@ __all__ = [
     "OverlapBucket",
     "bucket_bytes",
     "comm_counts",
+    "completing_buckets",
     "ddp_bucket_params",
     "ddp_collectives",
     "decomposition_collectives",
@@ -63,8 +65,10 @@ __all__ = [
     "memory_per_rank",
     "overlap_buckets",
     "overlap_collectives",
+    "overlap_param_buckets",
     "precond_collectives",
     "sharded_collectives",
+    "with_buckets",
 ]
 
 Key = tuple[str, str]
@@ -460,6 +464,41 @@ class OverlapBucket:
     updates: tuple[Collective, ...]
 
 
+def overlap_param_buckets(
+    model: ModelShapes, *, itemsize: int, cap_bytes: int, ddp: bool = False
+) -> list[list[tuple[int, int]]]:
+    """The overlapped mode's backward buckets, in launch order: per bucket, (layer index or
+    -1, elements) of its parameters. Without DDP the parameters in reverse model order (the
+    order a sequential backward produces them) cut by DDP's rule
+    (:func:`dpkfac.overlap.backward_buckets`, one dtype); under DDP, DDP's own buckets
+    (:func:`ddp_bucket_params`), which its communication hook hands over."""
+    order = model.backward_order() if ddp else model.param_order()[::-1]
+    return _ddp_cut(order, itemsize, cap_bytes)
+
+
+def completing_buckets(buckets: Sequence[Sequence[tuple[int, int]]]) -> dict[int, int]:
+    """The bucket that completes each K-FAC layer's gradient: the last one holding one of
+    its parameters (layer index -> bucket index)."""
+    return {layer: b for b, held in enumerate(buckets) for layer, _ in held if layer >= 0}
+
+
+def with_buckets(
+    shapes: Sequence[LayerShape],
+    model: ModelShapes,
+    *,
+    itemsize: int,
+    cap_bytes: int,
+    ddp: bool = False,
+) -> list[LayerShape]:
+    """``shapes`` (the layers of ``model``, in its order) with the overlapped mode's bucket
+    that completes each (:attr:`~dpkfac.plan.assignment.LayerShape.bucket`), as placement
+    balances them (the run's first step computes them from the same parameters)."""
+    last = completing_buckets(
+        overlap_param_buckets(model, itemsize=itemsize, cap_bytes=cap_bytes, ddp=ddp)
+    )
+    return [replace(s, bucket=last.get(i)) for i, s in enumerate(shapes)]
+
+
 def overlap_buckets(
     model: ModelShapes,
     plan: Plan,
@@ -471,13 +510,10 @@ def overlap_buckets(
 ) -> list[OverlapBucket]:
     """The overlapped mode's backward buckets, each with its reduction and update exchange.
 
-    Without DDP the parameters, in reverse model order (the order a
-    sequential backward produces them), are cut into buckets by DDP's rule
-    (:func:`dpkfac.overlap.backward_buckets`, one dtype); under DDP they are
-    DDP's own buckets (:func:`ddp_bucket_params`), which its communication
-    hook hands over. A layer is sent once the last bucket holding one of its
-    parameters is reduced; under the owner reduction (``Traits.owner_grad_reduction``)
-    the updates are all-gathered per round.
+    The buckets are :func:`overlap_param_buckets`'. A layer is sent once the last
+    bucket holding one of its parameters is reduced (:func:`completing_buckets`); under
+    the owner reduction (``Traits.owner_grad_reduction``) the updates are all-gathered
+    per round.
     """
     p = plan.world_size
 
@@ -489,10 +525,12 @@ def overlap_buckets(
         waited = [c for w, colls in parts if w for c in colls]
         return waited, [c for w, colls in parts if not w for c in colls]
 
-    order = model.backward_order() if ddp else model.param_order()[::-1]
-    buckets = [tuple(b) for b in _ddp_cut(order, itemsize, cap_bytes)]
+    buckets = [
+        tuple(b)
+        for b in overlap_param_buckets(model, itemsize=itemsize, cap_bytes=cap_bytes, ddp=ddp)
+    ]
     owner_of = [plan.preconditioners[i][0] for i in range(len(model))]
-    last = {layer: b for b, held in enumerate(buckets) for layer, _ in held if layer >= 0}
+    last = completing_buckets(buckets)
     out = []
     for b, held in enumerate(buckets):
         layers = tuple(i for i in range(len(model)) if last.get(i) == b)

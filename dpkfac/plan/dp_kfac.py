@@ -32,7 +32,11 @@ class DPKFACOptions(StrategyOptions):
         grad_reduction: "allreduce" (the published scheme), "owner" (K-FAC
             layers' gradients reduce-scattered onto their owners, the updates
             all-gathered) or "auto" (chosen at the first step by the cost model).
-        assignment: "lpt" (load balanced by ``assignment_cost``),
+        assignment: "lpt" (load balanced by ``assignment_cost``, and every backward
+            bucket's update bytes balanced too where the run knows its buckets, for the
+            overlapped mode's sake: :func:`~dpkfac.plan.assignment.assign_layers`'
+            ``by_bucket``; the same with and without ``overlap``, which changes only how
+            the update travels),
             "round_robin" (module order, as the released DP-KFAC code) or
             "best" (whichever of the two has the lower busiest-rank cost).
         assignment_cost: a name in :data:`dpkfac.plan.assignment.COSTS` or a
@@ -104,8 +108,16 @@ class DPKFACScheme(Scheme):
         cls, shapes: Sequence[LayerShape], world_size: int, options: StrategyOptions
     ) -> Placement:
         assert isinstance(options, DPKFACOptions)
+        # The overlapped mode sends each bucket's layers while later buckets are on the
+        # wire: their owners' shares then share the link, so each bucket is balanced too.
+        # Whether or not this run overlaps: the owner builds a layer's factors from its own
+        # batch, so the placement is part of the update, which overlap must not change.
         owners = assign_layers(
-            shapes, world_size, cost=options.assignment_cost, method=options.assignment
+            shapes,
+            world_size,
+            cost=options.assignment_cost,
+            method=options.assignment,
+            by_bucket=True,
         )
         return Placement.per_layer(owners)
 

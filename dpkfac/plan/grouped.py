@@ -192,7 +192,11 @@ class GroupedScheme(KAISAScheme):
         k = options.group_size(world_size)
         groups = factor_groups_of(world_size, k)
         group_of = assign_layers(
-            shapes, len(groups), cost=options.assignment_cost, method=options.assignment
+            shapes,
+            len(groups),
+            cost=options.assignment_cost,
+            method=options.assignment,
+            by_bucket=True,
         )
         if k == 1:  # the group is the owner: dp_kfac's placement
             return Placement.per_layer(group_of)
