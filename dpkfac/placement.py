@@ -175,8 +175,8 @@ def finalise_placement(
         layer_shape(x, k * int(stats[2 * i]), int(stats[2 * i + 1])) for i, x in enumerate(layers)
     ]
     model = _model_shapes(layers, shapes, parameters)
-    # Each layer's backward bucket, as the overlapped mode cuts them: placement balances
-    # every bucket where the mode overlaps (the cost model places its candidates alike).
+    # Each layer's backward bucket, as the overlapped mode cuts them: dp_kfac's placement
+    # balances every bucket's updates (the cost model places its candidates alike).
     itemsize = next((p.element_size() for x in layers for p in x.helper.parameters()), 4)
     shapes = with_buckets(
         shapes, model, itemsize=itemsize, cap_bytes=kfac.bucket_cap_bytes, ddp=ddp

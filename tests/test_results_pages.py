@@ -109,6 +109,23 @@ def test_a_row_names_its_cpu_cores_and_vector_isa() -> None:
     )
 
 
+def test_rows_that_predate_the_isa_record_count_as_the_machine_that_names_it() -> None:
+    """A row without ``cpu_isa`` (written before it was recorded) is the machine of the rows
+    that name the same CPU, cores and torch kernels; it never joins a machine it disagrees
+    with, and a row naming an architecture only stays unrecorded."""
+    older = {**EPYC, "cpu_isa": ""}
+    rows = pd.DataFrame([EPYC, EPYC, older])
+    assert dict(pages.machines(rows)) == {pages.machine_label(EPYC): 3}
+    # The torch kernels disagree with every row naming the ISA: nothing is filled in.
+    other = {**EPYC, "cpu_isa": "", "cpu_capability": "AVX2"}
+    assert len(pages.machines(pd.DataFrame([EPYC, other]))) == 2
+    # Two machines name two ISAs for that CPU: which one is unknown, so nothing is filled.
+    avx2 = {**EPYC, "cpu_isa": "AVX2"}
+    assert len(pages.machines(pd.DataFrame([EPYC, avx2, older]))) == 3
+    arch = {"cpu": "x86_64", "cpus": 2, "cpu_isa": "", "cpu_capability": "AVX512"}
+    assert "model not recorded" in pages.machines(pd.DataFrame([EPYC, arch])).index[-1]
+
+
 def test_a_timing_table_refuses_rows_of_two_machines(tmp_path: Path) -> None:
     rows = pd.DataFrame(
         [{**fake_row(s), **EPYC} for s in ("none", "dp_kfac")]

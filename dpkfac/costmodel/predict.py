@@ -303,8 +303,8 @@ def predict(
         name = scheme.name
         given = scheme_options(name, options)
         # Placed by the step's batch, k micro-batches of the shapes' batch, as at run time.
-        # Each layer with the overlapped mode's bucket that completes it, which placement
-        # balances where the mode overlaps (as the run's first step does).
+        # Each layer with the overlapped mode's bucket that completes it, which dp_kfac's
+        # placement balances (as the run's first step does).
         step_shapes = tr.with_buckets(
             [replace(s, batch_size=s.batch_size * kfac.accumulation_steps) for s in model],
             model,

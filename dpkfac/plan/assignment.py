@@ -299,7 +299,8 @@ def bucket_lpt_assign(
     stays close to balanced through the tie-break (:func:`assign_layers` checks it).
 
     Args:
-        sizes: Non-negative bytes each item puts on the link.
+        sizes: Non-negative amount each item puts on the link (bytes, or elements of
+            one dtype).
         buckets: Each item's bucket (any integers; ordered ascending).
         costs: Non-negative finite cost of each item (the tie-break).
         world_size: Number of ranks ``P``.

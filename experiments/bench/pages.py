@@ -142,12 +142,48 @@ def machine_label(row: Mapping[str, Any]) -> str:
     return ", ".join(parts)
 
 
+#: The vector ISA fields a row may leave empty (written before they were recorded).
+VECTOR_FIELDS = ("cpu_isa", "cpu_capability")
+
+
+def _completed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` with a vector field a row leaves empty taken from the rows that name the
+    same CPU model and cores and agree on every vector field it does name, where those
+    name one value: rows written before ``cpu_isa`` was recorded, on the machine that
+    later rows describe in full, are that machine. A row that names no CPU model (an
+    architecture only) is left as it is."""
+    out = []
+    for r in records:
+        cpu = _text(r.get("cpu"))
+        missing = [f for f in VECTOR_FIELDS if not _text(r.get(f))]
+        if not missing or not cpu or cpu.lower() in ARCHITECTURES:
+            out.append(r)
+            continue
+        named = {f: _text(r.get(f)) for f in VECTOR_FIELDS if f not in missing}
+        peers = [
+            q
+            for q in records
+            if _text(q.get("cpu")) == cpu
+            and _text(q.get("cpus")) == _text(r.get("cpus"))
+            and all(_text(q.get(f)) == v for f, v in named.items())
+        ]
+        filled = dict(r)
+        for f in missing:
+            values = {_text(q.get(f)) for q in peers} - {""}
+            if len(values) == 1:
+                filled[f] = values.pop()
+        out.append(filled)
+    return out
+
+
 def machines(df: pd.DataFrame) -> pd.Series:
     """How many rows each machine (:func:`machine_label`) holds, most rows first (then by
-    name)."""
+    name). A row that leaves a vector field empty counts as the machine the rows naming
+    it describe, where they agree on everything it names (:func:`_completed`)."""
     if df.empty:
         return pd.Series(dtype=int)
-    labels = pd.Series([machine_label(r) for r in df.to_dict("records")], index=df.index)
+    records = _completed(df.to_dict("records"))
+    labels = pd.Series([machine_label(r) for r in records], index=df.index)
     counts = labels.value_counts().sort_index()  # ties by name, so pages do not reorder
     return counts.sort_values(ascending=False, kind="stable")
 
