@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -387,11 +388,12 @@ def assign_layers(
     fn = _resolve_cost(cost)
     costs = [fn(s) for s in shapes]
     lpt = lpt_assign(costs, world_size)
-    buckets = [s.bucket for s in shapes]
-    held = [buckets.count(b) for b in set(buckets)]
-    if by_bucket and shapes and None not in buckets and min(held) >= world_size:
+    buckets = [s.bucket for s in shapes if s.bucket is not None]
+    # Every layer's bucket known, and a layer for every rank in each bucket.
+    known = bool(shapes) and len(buckets) == len(shapes)
+    if by_bucket and known and min(Counter(buckets).values()) >= world_size:
         sizes = [float(s.g_dim * s.a_dim) for s in shapes]
-        per_bucket = bucket_lpt_assign(sizes, [int(b or 0) for b in buckets], costs, world_size)
+        per_bucket = bucket_lpt_assign(sizes, buckets, costs, world_size)
         busiest = max(rank_loads(lpt, costs, world_size))
         if max(rank_loads(per_bucket, costs, world_size)) <= (1 + BUCKET_COST_TOLERANCE) * busiest:
             lpt = per_bucket
