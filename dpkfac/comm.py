@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dpkfac.device import DeviceMismatch, HostReader, TableCache, check_device
-from dpkfac.plan.fusion import shard_rounds, size_cap_buckets
+from dpkfac.plan.fusion import fused_buckets, shard_rounds, travels_alone
 from dpkfac.plan.hardware import sharded_by_alltoall
 from dpkfac.stats import PHASE_OF_CATEGORY, CommStats, PhaseTimer
 
@@ -161,22 +161,35 @@ MAX_LAYOUTS = 256
 def bucket_plan(
     tensors: Sequence[torch.Tensor], numels: Sequence[int], cap_bytes: int | None
 ) -> list[list[int]]:
-    """Group tensor indices into buckets of one dtype and device, split at ``cap_bytes``.
-
-    The cost model calls this too, so predicted and measured collectives agree.
-    """
+    """Group tensor indices into buckets of one dtype and device, split at ``cap_bytes``,
+    a large tensor alone (:func:`~dpkfac.plan.fusion.fused_buckets`, the rule the cost
+    model prices, so predicted and measured collectives agree)."""
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.dtype, t.device), []).append(i)
     buckets: list[list[int]] = []
     for indices in groups.values():
         sizes = [numels[i] * tensors[i].element_size() for i in indices]
-        if cap_bytes is None:
-            buckets.append(list(indices))
-            continue
-        for run in size_cap_buckets(sizes, cap_bytes):
+        for run in fused_buckets(sizes, cap_bytes):
             buckets.append([indices[j] for j in run])
     return buckets
+
+
+def in_place(kind: str, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether one bucket of :func:`bucket_plan` travels in its tensor's own storage in a
+    ``kind`` collective: a tensor that travels alone
+    (:func:`~dpkfac.plan.fusion.travels_alone`) and is contiguous. Otherwise its tensors
+    are gathered into a new flat buffer."""
+    nbytes = [t.numel() * t.element_size() for t in tensors]
+    return travels_alone(kind, nbytes) and tensors[0].is_contiguous()
+
+
+def _flat(tensors: Sequence[torch.Tensor], own: bool) -> torch.Tensor:
+    """The buffer one bucket travels in: its one tensor's own storage seen flat (``own``,
+    :func:`in_place`), or its tensors gathered into a new buffer."""
+    if own:
+        return tensors[0].view(-1)
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 @dataclass
@@ -563,26 +576,37 @@ class Communicator:
         tensors = list(tensors)
         numels = [triangle_numel(t.shape[0]) if triangle else t.numel() for t in tensors]
         for bucket in self._buckets(tensors, numels, cap_bytes):
-            parts = [
-                pack_triangle(tensors[i], self.tables) if triangle else tensors[i].reshape(-1)
-                for i in bucket
-            ]
-            flat = torch.cat(parts)
+            members = [tensors[i] for i in bucket]
+            own = not triangle and in_place("allreduce", members)
+            if triangle:
+                flat = torch.cat([pack_triangle(t, self.tables) for t in members])
+            else:
+                flat = _flat(members, own)
             self._launch(handle, dist.all_reduce, flat)
-            handle.finish.append(self._unpacker(flat, [tensors[i] for i in bucket], triangle))
+            handle.finish.append(self._unpacker(flat, members, triangle, own=own))
         if not async_op:
             self.wait(handle)
         return handle
 
     def _unpacker(
-        self, flat: torch.Tensor, tensors: list[torch.Tensor], triangle: bool, scale: bool = True
+        self,
+        flat: torch.Tensor,
+        tensors: list[torch.Tensor],
+        triangle: bool,
+        scale: bool = True,
+        *,
+        own: bool = False,
     ) -> Callable[[], None]:
+        """Land a received buffer: average it (``scale``) and copy it back into ``tensors``,
+        unless it is their own storage (``own``, :func:`in_place`)."""
         size = self.size
 
         def finish() -> None:
             offset = 0
             if scale:
                 flat.div_(size)
+            if own:  # the result lies where it arrived
+                return
             for t in tensors:
                 if triangle:
                     n = triangle_numel(t.shape[0])
@@ -642,12 +666,12 @@ class Communicator:
         receives = self.rank == root if is_reduce else self.rank != root
         root_kw = {"dst": self.global_rank(root)} if is_reduce else {"src": self.global_rank(root)}
         for bucket in self._buckets(tensors, [t.numel() for t in tensors], cap_bytes):
-            flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
+            members = [tensors[i] for i in bucket]
+            own = in_place("reduce" if is_reduce else "broadcast", members)
+            flat = _flat(members, own)
             self._launch(handle, fn, flat, **root_kw)
             if receives:
-                handle.finish.append(
-                    self._unpacker(flat, [tensors[i] for i in bucket], False, scale=is_reduce)
-                )
+                handle.finish.append(self._unpacker(flat, members, False, scale=is_reduce, own=own))
         if not async_op:
             self.wait(handle)
         return handle

@@ -423,9 +423,12 @@ def test_ddp_flag_removes_gradient_traffic_but_not_its_time() -> None:
     own = traffic.grad_collectives(shapes, 8, itemsize=4, cap_bytes=25 * 2**20)
     landing = HW.time({"unpack": (0, sum(c.landing_bytes for c in own))}, 8)
     assert landing > 0
-    assert all(c.landing_bytes == 0 for c in traffic.ddp_collectives(buckets, 8, itemsize=4))
+    ddp_colls = traffic.ddp_collectives(buckets, 8, itemsize=4)
+    assert all(c.landing_bytes == 0 for c in ddp_colls)
+    # Up to start-ups: the large tensors the preconditioner sends alone are more calls.
+    calls = abs(len(own) - len(ddp_colls)) + 3
     assert serial + landing == pytest.approx(
-        plain.update.phases["grad_comm"], abs=3 * link.latency(8)
+        plain.update.phases["grad_comm"], abs=calls * link.latency(8)
     )
     hidden_none = replace(HW, overlap=0.0)
     serial_ddp = predict(shapes, strategy="d_kfac", world_size=8, hardware=hidden_none, ddp=True)

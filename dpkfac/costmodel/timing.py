@@ -336,16 +336,17 @@ def step_other_bytes(
     * Packing: a collective's buffer is one flat tensor, gathered from the tensors it
       carries (``torch.cat`` of the gradients, the updates or the decompositions, the
       triangle-packing gather of a factor) before it is launched: the buffer's bytes read
-      and written once. (The overlapped mode's reductions and update exchanges and the
-      pipelined factor all-reduces are packed in the backward hooks instead, on the same
-      thread: :func:`step_prediction` books those as ``hooks``.)
+      and written once (:attr:`~dpkfac.costmodel.traffic.Collective.pack_bytes`; a large
+      tensor travels in its own storage instead). (The overlapped mode's reductions and
+      update exchanges and the pipelined factor all-reduces are packed in the backward
+      hooks instead, on the same thread: :func:`step_prediction` books those as ``hooks``.)
     * Write-back: every K-FAC layer's update is copied into its ``.grad``, read and
       written once, and with the KL clip multiplied by its scale first (once more).
 
     Landing a received buffer is its communication phase's (:func:`landing_bytes`); the
     optimizer's step is its own.
     """
-    packed = sum(2 * c.nbytes for c in collectives)
+    packed = sum(2 * c.pack_bytes for c in collectives)
     updates = sum(s.a_dim * s.g_dim for s, c in zip(model, model.captured, strict=True) if c)
     return float(packed + (4 if kl_clip else 2) * updates * itemsize)
 
@@ -670,7 +671,7 @@ def step_prediction(
             work[r]["step_other"] = step_other_work(
                 model, mine, itemsize=param_itemsize, kl_clip=kl_clip
             )
-            packed = sum(2.0 * c.nbytes for c in colls if c.category in hooked)
+            packed = sum(2.0 * c.pack_bytes for c in colls if c.category in hooked)
             work[r]["hooks"] = {"pack": (0.0, packed)} if packed else {}
             for kind, (calls, amount) in folds[r].items():
                 add_work(work[r][folded_in], kind, calls, amount)

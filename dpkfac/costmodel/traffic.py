@@ -4,7 +4,7 @@ This is the exact half of the cost model. It never asks which strategy it
 prices: it reads the run's :class:`~dpkfac.plan.Plan` (traits, placement,
 roles and rank groups), the very object the runtime strategy executes. This
 module replays those answers with the
-communicator's bucket rule (:func:`dpkfac.plan.fusion.size_cap_buckets`, the
+communicator's bucket rule (:func:`dpkfac.plan.fusion.fused_buckets`, the
 single-dtype case of :func:`dpkfac.comm.bucket_plan`) and the fusion plans of
 pipelined factor traffic, so the predicted bytes, calls and wire bytes are
 what :meth:`dpkfac.KFACPreconditioner.comm_stats` reports on every rank. All
@@ -39,7 +39,13 @@ from dpkfac.plan.exchange import (
     update_transfers,
     waited_by_layers,
 )
-from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap, shard_rounds, size_cap_buckets
+from dpkfac.plan.fusion import (
+    ddp_buckets,
+    ddp_first_cap,
+    fused_buckets,
+    shard_rounds,
+    travels_alone,
+)
 from dpkfac.plan.hardware import (
     landing_bytes,
     wire_bytes,
@@ -51,7 +57,6 @@ from dpkfac.stats import COMM_CATEGORIES
 __all__ = [
     "Collective",
     "OverlapBucket",
-    "bucket_bytes",
     "comm_counts",
     "completing_buckets",
     "ddp_bucket_params",
@@ -61,6 +66,7 @@ __all__ = [
     "factor_collectives",
     "factor_dim",
     "factor_keys",
+    "fused_collectives",
     "grad_collectives",
     "memory_per_rank",
     "overlap_buckets",
@@ -82,6 +88,9 @@ class Collective:
     buffer once it arrives (a gather as large as the matrices, timed in the
     collective's phase, in place of a plain buffer's copy back). ``in_place``:
     the buffer is the tensors' own storage (DDP's bucket views), so nothing lands.
+    ``own_storage``: one tensor travelling alone in its own storage
+    (:func:`~dpkfac.plan.fusion.travels_alone`): nothing is packed, and landing it is
+    a mean's division only.
     """
 
     category: str
@@ -90,6 +99,7 @@ class Collective:
     world_size: int
     unpack_bytes: int = 0
     in_place: bool = False
+    own_storage: bool = False
 
     @property
     def wire_bytes(self) -> int:
@@ -100,20 +110,29 @@ class Collective:
         """Bytes a rank writes to land it (:func:`~dpkfac.plan.hardware.landing_bytes`)."""
         if self.in_place:
             return 0.0
-        return landing_bytes(self.kind, self.nbytes, self.world_size, self.unpack_bytes)
+        return landing_bytes(
+            self.kind, self.nbytes, self.world_size, self.unpack_bytes, own=self.own_storage
+        )
+
+    @property
+    def pack_bytes(self) -> int:
+        """Bytes gathered into its flat buffer before it is launched (0: its tensors' own
+        storage)."""
+        return 0 if self.in_place or self.own_storage else self.nbytes
 
 
-def bucket_bytes(sizes: Sequence[int], cap_bytes: int | None) -> list[int]:
-    """Bytes of each fused buffer for tensors of ``sizes`` bytes (split at the cap)."""
-    if cap_bytes is None:
-        return [sum(sizes)] if sizes else []
-    return [sum(sizes[i] for i in b) for b in size_cap_buckets(sizes, cap_bytes)]
-
-
-def _collectives(
-    category: str, kind: str, sizes: Sequence[int], cap: int | None, p: int
+def fused_collectives(
+    category: str, kind: str, sizes: Sequence[int], cap_bytes: int | None, p: int
 ) -> list[Collective]:
-    return [Collective(category, kind, n, p) for n in bucket_bytes(sizes, cap)]
+    """One ``kind`` collective per fused buffer of tensors of ``sizes`` bytes, as the
+    communicator fuses them (:func:`dpkfac.plan.fusion.fused_buckets`: split at the cap, a
+    large tensor alone and, where the kind allows, in its own storage)."""
+    out = []
+    for bucket in fused_buckets(sizes, cap_bytes):
+        nbytes = [sizes[i] for i in bucket]
+        own = travels_alone(kind, nbytes)
+        out.append(Collective(category, kind, sum(nbytes), p, own_storage=own))
+    return out
 
 
 def _update_exchange(
@@ -145,7 +164,7 @@ def _update_exchange(
     for transfer in update_transfers(plan.traits.owner_grad_reduction, senders):
         shards = [sizes(shard) for shard in transfer.shards]
         if transfer.kind == "broadcast":
-            out += _collectives(cat, "broadcast", shards[0], cap_bytes, p)
+            out += fused_collectives(cat, "broadcast", shards[0], cap_bytes, p)
         else:
             out += sharded_collectives(cat, "all_gather", shards, cap_bytes)
     return out
@@ -217,7 +236,7 @@ def _gradients(
     for t in transfers:
         sizes = [[n * itemsize for _, n in shard] for shard in t.shards]
         if t.kind == "allreduce":
-            colls = _collectives(cat, "allreduce", sizes[0], cap_bytes, world_size)
+            colls = fused_collectives(cat, "allreduce", sizes[0], cap_bytes, world_size)
         else:
             colls = sharded_collectives(cat, "reduce_scatter", sizes, cap_bytes)
         out.append((waited_by_layers(t, owner), colls))
@@ -331,20 +350,23 @@ def factor_collectives(
         sent = [index[k] for k in t.shards[0]]
         if traits.factor_comm == "allreduce":  # fused into capped buffers, as the runtime's
             sizes = [numels[i] * itemsize for i in sent]
-            runs += [[sent[j] for j in b] for b in size_cap_buckets(sizes, cap_bytes)]
+            runs += [[sent[j] for j in b] for b in fused_buckets(sizes, cap_bytes)]
         else:
             runs.append(sent)
-    return [
-        Collective(
-            "factor_allreduce",
-            "allreduce",
-            sum(numels[i] for i in run) * itemsize,
-            world_size,
-            unpack_bytes=sum(dims[i] ** 2 for i in run) * itemsize if tri else 0,
+    out = []
+    for run in filter(None, runs):
+        nbytes = [numels[i] * itemsize for i in run]
+        out.append(
+            Collective(
+                "factor_allreduce",
+                "allreduce",
+                sum(nbytes),
+                world_size,
+                unpack_bytes=sum(dims[i] ** 2 for i in run) * itemsize if tri else 0,
+                own_storage=not tri and travels_alone("allreduce", nbytes),
+            )
         )
-        for run in runs
-        if run
-    ]
+    return out
 
 
 def decomposition_numel(dim: int, compute_method: str) -> list[int]:
@@ -383,7 +405,7 @@ def decomposition_collectives(
     return [
         c
         for t in decomposition_transfers(sent)
-        for c in _collectives(cat, "broadcast", t.shards[0], cap_bytes, p)
+        for c in fused_collectives(cat, "broadcast", t.shards[0], cap_bytes, p)
     ]
 
 

@@ -91,7 +91,9 @@ def wire_bytes(kind: str, nbytes: int, world_size: int) -> int:
     return factor * nbytes * (world_size - 1) // world_size
 
 
-def landing_bytes(kind: str, nbytes: int, world_size: int, unpack_bytes: int = 0) -> float:
+def landing_bytes(
+    kind: str, nbytes: int, world_size: int, unpack_bytes: int = 0, *, own: bool = False
+) -> float:
     """Bytes one rank writes, on average over ranks, to land one collective's buffer.
 
     Mirrors the passes :class:`dpkfac.comm.Communicator` runs when a collective
@@ -100,15 +102,19 @@ def landing_bytes(kind: str, nbytes: int, world_size: int, unpack_bytes: int = 0
     rank, a reduce on its root, a reduce-scatter on each rank's own shard); a
     broadcast or all-gather copies back what a rank received, ``(P-1)/P`` of the
     buffer. ``unpack_bytes``: full matrices rebuilt from a triangle-packed buffer,
-    which replace the plain copy back. DDP's buckets are views of the gradients
-    (no copy back) and are not priced here.
+    which replace the plain copy back. ``own``: the buffer is the tensor's own storage
+    (:func:`~dpkfac.plan.fusion.travels_alone`): nothing is copied back, and a mean's
+    division is the only pass. DDP's buckets are views of the gradients, divided as they
+    are copied in (no landing), and are not priced here.
     """
     if kind not in COLLECTIVE_KINDS:
         raise ValueError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}")
     p = max(world_size, 1)
     if kind in ("broadcast", "all_gather"):
-        return nbytes * (p - 1) / p
+        return 0.0 if own else nbytes * (p - 1) / p
     received = nbytes if kind == "allreduce" else nbytes / p
+    if own:
+        return received
     return received + (unpack_bytes if unpack_bytes else received)
 
 
