@@ -53,8 +53,9 @@ Either way, on the step's last micro-batch (``accumulation_steps``):
   without overlap holds them.
 * **step()** launches what the hooks could not (own buckets holding a
   parameter without a gradient), does what the last hook did not, waits for
-  the other gradients and the exchanges, applies the KL clip and writes the
-  gradients (:meth:`OverlapEngine.finish`).
+  the exchanges, applies the KL clip and writes the gradients
+  (:meth:`OverlapEngine.finish`), and then waits for the other gradients
+  (:meth:`OverlapEngine.settle_rest`), whose transfer ends the step.
 
 Under DDP a non-owner's bucket keeps its local gradients of the layers it does
 not own (DDP copies them into ``.grad``); ``step()`` overwrites them with the
@@ -279,6 +280,7 @@ class OverlapEngine:
                 self.layers_of.setdefault(id(p), []).append(layer)
         self.k = ctx.accumulation_steps
         self.state: _StepState | None = None
+        self._unsettled: list[_Launched] = []  # buckets whose other gradients finish() left
         self.inactive = False  # this step runs the ordinary step()
         self.params = list(ctx.params)[::-1]  # the order a sequential backward produces them
         self.buckets: list[list[int]] = []
@@ -594,8 +596,15 @@ class OverlapEngine:
                 self._prepare(layer)
 
     # ------------------------------------------------------------- step()
-    def finish(self) -> dict[str, Preconditioned] | None:
-        """Wait for what is left and return every layer's update (None: not overlapped)."""
+    def finish(self, *, defer_rest: bool = False) -> dict[str, Preconditioned] | None:
+        """Wait for what is left and return every layer's update (None: not overlapped).
+
+        ``defer_rest``: leave the gradients of no K-FAC layer on the wire (unless a loss
+        scaler's overflow check reads them here); :meth:`settle_rest` waits for them once
+        the caller has written the updates. Their transfer (BERT's word embedding) ends the
+        step's critical path, and the KL clip and the write-back need only the updates.
+        """
+        self.settle_rest()
         st, self.state = self.state, None
         inactive, self.inactive = self.inactive, False
         if st is None:
@@ -616,13 +625,20 @@ class OverlapEngine:
             for layer in self.layers:
                 if layer.name in self._roles().captures:
                     self._prepare(layer)  # layers without gradients still fold their factors
-            for launched in st.launched:
-                self._settle_rest(launched)
+            self._unsettled = list(st.launched)
+            if not defer_rest or self.ctx.scaled:  # the overflow check reads them
+                self.settle_rest()
             final = self._collect(st)
             self._check_factors(st, final)
         finally:
             self.state = None
         return final
+
+    def settle_rest(self) -> None:
+        """Wait for the gradients of no K-FAC layer that :meth:`finish` left on the wire."""
+        unsettled, self._unsettled = self._unsettled, []
+        for launched in unsettled:
+            self._settle_rest(launched)
 
     def _collect(self, st: _StepState) -> dict[str, Preconditioned]:
         """Wait for the exchanges; the updates in the form ``share_preconditioned`` gives."""

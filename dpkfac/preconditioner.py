@@ -522,10 +522,12 @@ class KFACPreconditioner:
         self._buffer_peak = max(self._buffer_peak, sum(x.pending_nbytes() for x in layers))
 
         # A strategy that did this step's work in the backward pass (dp_kfac's
-        # overlap) hands over the updates: only the KL clip and write-back remain.
-        overlapped = None if self._overlap is None else self._overlap.finish()
-        if overlapped is not None:
+        # overlap) hands over the updates: only the KL clip and write-back remain, done
+        # while the other gradients are still on the wire.
+        engine = self._overlap
+        if engine is not None and (overlapped := engine.finish(defer_rest=True)) is not None:
             self._apply(overlapped, step)
+            engine.settle_rest()
             self._capture.warn_uncaptured()
             self.steps += 1
             self._arm(self.steps)

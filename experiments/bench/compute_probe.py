@@ -12,7 +12,9 @@ as a step runs them, nothing of them distributed:
   (no DDP, no K-FAC hooks);
 * ``optimizer``: the benchmark's first-order step (SGD with momentum) on those gradients;
 * ``pack``: packing the gradients into one flat buffer (``torch.cat``), the copy ``step()``
-  runs before every collective;
+  runs before every collective; a gradient that travels alone, in its own storage
+  (:func:`dpkfac.plan.fusion.travels_alone`: BERT's word embedding), is never packed, and
+  neither is it here;
 * ``precondition``: every K-FAC layer's update from its gradient, as ``step()`` computes
   it (:func:`dpkfac.strategies.base.precondition_layer`, eigenbases of the layer's sizes);
 * ``factor``: every K-FAC layer's A and G factors from the activations and output
@@ -52,6 +54,7 @@ from dpkfac.costmodel.timing import factor_work, fold_work, forward_backward_wor
 from dpkfac.curvature import EigenDecomposition, KFACLayer, helper_for
 from dpkfac.curvature.factors import DEFAULT_METHOD
 from dpkfac.plan.assignment import EIGH_COEFF
+from dpkfac.plan.fusion import travels_alone
 from dpkfac.probes import median_time
 
 __all__ = ["COMPUTE_PROBE_KINDS", "COMPUTE_PROBE_REPEATS", "job_compute_probes", "probe_compute"]
@@ -155,13 +158,17 @@ def probe_compute(
         _median(fwd_bwd, repeats, device),
     )
     params = [p for p in model.parameters() if p.grad is not None]
-    nbytes = sum(p.numel() * p.element_size() for p in params)
     itemsize = params[0].element_size() if params else 4
-    flat = [p.grad.reshape(-1) for p in params if p.grad is not None]
-    out["pack"] = (
-        _work({"pack": (0, 2 * nbytes)}),
-        _median(lambda: torch.cat(flat), repeats, device),
-    )
+    packed = [
+        g.reshape(-1)
+        for p in params
+        if (g := p.grad) is not None and not travels_alone("allreduce", [g.nbytes])
+    ]
+    if packed:
+        out["pack"] = (
+            _work({"pack": (0, 2 * sum(g.nbytes for g in packed))}),
+            _median(lambda: torch.cat(packed), repeats, device),
+        )
     numel = sum(p.numel() for p in params)
     optimizer_work = {"optimizer": (1, step_bytes(numel, itemsize, "sgd_momentum"))}
     out["optimizer"] = (_work(optimizer_work), _median(optimizer.step, repeats, device))
