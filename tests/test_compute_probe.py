@@ -15,6 +15,7 @@ from test_benchmark_tables import MLP_COLUMNS
 from dpkfac.costmodel import PRESETS, Engine
 from dpkfac.costmodel.optimizers import step_bytes
 from dpkfac.costmodel.timing import factor_work, forward_backward_work
+from dpkfac.plan import fusion
 from dpkfac.plan.assignment import EIGH_COEFF
 from experiments.bench import predict
 from experiments.bench.compute_probe import COMPUTE_PROBE_KINDS, job_compute_probes
@@ -62,6 +63,21 @@ def test_every_engine_is_timed_on_the_jobs_own_model() -> None:
     assert work["fold"] == {"fold": [2.0 * len(shapes), float(folded)]}
     updates = sum(4 * s.a_dim * s.g_dim for s in shapes)  # scaled, then copied into .grad
     assert work["host"] == {"pack": [0.0, 4.0 * updates], "host": [float(len(shapes)), 0.0]}
+
+
+def test_the_pack_probe_packs_what_the_communicator_packs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A gradient that travels alone, in its own storage, is never packed: nor here."""
+    from experiments.bench.workloads import build
+
+    bench = build(SPEC["model"]["config"], SPEC["model"]["batch"])
+    sizes = [p.numel() * 4 for p in bench.model.parameters()]
+    monkeypatch.setattr(fusion, "ALONE_BYTES", max(sizes))
+    entries = job_compute_probes(SPEC, 0, torch.device("cpu"))
+    (work,) = [e["work"] for e in entries if e["kind"] == "pack"]
+    alone = [n for n in sizes if n >= max(sizes)]
+    assert work == {"pack": [0.0, 2.0 * (sum(sizes) - sum(alone))]}
 
 
 def _probe(rank: int, world_size: int) -> list[dict[str, Any]]:
