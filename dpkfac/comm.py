@@ -175,13 +175,12 @@ def bucket_plan(
     return buckets
 
 
-def in_place(kind: str, tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether one bucket of :func:`bucket_plan` travels in its tensor's own storage in a
-    ``kind`` collective: a tensor that travels alone
-    (:func:`~dpkfac.plan.fusion.travels_alone`) and is contiguous. Otherwise its tensors
-    are gathered into a new flat buffer."""
-    nbytes = [t.numel() * t.element_size() for t in tensors]
-    return travels_alone(kind, nbytes) and tensors[0].is_contiguous()
+def in_place(alone: bool, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether one bucket of :func:`bucket_plan` travels in its tensor's own storage: a
+    bucket that travels alone (``alone``, :func:`~dpkfac.plan.fusion.travels_alone` of its
+    collective's kind, decided once per layout) whose tensor is contiguous. Otherwise its
+    tensors are gathered into a new flat buffer."""
+    return alone and tensors[0].is_contiguous()
 
 
 def _flat(tensors: Sequence[torch.Tensor], own: bool) -> torch.Tensor:
@@ -271,7 +270,7 @@ class Communicator:
         self._in_flight: set[int] = set()
         #: :func:`bucket_plan` per layout (dtypes, devices and sizes of the tensors, the
         #: cap): a step hands the same layouts to the same collectives every time.
-        self._layouts: dict[tuple[object, ...], list[list[int]]] = {}
+        self._layouts: dict[tuple[object, ...], list[tuple[list[int], bool]]] = {}
 
     @property
     def isolate(self) -> bool:
@@ -373,15 +372,26 @@ class Communicator:
 
     # ----------------------------------------------------------------- helpers
     def _buckets(
-        self, tensors: Sequence[torch.Tensor], numels: Sequence[int], cap_bytes: int | None
-    ) -> list[list[int]]:
-        """:func:`bucket_plan` of the tensors, planned once per layout."""
-        key = (cap_bytes, *((t.dtype, t.device, n) for t, n in zip(tensors, numels, strict=True)))
-        if (buckets := self._layouts.get(key)) is None:
+        self,
+        tensors: Sequence[torch.Tensor],
+        numels: Sequence[int],
+        cap_bytes: int | None,
+        kind: str,
+    ) -> list[tuple[list[int], bool]]:
+        """:func:`bucket_plan` of the tensors, each bucket with whether it travels alone in a
+        ``kind`` collective (:func:`~dpkfac.plan.fusion.travels_alone`), planned once per
+        layout."""
+        layout = tuple((t.dtype, t.device, n) for t, n in zip(tensors, numels, strict=True))
+        key: tuple[object, ...] = (cap_bytes, kind, *layout)
+        if (planned := self._layouts.get(key)) is None:
             if len(self._layouts) >= MAX_LAYOUTS:  # shapes that keep changing: plan afresh
                 self._layouts.clear()
-            buckets = self._layouts[key] = bucket_plan(tensors, numels, cap_bytes)
-        return buckets
+            sizes = [n * t.element_size() for t, n in zip(tensors, numels, strict=True)]
+            planned = self._layouts[key] = [
+                (b, travels_alone(kind, [sizes[i] for i in b]))
+                for b in bucket_plan(tensors, numels, cap_bytes)
+            ]
+        return planned
 
     def record(self, category: str, kind: str, nbytes: int) -> None:
         """Account one collective of ``kind`` ("allreduce", "rooted", "reduce_scatter" or
@@ -575,9 +585,9 @@ class Communicator:
             return handle
         tensors = list(tensors)
         numels = [triangle_numel(t.shape[0]) if triangle else t.numel() for t in tensors]
-        for bucket in self._buckets(tensors, numels, cap_bytes):
+        for bucket, alone in self._buckets(tensors, numels, cap_bytes, "allreduce"):
             members = [tensors[i] for i in bucket]
-            own = not triangle and in_place("allreduce", members)
+            own = not triangle and in_place(alone, members)
             if triangle:
                 flat = torch.cat([pack_triangle(t, self.tables) for t in members])
             else:
@@ -665,9 +675,10 @@ class Communicator:
         is_reduce = fn is dist.reduce
         receives = self.rank == root if is_reduce else self.rank != root
         root_kw = {"dst": self.global_rank(root)} if is_reduce else {"src": self.global_rank(root)}
-        for bucket in self._buckets(tensors, [t.numel() for t in tensors], cap_bytes):
+        kind = "reduce" if is_reduce else "broadcast"
+        for bucket, alone in self._buckets(tensors, [t.numel() for t in tensors], cap_bytes, kind):
             members = [tensors[i] for i in bucket]
-            own = in_place("reduce" if is_reduce else "broadcast", members)
+            own = in_place(alone, members)
             flat = _flat(members, own)
             self._launch(handle, fn, flat, **root_kw)
             if receives:

@@ -72,10 +72,12 @@ def test_only_a_contiguous_alone_tensor_of_an_in_place_kind_travels_in_place(
 ) -> None:
     monkeypatch.setattr(fusion, "ALONE_BYTES", 800)
     big, small = torch.zeros(10, 10, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
-    assert in_place("allreduce", [big]) and in_place("broadcast", [big])
-    assert not in_place("reduce", [big])  # a reduce may use a non-root's buffer as scratch
-    assert not in_place("allreduce", [big.T])  # not contiguous: packed
-    assert not in_place("allreduce", [small])
+    assert travels_alone("allreduce", [800]) and travels_alone("broadcast", [800])
+    assert not travels_alone("reduce", [800])  # a reduce may use a non-root's buffer as scratch
+    assert not travels_alone("allreduce", [799]) and not travels_alone("allreduce", [800, 8])
+    assert in_place(True, [big]) and not in_place(False, [big])
+    assert not in_place(True, [big.T])  # not contiguous: packed
+    assert not in_place(False, [small])
     assert bucket_plan([small, big, small, small], [3, 100, 3, 3], None) == [[0], [1], [2, 3]]
     with pytest.raises(ValueError, match="sizes must be >= 0"):
         fused_buckets([1, -1], None)
