@@ -57,14 +57,18 @@ def test_fused_buckets_keep_order_and_put_every_large_tensor_alone(
         elif cap is not None and len(b) > 1:
             assert sum(sizes[i] for i in b) <= cap
     if all(s < ALONE_BYTES for s in sizes):  # nothing large: the capped rule, unchanged
-        assert buckets == (size_cap_buckets(sizes, cap) if cap else [list(range(len(sizes)))]
-                           if sizes else [])  # fmt: skip
-    # The cost model prices the same buffers, alone ones in their own storage.
+        if cap is not None:
+            assert buckets == size_cap_buckets(sizes, cap)
+        else:
+            assert buckets == ([list(range(len(sizes)))] if sizes else [])
+    # The cost model prices the same buffers, alone ones in their own storage (packing none).
     colls = fused_collectives("grad_allreduce", "allreduce", sizes, cap, 2)
-    assert [c.nbytes for c in colls] == [sum(sizes[i] for i in b) for b in buckets]
-    assert [c.own_storage for c in colls] == [travels_alone("allreduce", [sizes[i] for i in b])
-                                              for b in buckets]  # fmt: skip
-    assert all(c.pack_bytes == (0 if c.own_storage else c.nbytes) for c in colls)
+    nbytes = [sum(sizes[i] for i in b) for b in buckets]
+    alone = [len(b) == 1 and sizes[b[0]] >= ALONE_BYTES for b in buckets]
+    assert [c.nbytes for c in colls] == nbytes
+    assert [c.own_storage for c in colls] == alone
+    packed = [0 if a else n for a, n in zip(alone, nbytes, strict=True)]
+    assert [c.pack_bytes for c in colls] == packed
 
 
 def test_only_a_contiguous_alone_tensor_of_an_in_place_kind_travels_in_place(
