@@ -17,7 +17,7 @@ from dpkfac.costmodel.optimizers import step_bytes
 from dpkfac.costmodel.timing import factor_work, forward_backward_work
 from dpkfac.plan import fusion
 from dpkfac.plan.assignment import EIGH_COEFF
-from experiments.bench import predict
+from experiments.bench import compute_probe, predict
 from experiments.bench.compute_probe import COMPUTE_PROBE_KINDS, job_compute_probes
 
 SPEC = {
@@ -32,6 +32,27 @@ SPEC = {
         {"name": "dp_kfac", "kfac": {"strategy": "dp_kfac", "damping": 0.003}},
     ],
 }
+
+
+def test_the_probes_are_timed_in_interleaved_rounds() -> None:
+    """Each round times every kind once, in turn, after one untimed round; a kind's entry is
+    the median of its rounds, so one slow round (a burst of load elsewhere) moves no kind."""
+    now = [0.0]
+    calls: list[str] = []
+
+    def probe(kind: str, costs: list[float]) -> Any:
+        left = iter(costs)
+
+        def run() -> None:
+            calls.append(kind)
+            now[0] += next(left)
+
+        return run
+
+    probes = {"a": probe("a", [9, 1, 2, 30]), "b": probe("b", [9, 5, 50, 4])}
+    medians = compute_probe._interleaved_medians(probes, 3, torch.device("cpu"), lambda: now[0])
+    assert calls == ["a", "b"] * 4
+    assert medians == {"a": 2, "b": 5}
 
 
 def test_every_engine_is_timed_on_the_jobs_own_model() -> None:

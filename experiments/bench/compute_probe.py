@@ -33,14 +33,17 @@ as a step runs them, nothing of them distributed:
   the "host" work per layer the cost model's ``step_other`` counts.
 
 Each entry records its work as the cost model counts it (:mod:`dpkfac.costmodel.timing`)
-and the median seconds over repeats, the most over ranks (compute phases are the busiest
-rank's). :func:`experiments.bench.predict.probe_engines` scales the base preset's engines
-to them; the network table's held-out predictions use them with the link probes. None of
+and the median seconds over rounds that each time every kind once, in turn (interleaved,
+as the job's strategies are), the most over ranks (compute phases are the busiest rank's).
+:func:`experiments.bench.predict.probe_engines` scales the base preset's engines to them;
+the network table's held-out predictions use them with the link probes. None of
 it times a step or any strategy: the steps it predicts are measured after it.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -55,7 +58,6 @@ from dpkfac.curvature import EigenDecomposition, KFACLayer, helper_for
 from dpkfac.curvature.factors import DEFAULT_METHOD
 from dpkfac.plan.assignment import EIGH_COEFF
 from dpkfac.plan.fusion import travels_alone
-from dpkfac.probes import median_time
 
 __all__ = ["COMPUTE_PROBE_KINDS", "COMPUTE_PROBE_REPEATS", "job_compute_probes", "probe_compute"]
 
@@ -73,19 +75,40 @@ COMPUTE_PROBE_KINDS = (
 )
 #: The running averages' decay in the ``fold`` probe (its time does not depend on it).
 FOLD_DECAY = 0.95
-#: Timed repeats of each probe (after one untimed).
-COMPUTE_PROBE_REPEATS = 3
+#: Timed rounds of the probes (after one untimed), each timing every kind once: the job's
+#: prediction carries a probe's noise whole, and 3 back-to-back repeats varied by a third
+#: between jobs (BERT-base's forward/backward 39-61 ms on this host).
+COMPUTE_PROBE_REPEATS = 7
 
 
-def _median(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median seconds of ``fn`` (to completion on ``device``) over ``repeats``, after one."""
+def _interleaved_medians(
+    probes: Mapping[str, Callable[[], object]],
+    repeats: int,
+    device: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
+    """Median seconds of each probe (to completion on ``device``) over ``repeats`` rounds,
+    after one untimed round; each round times every probe once, in order.
 
-    def run() -> None:
+    Interleaved, like the benchmark's strategies: a burst of load from elsewhere on a shared
+    host hits one sample of every kind rather than all samples of one, and each kind runs
+    after the others' work, as in a step, not warm after itself.
+    """
+
+    def run(fn: Callable[[], object]) -> float:
+        start = clock()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        return clock() - start
 
-    return median_time(run, repeats)
+    for fn in probes.values():
+        run(fn)
+    samples: dict[str, list[float]] = {kind: [] for kind in probes}
+    for _ in range(repeats):
+        for kind, fn in probes.items():
+            samples[kind].append(run(fn))
+    return {kind: statistics.median(times) for kind, times in samples.items()}
 
 
 def _work(work: Mapping[str, tuple[float, float]]) -> dict[str, list[float]]:
@@ -145,7 +168,8 @@ def probe_compute(
         model.zero_grad(set_to_none=True)
         loss(model, batch).backward()
 
-    out: dict[str, tuple[dict[str, list[float]], float]] = {}
+    # kind -> (its work in the cost model's units, the call timed), in the order they run.
+    probes: dict[str, tuple[dict[str, list[float]], Callable[[], object]]] = {}
     if dist.is_initialized():
         dist.barrier()
     try:
@@ -153,10 +177,7 @@ def probe_compute(
     finally:
         for h in handles:
             h.remove()
-    out["forward_backward"] = (
-        _work(forward_backward_work(shapes)),
-        _median(fwd_bwd, repeats, device),
-    )
+    probes["forward_backward"] = _work(forward_backward_work(shapes)), fwd_bwd
     params = [p for p in model.parameters() if p.grad is not None]
     itemsize = params[0].element_size() if params else 4
     packed = [
@@ -165,13 +186,11 @@ def probe_compute(
         if (g := p.grad) is not None and not travels_alone("allreduce", [g.nbytes])
     ]
     if packed:
-        out["pack"] = (
-            _work({"pack": (0, 2 * sum(g.nbytes for g in packed))}),
-            _median(lambda: torch.cat(packed), repeats, device),
-        )
+        pack_work = _work({"pack": (0, 2 * sum(g.nbytes for g in packed))})
+        probes["pack"] = pack_work, lambda: torch.cat(packed)
     numel = sum(p.numel() for p in params)
     optimizer_work = {"optimizer": (1, step_bytes(numel, itemsize, "sgd_momentum"))}
-    out["optimizer"] = (_work(optimizer_work), _median(optimizer.step, repeats, device))
+    probes["optimizer"] = _work(optimizer_work), optimizer.step
     if layers:
         from dpkfac.strategies.base import precondition_layer
 
@@ -195,7 +214,7 @@ def probe_compute(
 
         flops = sum(4.0 * s.g_dim * s.a_dim * (s.g_dim + s.a_dim) for s, _ in with_grad)
         work = {"precondition": (float(len(with_grad)), flops)}
-        out["precondition"] = (_work(work), _median(precondition, repeats, device))
+        probes["precondition"] = _work(work), precondition
         captured = [(s, x) for s, x in layers if s.name in inputs and s.name in grads]
 
         def factors() -> None:
@@ -211,7 +230,7 @@ def probe_compute(
                     calls, amount = total.get(kind, (0.0, 0.0))
                     total[kind] = (calls + c, amount + a)
         if captured:
-            out["factor"] = (_work(total), _median(factors, repeats, device))
+            probes["factor"] = _work(total), factors
             factors()  # the pass's batch factors, decomposed as a decomposition step does
             matrices = [x.pending_factor(w) for _, x in captured for w in ("A", "G")]
 
@@ -221,7 +240,7 @@ def probe_compute(
 
             flops = sum(2 * EIGH_COEFF * float(m.shape[0]) ** 3 for m in matrices)
             work = {"eigh": (float(len(matrices)), flops)}
-            out["eigh"] = (_work(work), _median(decompose, repeats, device))
+            probes["eigh"] = _work(work), decompose
             pending = [(x, w, x.pending_factor(w)) for _, x in captured for w in ("A", "G")]
 
             def fold() -> None:
@@ -238,7 +257,7 @@ def probe_compute(
             index = {s.name: i for i, s in enumerate(shapes)}
             built = [index[s.name] for s, _ in captured]
             work = fold_work(shapes, built, matrices[0].element_size())
-            out["fold"] = (_work(work), _median(fold, repeats, device))
+            probes["fold"] = _work(work), fold
         updates = [(x, precondition_layer(x, g, damping).matrix) for x, g in grad_matrices()]
         scale = torch.ones((), device=device)
 
@@ -248,13 +267,14 @@ def probe_compute(
 
         update_bytes = sum(m.numel() * m.element_size() for _, m in updates)
         work = {"pack": (0.0, 4.0 * update_bytes), "host": (float(len(updates)), 0.0)}
-        out["host"] = (_work(work), _median(write_back, repeats, device))
-    kinds = [k for k in COMPUTE_PROBE_KINDS if k in out]
-    seconds = torch.tensor([out[k][1] for k in kinds], dtype=torch.float64, device=device)
+        probes["host"] = _work(work), write_back
+    medians = _interleaved_medians({k: fn for k, (_, fn) in probes.items()}, repeats, device)
+    kinds = [k for k in COMPUTE_PROBE_KINDS if k in probes]
+    seconds = torch.tensor([medians[k] for k in kinds], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return [
-        {"kind": k, "work": out[k][0], "seconds": float(t)}
+        {"kind": k, "work": probes[k][0], "seconds": float(t)}
         for k, t in zip(kinds, seconds.tolist(), strict=True)
     ]
 
