@@ -18,7 +18,11 @@ from dpkfac.costmodel.timing import factor_work, forward_backward_work
 from dpkfac.plan import fusion
 from dpkfac.plan.assignment import EIGH_COEFF
 from experiments.bench import compute_probe, predict
-from experiments.bench.compute_probe import COMPUTE_PROBE_KINDS, job_compute_probes
+from experiments.bench.compute_probe import (
+    COMPUTE_PROBE_KINDS,
+    OVERLAP_KIND,
+    job_compute_probes,
+)
 
 SPEC = {
     "model": {
@@ -109,6 +113,43 @@ def _probe(rank: int, world_size: int) -> list[dict[str, Any]]:
 def test_probes_agree_on_every_rank() -> None:
     results = run_ranks(_probe, 2)
     assert results[0] == results[1]  # the most over ranks, agreed by an all-reduce
+    # With two ranks, one entry more: how much of a transfer ran beside the forward/backward.
+    assert [e["kind"] for e in results[0]] == [*COMPUTE_PROBE_KINDS, OVERLAP_KIND]
+    overlap = results[0][-1]
+    assert 0.0 <= overlap["overlap"] <= 1.0
+    low, high = compute_probe.OVERLAP_BYTES
+    assert low <= overlap["nbytes"] <= high and overlap["nbytes"] % 4 == 0
+    assert overlap["transfer_s"] > 0 and overlap["compute_s"] > 0
+
+
+def _overlap_of_sleep(rank: int, world_size: int) -> dict[str, Any]:
+    import time
+
+    return compute_probe.probe_overlap(lambda: time.sleep(0.04), 0.04, torch.device("cpu"))
+
+
+@pytest.mark.distributed
+def test_a_compute_that_leaves_the_core_free_hides_the_transfer_whole() -> None:
+    """Sleeping is compute that takes turns with nothing: the all-reduce (about half its
+    time) runs beside it whole, and the compute does not stretch."""
+    first, second = run_ranks(_overlap_of_sleep, 2)
+    assert first == second
+    assert 0 < first["transfer_s"] < 0.04  # sized to end inside the compute
+    assert first["overlap"] > 0.8
+
+
+def test_the_overlap_probe_sets_the_hardwares_overlap_and_no_engine() -> None:
+    engines = [{"kind": "eigh", "work": {"eigh": [6, 3e9]}, "seconds": 0.05}]
+    entry = {"kind": OVERLAP_KIND, "overlap": 0.75, "nbytes": 4, "transfer_s": 0.02}
+    row = {"compute_probes": json.dumps([*engines, {**entry, "compute_s": 0.05}])}
+    hw = predict.probe_hardware(row)
+    assert hw.overlap == 0.75
+    assert OVERLAP_KIND not in predict.probe_engines(row, PRESETS["cpu_gloo_local"])
+    assert hw.engines == predict.probe_hardware({"compute_probes": json.dumps(engines)}).engines
+    # Rows without it keep the preset's (fitted on loopback).
+    assert predict.probe_hardware({"compute_probes": json.dumps(engines)}).overlap == (
+        PRESETS["cpu_gloo_local"].overlap
+    )
 
 
 def test_engines_are_scaled_until_they_give_the_probes_seconds() -> None:

@@ -19,8 +19,10 @@ as a step runs them, nothing of them distributed:
   it (:func:`dpkfac.strategies.base.precondition_layer`, eigenbases of the layer's sizes);
 * ``factor``: every K-FAC layer's A and G factors from the activations and output
   gradients of that pass (the capture hooks' own calls);
-* ``eigh``: every K-FAC layer's damped A and G factors of that pass eigendecomposed, as a
-  decomposition step computes them (:meth:`dpkfac.curvature.KFACLayer.decompose`'s method).
+* ``eigh``: matrices of every K-FAC layer's A and G factors' sizes, of full rank as the
+  running averages a step decomposes are (:func:`_full_rank_like`), damped and
+  eigendecomposed, as a decomposition step computes them
+  (:meth:`dpkfac.curvature.KFACLayer.decompose`'s method).
   The preset's eigh rate was fitted on another machine's LAPACK: on this project's AVX-512
   host it priced a 769-wide eigh at 2.7× its time, which the paper setting, decomposing every
   step, pays in full;
@@ -28,6 +30,10 @@ as a step runs them, nothing of them distributed:
   their non-finite checks read together, as a factor step does
   (:meth:`dpkfac.curvature.KFACLayer.update_factors`): per factor a few small kernels over
   its d² elements, which on ResNet-32 cost more than the write-back;
+* ``overlap`` (with two ranks or more; not an engine): how much of a transfer runs beside
+  the forward/backward rather than taking turns with it on the rank's core
+  (:func:`probe_overlap`), the cost model's ``Hardware.overlap``, which the network table's
+  predictions otherwise take from a preset fitted on loopback;
 * ``host``: every K-FAC layer's update scaled (the KL clip) and written back into its
   ``.grad``, as ``step()`` ends: per layer a few small kernels and the package's Python,
   the "host" work per layer the cost model's ``step_other`` counts.
@@ -58,8 +64,16 @@ from dpkfac.curvature import EigenDecomposition, KFACLayer, helper_for
 from dpkfac.curvature.factors import DEFAULT_METHOD
 from dpkfac.plan.assignment import EIGH_COEFF
 from dpkfac.plan.fusion import travels_alone
+from experiments.bench.link_probe import FLUSH_BYTES, sync
 
-__all__ = ["COMPUTE_PROBE_KINDS", "COMPUTE_PROBE_REPEATS", "job_compute_probes", "probe_compute"]
+__all__ = [
+    "COMPUTE_PROBE_KINDS",
+    "COMPUTE_PROBE_REPEATS",
+    "OVERLAP_KIND",
+    "job_compute_probes",
+    "probe_compute",
+    "probe_overlap",
+]
 
 #: Engine kinds probed, in the order :func:`experiments.bench.predict.probe_engines` fits them
 #: (each entry's other kinds priced by the engines fitted before it).
@@ -73,6 +87,14 @@ COMPUTE_PROBE_KINDS = (
     "fold",
     "host",
 )
+#: Rounds of the overlap probe (each times the transfer alone, the compute alone and both).
+OVERLAP_REPEATS = 5
+#: The overlap probe's transfer takes about this share of the compute's time alone (so it
+#: ends inside it), within these bytes.
+OVERLAP_SHARE = 0.5
+OVERLAP_BYTES = (2**16, 2**26)
+#: The overlap probe's sizing all-reduce (float32 elements: 1 MiB).
+OVERLAP_SIZING_NUMEL = 2**18
 #: The running averages' decay in the ``fold`` probe (its time does not depend on it).
 FOLD_DECAY = 0.95
 #: Timed rounds of the probes (after one untimed), each timing every kind once: the job's
@@ -86,16 +108,23 @@ def _interleaved_medians(
     repeats: int,
     device: torch.device,
     clock: Callable[[], float] = time.perf_counter,
+    scratch: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Median seconds of each probe (to completion on ``device``) over ``repeats`` rounds,
     after one untimed round; each round times every probe once, in order.
 
     Interleaved, like the benchmark's strategies: a burst of load from elsewhere on a shared
-    host hits one sample of every kind rather than all samples of one, and each kind runs
-    after the others' work, as in a step, not warm after itself.
+    host hits one sample of every kind rather than all samples of one. And cold: before each
+    call ``scratch`` (larger than the caches) is written, as a step's other work and the
+    other strategies' model copies evict what a kind would find warm after itself (the
+    memory-bound kinds, packing, the optimizer and the write-back, took 1.3-2x as long).
     """
 
     def run(fn: Callable[[], object]) -> float:
+        if scratch is not None:
+            scratch.add_(1.0)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         start = clock()
         fn()
         if device.type == "cuda":
@@ -109,6 +138,95 @@ def _interleaved_medians(
         for kind, fn in probes.items():
             samples[kind].append(run(fn))
     return {kind: statistics.median(times) for kind, times in samples.items()}
+
+
+#: The kind of the compute probes' entry that says how much of a transfer runs beside
+#: compute (not an engine: :func:`probe_overlap`).
+OVERLAP_KIND = "overlap"
+
+
+def _least_over_ranks(seconds: float, device: torch.device) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return float(value.item())
+
+
+def probe_overlap(
+    compute: Callable[[], object],
+    compute_s: float,
+    device: torch.device,
+    repeats: int = OVERLAP_REPEATS,
+) -> dict[str, Any]:
+    """How much of a transfer runs beside compute on this host: ``Hardware.overlap``, timed.
+
+    An all-reduce sized to take about :data:`OVERLAP_SHARE` of ``compute`` (the job's
+    forward/backward, ``compute_s`` alone) is launched, the compute run and timed, then the
+    transfer waited for. Where the transfer takes turns with the compute on the rank's core
+    (gloo's thread, the kernel's TCP on an emulated node's link), the compute stretches by
+    that share of it: the cost model books ``1 - overlap`` of a transfer that runs during
+    compute as serial (:func:`dpkfac.costmodel.timing.exposed`), so ``overlap`` is one less
+    the stretch over the transfer's time beside the compute. Each round times the transfer
+    alone (least over ranks, as the link probes do), the compute alone and both; the stretch
+    ratio is each round's; the medians over rounds are averaged over ranks, so every rank
+    returns the same entry. A collective: every rank of the default group calls it.
+
+    Returns:
+        ``kind`` (:data:`OVERLAP_KIND`), ``overlap`` in [0, 1], ``nbytes`` (the all-reduce's
+        buffer), and the medians ``transfer_s``, ``compute_s`` and ``stretch_s``.
+    """
+
+    def timed(fn: Callable[[], object]) -> float:
+        sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        return time.perf_counter() - start
+
+    sizing = torch.zeros(OVERLAP_SIZING_NUMEL, device=device)
+    timed(lambda: dist.all_reduce(sizing))
+    per_byte = _least_over_ranks(timed(lambda: dist.all_reduce(sizing)), device) / sizing.nbytes
+    low, high = OVERLAP_BYTES
+    nbytes = int(min(max(OVERLAP_SHARE * compute_s / max(per_byte, 1e-12), low), high)) // 4 * 4
+    buf = torch.zeros(nbytes // 4, device=device)
+    transfers, computes, stretches, ratios = [], [], [], []
+    for _ in range(repeats):
+        transfers.append(_least_over_ranks(timed(lambda: dist.all_reduce(buf)), device))
+        computes.append(timed(compute))
+        sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        sync(device)
+        beside = time.perf_counter() - start
+        assert work is not None
+        work.wait()
+        stretches.append(max(beside - computes[-1], 0.0))
+        # The transfer's time beside the compute: all of it, unless it outlived the compute.
+        ratios.append(stretches[-1] / max(min(transfers[-1], beside), 1e-9))
+    medians = [statistics.median(v) for v in (ratios, computes, stretches)]
+    means = torch.tensor(medians, dtype=torch.float64, device=device)
+    dist.all_reduce(means)
+    ratio, compute_s, stretch_s = (float(v) / dist.get_world_size() for v in means.tolist())
+    return {
+        "kind": OVERLAP_KIND,
+        "overlap": min(max(1.0 - ratio, 0.0), 1.0),
+        "nbytes": nbytes,
+        "transfer_s": statistics.median(transfers),
+        "compute_s": compute_s,
+        "stretch_s": stretch_s,
+    }
+
+
+def _full_rank_like(factor: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A symmetric positive definite matrix of ``factor``'s size, dtype and device, of full
+    rank: what a step decomposes. A step's running average is of full rank after a few
+    factor steps, while one pass's batch factor has rank at most its rows (256 for
+    BERT-base's 769-wide factors here), and an eigensolver deflates it: 1.3x faster."""
+    d = factor.shape[0]
+    x = torch.randn(4 * d, d, generator=gen, dtype=torch.float64)
+    return (x.T @ x / (4 * d)).to(factor)
 
 
 def _work(work: Mapping[str, tuple[float, float]]) -> dict[str, list[float]]:
@@ -139,6 +257,8 @@ def probe_compute(
         One entry per kind of :data:`COMPUTE_PROBE_KINDS` (``precondition``, ``factor``
         and ``host`` only with K-FAC layers): ``kind``, ``work`` (kind -> [calls, amount],
         the cost model's units) and ``seconds``.
+        With a group of two ranks or more, one entry more: :func:`probe_overlap` of the
+        forward/backward (kind :data:`OVERLAP_KIND`).
     """
     device = next(model.parameters()).device
     shapes = shapes_from_model(model, example_input, batch_size, skip_layers=skip_layers or [])
@@ -231,11 +351,12 @@ def probe_compute(
                     total[kind] = (calls + c, amount + a)
         if captured:
             probes["factor"] = _work(total), factors
-            factors()  # the pass's batch factors, decomposed as a decomposition step does
+            factors()  # the pass's batch factors, folded as a factor step does
             matrices = [x.pending_factor(w) for _, x in captured for w in ("A", "G")]
+            full_rank = [_full_rank_like(m, gen) for m in matrices]
 
             def decompose() -> None:
-                for m in matrices:
+                for m in full_rank:
                     EigenDecomposition.compute(m, damping=damping, dtype=torch.float32)
 
             flops = sum(2 * EIGH_COEFF * float(m.shape[0]) ** 3 for m in matrices)
@@ -268,15 +389,20 @@ def probe_compute(
         update_bytes = sum(m.numel() * m.element_size() for _, m in updates)
         work = {"pack": (0.0, 4.0 * update_bytes), "host": (float(len(updates)), 0.0)}
         probes["host"] = _work(work), write_back
-    medians = _interleaved_medians({k: fn for k, (_, fn) in probes.items()}, repeats, device)
+    scratch = torch.zeros(FLUSH_BYTES // 4, device=device)
+    fns = {k: fn for k, (_, fn) in probes.items()}
+    medians = _interleaved_medians(fns, repeats, device, scratch=scratch)
     kinds = [k for k in COMPUTE_PROBE_KINDS if k in probes]
     seconds = torch.tensor([medians[k] for k in kinds], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return [
+    out = [
         {"kind": k, "work": probes[k][0], "seconds": float(t)}
         for k, t in zip(kinds, seconds.tolist(), strict=True)
     ]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out.append(probe_overlap(fwd_bwd, float(seconds[kinds.index("forward_backward")]), device))
+    return out
 
 
 def job_compute_probes(spec: Mapping[str, Any], rank: int, device: torch.device) -> list[dict]:

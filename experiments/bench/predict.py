@@ -543,7 +543,8 @@ def probe_engines(row: Mapping[str, Any], base: Hardware) -> dict[str, Engine]:
         return {}
     order = {kind: i for i, kind in enumerate(COMPUTE_PROBE_KINDS)}
     hw, out = base, {}
-    for entry in sorted(probes, key=lambda e: order.get(e["kind"], len(order))):
+    engines = [e for e in probes if e["kind"] in order]  # not the overlap probe's entry
+    for entry in sorted(engines, key=lambda e: order[e["kind"]]):
         kind = str(entry["kind"])
         work = {k: (float(c), float(a)) for k, (c, a) in entry["work"].items()}
         calls, amount = work.pop(kind, (0.0, 0.0))
@@ -562,17 +563,32 @@ def probe_engines(row: Mapping[str, Any], base: Hardware) -> dict[str, Engine]:
     return out
 
 
+def probe_overlap(row: Mapping[str, Any]) -> float | None:
+    """The job's overlap probe (:func:`experiments.bench.compute_probe.probe_overlap`): how
+    much of a transfer ran beside its compute. None where the row has none (one rank, or
+    rows that predate it)."""
+    from experiments.bench.compute_probe import OVERLAP_KIND
+
+    probes = json_value(row.get("compute_probes"))
+    entries = [e for e in probes if e["kind"] == OVERLAP_KIND] if isinstance(probes, list) else []
+    return float(entries[0]["overlap"]) if entries else None
+
+
 def probe_hardware(row: Mapping[str, Any]) -> Hardware:
     """The hardware model of a row from its job's own probes alone: :data:`BASE_PRESET`'s
     engines scaled to the job's compute probes (:func:`probe_engines`, where the row has
     them), with the link probes' links (:func:`probe_links`, link-bound on an emulated
-    network).
+    network) and the overlap probe's overlap (:func:`probe_overlap`, where it has one; the
+    preset's otherwise, fitted on loopback).
 
     Nothing in it is fitted to any row's phase timings, so a prediction on it is held out
     from every measured step; the network table predicts its rows this way.
     """
     base = PRESETS[BASE_PRESET]
     hw = replace(base, name="probes", links={**base.links, **probe_links(row)})
+    overlap = probe_overlap(row)
+    if overlap is not None:
+        hw = replace(hw, overlap=overlap)
     return replace(hw, engines={**hw.engines, **probe_engines(row, hw)})
 
 
