@@ -59,6 +59,21 @@ def test_the_probes_are_timed_in_interleaved_rounds() -> None:
     assert medians == {"a": 2, "b": 5}
 
 
+def test_the_probes_scratch_is_the_size_of_the_last_level_cache() -> None:
+    from pathlib import Path
+
+    from experiments.bench.link_probe import FLUSH_BYTES
+
+    size = compute_probe.cache_bytes(torch.device("cpu"))
+    listed = list(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"))
+    if not listed:
+        assert size == FLUSH_BYTES
+        return
+    units = {"K": 2**10, "M": 2**20}
+    sizes = [int(t[:-1]) * units[t[-1]] for p in listed if (t := p.read_text().strip())]
+    assert size == max(sizes)
+
+
 def test_every_engine_is_timed_on_the_jobs_own_model() -> None:
     entries = job_compute_probes(SPEC, 0, torch.device("cpu"))
     assert [e["kind"] for e in entries] == list(COMPUTE_PROBE_KINDS)

@@ -871,6 +871,43 @@ def test_overlap_interpolates_spd_factor_wait_between_hidden_and_serial() -> Non
         replace(HW, overlap=1.5)
 
 
+def test_overlapped_modes_book_the_cores_share_of_their_transfers_in_kfac_compute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where transfers take turns with compute on a core (overlap < 1), their share of the
+    decompositions and preconditioning beside them is spent inside those phases' timers:
+    booked there and taken from the wait, the step's length unchanged."""
+    from dpkfac.costmodel import timing
+    from dpkfac.costmodel.shapes import shapes_from_model
+    from dpkfac.plan.hardware import Link
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.Linear(256, 10))
+    shapes = shapes_from_model(model, (torch.randn(8, 64),), 8)
+    slow = {k: Link(link.alpha, 1e3 * link.beta) for k, link in HW.links.items()}
+    options = {"grad_reduction": "owner", "overlap": True}
+
+    def parts(overlap: float) -> tuple[float, float, float]:
+        hw = replace(HW, links=slow, overlap=overlap)
+        step = predict(shapes, strategy="dp_kfac", world_size=2, hardware=hw, options=options)
+        b = step.update.breakdown
+        kfac = b.get("decomposition", 0.0) + b.get("precondition", 0.0)
+        return step.update.iteration, kfac, b["grad_comm"] + b["precond_comm"]
+
+    booked = parts(0.6)
+    monkeypatch.setattr(timing, "_move", lambda *args: None)
+    waited = parts(0.6)
+    assert booked[0] == pytest.approx(waited[0])
+    moved = booked[1] - waited[1]
+    assert moved > 0
+    assert waited[2] - booked[2] == pytest.approx(moved)
+    # The link is busy past the compute here: the share of all of the compute moves.
+    assert moved == pytest.approx(0.4 * waited[1])
+    # Hardware that overlaps fully moves nothing.
+    monkeypatch.undo()
+    assert parts(1.0)[1] == pytest.approx(waited[1])
+
+
 # ---------------------------------------------------------------------- balance
 def test_balance_reports_busiest_over_mean_per_assignment(capsys) -> None:
     models = {name: shapes for name, (shapes, _) in PAPER_MODELS.items()}

@@ -16,7 +16,7 @@ import pytest
 from test_benchmark_tables import COMMON, fake_row
 
 from dpkfac.plan.hardware import wire_bytes
-from experiments.bench import network_table, predict, tables
+from experiments.bench import network_table, predict, tables, takeaways
 
 OVERLAP = {"strategy": "dp_kfac", **COMMON, "grad_reduction": "owner", "overlap": True}
 
@@ -163,6 +163,30 @@ def test_the_cost_model_is_checked_per_part_of_the_step(tmp_path: Path) -> None:
     assert "## The cost model, held out" in text
     assert "These rows predate the compute probes" in text
     assert "measured / predicted ms" in text
+
+
+def test_a_part_below_its_runs_spread_is_scored_apart(tmp_path: Path) -> None:
+    """Communication is the step less its compute: a part smaller than the row's spread over
+    runs is noise, and its error is counted apart, in milliseconds."""
+    frame = network_table.network_frame(_rows())
+    spread = frame["iteration_max_ms"] - frame["iteration_min_ms"]
+    assert spread.tolist() == pytest.approx([3.0] * len(frame))  # jitters -1 and +2 ms
+    frame["exposed_comm_ms"] = [0.5 if i % 2 else 30.0 for i in range(len(frame))]
+    frame["pred_comm_ms"] = 33.0
+    frame["pred_comm_error_%"] = 100 * (33.0 / frame["exposed_comm_ms"] - 1)
+    frame["comm_resolved"] = frame["exposed_comm_ms"] >= spread
+    comm = network_table.model_errors(frame).set_index("part").loc["communication"]
+    kept = frame["exposed_comm_ms"] == 30.0
+    assert comm["rows"] == len(frame)
+    assert comm["resolved rows"] == kept.sum()
+    assert comm["mean abs. error % (resolved)"] == pytest.approx(10.0)
+    assert comm["unresolved abs. error ms"] == pytest.approx(32.5)
+    assert comm["mean abs. error %"] > 1000  # every row: 6500% where 0.5 ms was predicted 33
+    line = next(x for x in takeaways.network(frame) if "cost model" in x)
+    assert f"communication {comm['mean abs. error %']:.0f}% (10% in the {kept.sum()} rows" in line
+    # The frame marks it: in these rows every part exceeds the 3 ms spread but communication.
+    rows = network_table.network_frame(_rows())
+    assert (rows["comm_resolved"] == (rows["exposed_comm_ms"] >= 3.0)).all()
 
 
 def test_wire_time_and_floor_are_at_the_rate_the_link_probe_measured() -> None:

@@ -469,7 +469,9 @@ def _overlap_backward(
     rank) run on the compute stream after the last launch, so they lengthen the
     backward (they stay in the breakdown). Only the link's tail past the end of that
     compute is exposed, to the extent the hardware
-    overlaps (:func:`exposed`); the rest is serial. The collectives, hence
+    overlaps (:func:`exposed`); the rest is serial, and the part of it the transfers took
+    from the decompositions and preconditioning beside them is booked in those phases
+    (their timers run while the core is shared). The collectives, hence
     the bytes, are unchanged: only the ``grad_comm`` and ``precond_comm``
     waits shrink (by the same factor on every rank). ``ends``, ``backward_end``: :func:`timeline`'s.
     """
@@ -513,6 +515,34 @@ def _overlap_backward(
     for r in seconds:
         r["grad_comm"] *= scale
         r["precond_comm"] *= scale
+    # Where the transfers take turns with the compute on a core (overlap < 1), the share
+    # they take of the decompositions and preconditioning beside them is spent inside those
+    # phases' timers, not waiting: it is booked there. The link is busy from the backward's
+    # end until ``t``, and the busiest rank's K-FAC compute runs in that window first. Every
+    # rank moves the same seconds (at most the least wait), so the critical path (the
+    # busiest rank's compute, rank 0's wait) keeps its length.
+    waits, computes = ("grad_comm", "precond_comm"), ("decomposition", "precondition")
+    kfac = max(sum(r.get(ph, 0.0) for ph in computes) for r in seconds)
+    stretch = (1.0 - hw.overlap) * min(kfac, max(0.0, t - backward_end))
+    moved = min(stretch, *(sum(r.get(ph, 0.0) for ph in waits) for r in seconds))
+    for r in seconds:
+        _move(r, moved, waits, computes)
+
+
+def _move(
+    seconds: dict[str, float], moved: float, source: Sequence[str], target: Sequence[str]
+) -> None:
+    """Move ``moved`` seconds (at most the sum of ``source``) from the ``source`` phases to
+    the ``target`` phases, each in proportion to its share (nowhere where the targets
+    are all zero)."""
+    taken = sum(seconds.get(ph, 0.0) for ph in source)
+    if moved <= 0.0 or taken <= 0.0:
+        return
+    for ph in source:
+        seconds[ph] = seconds.get(ph, 0.0) * (1.0 - moved / taken)
+    own = sum(seconds.get(ph, 0.0) for ph in target)
+    for ph in target if own > 0.0 else ():
+        seconds[ph] = seconds.get(ph, 0.0) * (1.0 + moved / own)
 
 
 def _built(model: ModelShapes, plan: Plan, rank: int) -> list[int]:

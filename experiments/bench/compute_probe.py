@@ -51,6 +51,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,6 +71,7 @@ __all__ = [
     "COMPUTE_PROBE_KINDS",
     "COMPUTE_PROBE_REPEATS",
     "OVERLAP_KIND",
+    "cache_bytes",
     "job_compute_probes",
     "probe_compute",
     "probe_overlap",
@@ -115,9 +117,10 @@ def _interleaved_medians(
 
     Interleaved, like the benchmark's strategies: a burst of load from elsewhere on a shared
     host hits one sample of every kind rather than all samples of one. And cold: before each
-    call ``scratch`` (larger than the caches) is written, as a step's other work and the
-    other strategies' model copies evict what a kind would find warm after itself (the
-    memory-bound kinds, packing, the optimizer and the write-back, took 1.3-2x as long).
+    call ``scratch`` (the size of the last-level cache, :func:`cache_bytes`) is written, as
+    a step's other work and the other strategies' model copies evict what a kind would find
+    warm after itself (the memory-bound kinds, packing, the optimizer and the write-back,
+    took 1.3-2x as long).
     """
 
     def run(fn: Callable[[], object]) -> float:
@@ -217,6 +220,23 @@ def probe_overlap(
         "compute_s": compute_s,
         "stretch_s": stretch_s,
     }
+
+
+def cache_bytes(device: torch.device) -> int:
+    """The last-level cache of ``device`` in bytes: a scratch that size, written, evicts what
+    a probe left warm (a GPU's L2; a CPU's largest cache as Linux lists it under
+    ``/sys/devices/system/cpu/cpu0/cache``; :data:`~experiments.bench.link_probe.FLUSH_BYTES`
+    where nothing says)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).L2_cache_size) or FLUSH_BYTES
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip().upper()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes, default=FLUSH_BYTES)
 
 
 def _full_rank_like(factor: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -389,7 +409,7 @@ def probe_compute(
         update_bytes = sum(m.numel() * m.element_size() for _, m in updates)
         work = {"pack": (0.0, 4.0 * update_bytes), "host": (float(len(updates)), 0.0)}
         probes["host"] = _work(work), write_back
-    scratch = torch.zeros(FLUSH_BYTES // 4, device=device)
+    scratch = torch.zeros(cache_bytes(device) // 4, device=device)
     fns = {k: fn for k, (_, fn) in probes.items()}
     medians = _interleaved_medians(fns, repeats, device, scratch=scratch)
     kinds = [k for k in COMPUTE_PROBE_KINDS if k in probes]

@@ -283,35 +283,55 @@ def network_frame(df: pd.DataFrame, *, predict: bool = True) -> pd.DataFrame:
     if "pred_iteration_ms" in frame:
         frame["pred_vs_sgd"] = over_sgd(frame, group, "pred_iteration_ms")
         frame["pred_error_%"] = 100 * (frame["pred_iteration_ms"] / frame["iteration_ms"] - 1)
+        spread = frame["iteration_max_ms"] - frame["iteration_min_ms"]
         for phase in MODEL_PHASES:
             measured = frame[MEASURED[phase]].where(frame[MEASURED[phase]] > 0)
             frame[f"pred_{phase}_error_%"] = 100 * (frame[f"pred_{phase}_ms"] / measured - 1)
+            frame[f"{phase}_resolved"] = measured >= spread
     return plots.in_order(frame, ["model", "setting", "rate_bps", "strategy"])
 
 
 def model_errors(frame: pd.DataFrame) -> pd.DataFrame:
     """The cost model's held-out error per step and per :data:`MODEL_PHASES` part: the mean,
     median and largest absolute error (%) over the rows where the part was measured (K-FAC
-    compute has none in SGD's rows), and how many rows that is."""
+    compute has none in SGD's rows), and how many rows that is.
+
+    A part smaller than its row's spread over runs (the slowest run's iteration less the
+    fastest's) is measured as no more than noise: communication is the step less its
+    compute, and 0.1 ms of it predicted as 3 ms is a 3000% error of nothing. So beside the
+    mean over every row, ``resolved rows`` and ``mean abs. error % (resolved)`` count only
+    the rows where the part is at least that spread, and ``unresolved abs. error ms`` is
+    the others' mean absolute error in milliseconds.
+    """
     if frame.empty or "pred_error_%" not in frame:
         return pd.DataFrame()
-    parts = {"step": "pred_error_%"}
-    parts.update({MODEL_PHASE_NAMES[p]: f"pred_{p}_error_%" for p in MODEL_PHASES})
+    parts = {"step": ("step", "pred_error_%")}
+    parts.update({p: (MODEL_PHASE_NAMES[p], f"pred_{p}_error_%") for p in MODEL_PHASES})
     out = []
-    for name, column in parts.items():
+    for phase, (name, column) in parts.items():
         errors = frame[column].abs().dropna()
         if errors.empty:
             continue
-        out.append(
-            {
-                "part": name,
-                "rows": len(errors),
-                "mean abs. error %": errors.mean(),
-                "median abs. error %": errors.median(),
-                "max abs. error %": errors.max(),
-                "mean error %": frame[column].dropna().mean(),
-            }
-        )
+        entry = {
+            "part": name,
+            "rows": len(errors),
+            "mean abs. error %": errors.mean(),
+            "median abs. error %": errors.median(),
+            "max abs. error %": errors.max(),
+            "mean error %": frame[column].dropna().mean(),
+        }
+        if f"{phase}_resolved" in frame:
+            kept = takeaways.resolved_errors(frame, column, phase)
+            dropped = frame.loc[errors.index.difference(kept.index)]
+            miss = (dropped[f"pred_{phase}_ms"] - dropped[MEASURED[phase]]).abs()
+            entry.update(
+                {
+                    "resolved rows": len(kept),
+                    "mean abs. error % (resolved)": kept.mean() if len(kept) else math.nan,
+                    "unresolved abs. error ms": miss.mean() if len(miss) else math.nan,
+                }
+            )
+        out.append(entry)
     return pd.DataFrame(out)
 
 
@@ -468,9 +488,11 @@ def write_network(df: pd.DataFrame, out: Path) -> dict[str, Path]:
                 "the detail tables split it: forward/backward (the pure one), K-FAC compute",
                 "(busiest rank), other work in `step()` and the optimizer, and communication",
                 "(the rest of the step: what it waited for, and the overlapped modes' work in",
-                "their backward hooks). Errors over the rows:",
+                "their backward hooks). Errors over the rows; `(resolved)`: over the rows where",
+                "the part is at least the row's spread over its runs (below that it is noise:",
+                "communication is the step less its compute), the others' error in ms beside:",
                 "",
-                to_markdown(errors, dict.fromkeys(errors.columns[2:], 1)),
+                to_markdown(errors, {**dict.fromkeys(errors.columns[2:], 1), "resolved rows": 0}),
             ]
             by_setting = model_errors_by_setting(frame)
             if len(by_setting.columns) > 2:  # more than one setting

@@ -254,7 +254,7 @@ def network(frame: pd.DataFrame) -> list[str]:
         errors = frame["pred_error_%"].abs().dropna()
         if not errors.empty:
             parts = [
-                f"{name} {frame[column].abs().mean():.0f}%"
+                f"{name} {frame[column].abs().mean():.0f}%" + _resolved(frame, phase)
                 for phase, name in NETWORK_PARTS.items()
                 if (column := f"pred_{phase}_error_%") in frame and frame[column].notna().any()
             ]
@@ -264,6 +264,24 @@ def network(frame: pd.DataFrame) -> list[str]:
                 f"{errors.median():.0f}%)" + (f"; per part: {', '.join(parts)}." if parts else ".")
             )
     return lines[:5]
+
+
+def resolved_errors(frame: pd.DataFrame, column: str, phase: str) -> pd.Series:
+    """The absolute errors (%) of ``column`` in the rows where the part ``phase`` is at
+    least the row's spread over runs (``<phase>_resolved``, set by
+    :func:`experiments.bench.network_table.network_frame`; every row where it is unset)."""
+    errors = frame[column].abs().dropna()
+    resolved = frame.get(f"{phase}_resolved")
+    return errors if resolved is None else errors[resolved.loc[errors.index].astype(bool)]
+
+
+def _resolved(frame: pd.DataFrame, phase: str) -> str:
+    """The page's note on a part some rows measure below their runs' spread (else "")."""
+    column = f"pred_{phase}_error_%"
+    kept, every = resolved_errors(frame, column, phase), frame[column].dropna()
+    if len(kept) == len(every) or kept.empty:
+        return ""
+    return f" ({kept.mean():.0f}% in the {len(kept)} rows where it exceeds its runs' spread)"
 
 
 def _rivals(others: pd.DataFrame, focus: pd.Series) -> tuple[pd.Series, dict[str, tuple[int, int]]]:
