@@ -54,9 +54,23 @@ def test_the_probes_are_timed_in_interleaved_rounds() -> None:
         return run
 
     probes = {"a": probe("a", [9, 1, 2, 30]), "b": probe("b", [9, 5, 50, 4])}
-    medians = compute_probe._interleaved_medians(probes, 3, torch.device("cpu"), lambda: now[0])
+    rounds = compute_probe._interleaved_rounds(probes, 3, torch.device("cpu"), lambda: now[0])
     assert calls == ["a", "b"] * 4
-    assert medians == {"a": 2, "b": 5}
+    assert rounds == {"a": [1, 2, 30], "b": [5, 50, 4]}
+    assert compute_probe._busiest_median(list(rounds.values()), torch.device("cpu")) == [2, 5]
+
+
+def _busiest(rank: int, world_size: int) -> list[float]:
+    rounds = [[1.0, 5.0, 3.0], [4.0, 2.0, 2.0]]
+    return compute_probe._busiest_median([rounds[rank]], torch.device("cpu"))
+
+
+@pytest.mark.distributed
+def test_a_probe_is_read_as_a_row_reads_its_steps() -> None:
+    """Per round the most over ranks, then the median over rounds (a row: per step the most
+    over ranks, then the median over steps); the median per rank, then the most, would be
+    3: the busier rank of a round is not always the same one."""
+    assert run_ranks(_busiest, 2) == [[4.0], [4.0]]
 
 
 def test_the_probes_scratch_is_the_size_of_the_last_level_cache() -> None:

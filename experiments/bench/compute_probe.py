@@ -39,8 +39,9 @@ as a step runs them, nothing of them distributed:
   the "host" work per layer the cost model's ``step_other`` counts.
 
 Each entry records its work as the cost model counts it (:mod:`dpkfac.costmodel.timing`)
-and the median seconds over rounds that each time every kind once, in turn (interleaved,
-as the job's strategies are), the most over ranks (compute phases are the busiest rank's).
+and its seconds over rounds that each time every kind once, in turn (interleaved, as the
+job's strategies are): per round the most over ranks, then the median over rounds, the
+statistic a row takes of its steps (compute phases are the busiest rank's).
 :func:`experiments.bench.predict.probe_engines` scales the base preset's engines to them;
 the network table's held-out predictions use them with the link probes. None of
 it times a step or any strategy: the steps it predicts are measured after it.
@@ -105,14 +106,14 @@ FOLD_DECAY = 0.95
 COMPUTE_PROBE_REPEATS = 7
 
 
-def _interleaved_medians(
+def _interleaved_rounds(
     probes: Mapping[str, Callable[[], object]],
     repeats: int,
     device: torch.device,
     clock: Callable[[], float] = time.perf_counter,
     scratch: torch.Tensor | None = None,
-) -> dict[str, float]:
-    """Median seconds of each probe (to completion on ``device``) over ``repeats`` rounds,
+) -> dict[str, list[float]]:
+    """Seconds of each probe (to completion on ``device``) in each of ``repeats`` rounds,
     after one untimed round; each round times every probe once, in order.
 
     Interleaved, like the benchmark's strategies: a burst of load from elsewhere on a shared
@@ -140,7 +141,7 @@ def _interleaved_medians(
     for _ in range(repeats):
         for kind, fn in probes.items():
             samples[kind].append(run(fn))
-    return {kind: statistics.median(times) for kind, times in samples.items()}
+    return samples
 
 
 #: The kind of the compute probes' entry that says how much of a transfer runs beside
@@ -222,6 +223,17 @@ def probe_overlap(
     }
 
 
+def _busiest_median(rounds: list[list[float]], device: torch.device) -> list[float]:
+    """Per kind (one list of seconds per round each), the median over rounds of the most over
+    ranks in each round: the statistic a row takes of its steps (a step waits for the slowest
+    rank; the median over steps), so a probe and the phase it prices are read alike. The
+    same on every rank (a collective where a group is up)."""
+    samples = torch.tensor(rounds, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(samples, op=dist.ReduceOp.MAX)
+    return [statistics.median(times) for times in samples.tolist()]
+
+
 def cache_bytes(device: torch.device) -> int:
     """The last-level cache of ``device`` in bytes: a scratch that size, written, evicts what
     a probe left warm (a GPU's L2; a CPU's largest cache as Linux lists it under
@@ -271,7 +283,7 @@ def probe_compute(
     set and its weights are stepped once per optimizer repeat, so pass a throwaway copy).
 
     Every rank calls it when a process group is up (the entries are then the same on
-    every rank: the most over ranks); alone, its own times.
+    every rank: per round the most over ranks, then the median); alone, its own times.
 
     Returns:
         One entry per kind of :data:`COMPUTE_PROBE_KINDS` (``precondition``, ``factor``
@@ -411,17 +423,15 @@ def probe_compute(
         probes["host"] = _work(work), write_back
     scratch = torch.zeros(cache_bytes(device) // 4, device=device)
     fns = {k: fn for k, (_, fn) in probes.items()}
-    medians = _interleaved_medians(fns, repeats, device, scratch=scratch)
+    rounds = _interleaved_rounds(fns, repeats, device, scratch=scratch)
     kinds = [k for k in COMPUTE_PROBE_KINDS if k in probes]
-    seconds = torch.tensor([medians[k] for k in kinds], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    seconds = _busiest_median([rounds[k] for k in kinds], device)
     out = [
         {"kind": k, "work": probes[k][0], "seconds": float(t)}
-        for k, t in zip(kinds, seconds.tolist(), strict=True)
+        for k, t in zip(kinds, seconds, strict=True)
     ]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        out.append(probe_overlap(fwd_bwd, float(seconds[kinds.index("forward_backward")]), device))
+        out.append(probe_overlap(fwd_bwd, seconds[kinds.index("forward_backward")], device))
     return out
 
 
