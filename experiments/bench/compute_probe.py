@@ -90,6 +90,9 @@ COMPUTE_PROBE_KINDS = (
     "fold",
     "host",
 )
+#: The kind of the compute probes' entry that says how much of a transfer runs beside
+#: compute (not an engine: :func:`probe_overlap`).
+OVERLAP_KIND = "overlap"
 #: Rounds of the overlap probe (each times the transfer alone, the compute alone and both).
 OVERLAP_REPEATS = 5
 #: The overlap probe's transfer takes about this share of the compute's time alone (so it
@@ -127,12 +130,10 @@ def _interleaved_rounds(
     def run(fn: Callable[[], object]) -> float:
         if scratch is not None:
             scratch.add_(1.0)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync(device)
         start = clock()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync(device)
         return clock() - start
 
     for fn in probes.values():
@@ -142,11 +143,6 @@ def _interleaved_rounds(
         for kind, fn in probes.items():
             samples[kind].append(run(fn))
     return samples
-
-
-#: The kind of the compute probes' entry that says how much of a transfer runs beside
-#: compute (not an engine: :func:`probe_overlap`).
-OVERLAP_KIND = "overlap"
 
 
 def _least_over_ranks(seconds: float, device: torch.device) -> float:
