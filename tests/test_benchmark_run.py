@@ -44,9 +44,11 @@ def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def _cli(*args: str, timeout: int = 240, probes: bool = False) -> subprocess.CompletedProcess:
+    """``python -m experiments.bench ARGS``; without the job's probes unless a test reads them
+    (they take seconds a job, most of a tiny model's)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "experiments.bench", *args]
+    cmd = [sys.executable, "-m", "experiments.bench", *args, f"probes={str(probes).lower()}"]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -155,6 +157,11 @@ def test_ablation_preset_states_every_switch() -> None:
     assert (spec["factor_update_steps"], spec["inv_update_steps"]) == (10, 100)
 
 
+def test_probes_are_on_unless_turned_off() -> None:
+    assert _spec()["probes"] is True
+    assert _spec("probes=false")["probes"] is False
+
+
 def test_workload_sets_what_k_fac_sees() -> None:
     """Sequence models average positions; only the Transformer's vocabulary layers are skipped."""
     spec = _spec("model=transformer")
@@ -186,6 +193,8 @@ def test_practical_setting_measures_whole_cycles(strategy: str) -> None:
         ("factor_kernels.reps=0", "factor_kernels.reps=0"),
         ("factor_kernels.threads=[]", "factor_kernels.threads=[]"),
         ("fidelity.every=0", "fidelity.every=0"),
+        ("probes=sometimes", "probes='sometimes'"),
+        ("trace=1", "trace=1"),
     ],
 )
 def test_bad_values_are_named(override: str, named: str) -> None:

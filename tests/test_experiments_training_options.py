@@ -94,12 +94,27 @@ def test_fp16_resume_is_bitwise(train, tmp_path):
     _assert_same_state(_ckpt(tmp_path / "straight"), _ckpt(tmp_path / "second"))
 
 
+#: Epochs of the default preset (of its 10) the mixed-precision runs are compared over: there
+#: fp32 reaches 0.956, fp16 0.969 and bf16 0.947 (seed 0), and fp16 takes 23 s on this host.
+MIXED_EPOCHS = 4
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_reaches_the_presets_accuracy(precision, train, tmp_path):
-    """The whole default preset (10 epochs of the real digits, about 25 s each)."""
-    result = train("data.fake=false", f"trainer.precision={precision}", out=tmp_path / "run")
-    assert result["accuracy"] >= 0.95, result
+def test_mixed_precision_learns_as_fp32_does(train, tmp_path):
+    """The default preset on the real digits, in fp32, bf16 and fp16 from the same seed: the
+    mixed-precision runs end within 0.02 of fp32's test accuracy, itself above 0.93."""
+    accuracy = {
+        precision: train(
+            "data.fake=false",
+            f"trainer.precision={precision}",
+            f"trainer.max_epochs={MIXED_EPOCHS}",
+            out=tmp_path / precision,
+        )["accuracy"]
+        for precision in ("32", "bf16", "fp16")
+    }
+    assert accuracy["32"] >= 0.93, accuracy
+    for precision in ("bf16", "fp16"):
+        assert accuracy[precision] >= accuracy["32"] - 0.02, accuracy
 
 
 @pytest.mark.parametrize(

@@ -234,6 +234,7 @@ def test_the_benchmark_writes_one_trace_of_every_rank_and_strategy(tmp_path: Pat
         "warmup=3",
         "steps=2",
         "trace=true",
+        "probes=false",
         f"hydra.run.dir={tmp_path}",
     ]
     cmd = [sys.executable, "-m", "experiments.bench", *args]

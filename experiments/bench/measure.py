@@ -33,7 +33,7 @@ import contextlib
 import datetime
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from experiments.bench.compute_probe import job_compute_probes
 from experiments.bench.link_probe import faithful_rate, network_record, probe_links, sync
 from experiments.distributed import deadline
 from experiments.network import node_link
+from experiments.preconditioning import with_schedules
 
 #: The optimizer every strategy's steps use, as :data:`dpkfac.costmodel.OPTIMIZER_STATE`
 #: names it: what the predicted whole-process memory assumes (:class:`_Stepper`).
@@ -126,16 +127,6 @@ def process_group(device: str, timeout_s: float) -> Iterator[tuple[int, int, tor
         yield dist.get_rank(), dist.get_world_size(), dev
     finally:
         dist.destroy_process_group()
-
-
-def with_schedules(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Preconditioner arguments with their schedule nodes (``_target_``) instantiated."""
-    from hydra.utils import instantiate
-
-    return {
-        key: instantiate(value) if isinstance(value, Mapping) and "_target_" in value else value
-        for key, value in kwargs.items()
-    }
 
 
 class _Stepper:
@@ -308,7 +299,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
     with flushed_denormals(), group as (rank, size, device):
         # On an emulated network, the highest rate it carries faithfully (its rate restored
         # after); then the links as this job's steps meet them, before any model is built.
-        link, probing = node_link(), spec.get("probe_links", True)
+        link, probing = node_link(), spec.get("probes", True)
         faithful = faithful_rate(device, link) if link is not None and probing else None
         probes = probe_links(device) if probing else []
         # This host's engines on the job's own model, timed alone before any strategy.

@@ -180,6 +180,7 @@ def job_spec(
         "device",
         "timeout_s",
         "trace",
+        "probes",
     )
     spec: dict[str, Any] = {key: plain(cfg[key]) for key in keys}
     spec["model"] = {
