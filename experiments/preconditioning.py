@@ -87,6 +87,17 @@ def preconditioner_kwargs(node: Mapping[str, Any] | DictConfig) -> dict[str, Any
     return {"strategy": str(node["algorithm"]), **node_options(node)}
 
 
+def with_schedules(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Preconditioner arguments (:func:`preconditioner_kwargs`, as the benchmark ships them to
+    its ranks) with their schedule nodes (``_target_``) instantiated."""
+    from hydra.utils import instantiate
+
+    return {
+        key: instantiate(value) if isinstance(value, Mapping) and "_target_" in value else value
+        for key, value in kwargs.items()
+    }
+
+
 def build_preconditioner(
     model: nn.Module, *, algorithm: str, name: str | None = None, **kwargs: Any
 ) -> KFACPreconditioner:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from typing import Any
 
 import pytest
@@ -210,3 +211,45 @@ def test_engines_are_scaled_until_they_give_the_probes_seconds() -> None:
     assert hw.engines["factor"] == engines["factor"]
     assert hw.engines["eigh"] == engines["eigh"]
     assert hw.engines["inverse"] == base.engines["inverse"]  # not probed: the preset's
+
+
+def test_a_probe_that_times_its_own_part_is_read_by_what_it_returns() -> None:
+    """The host probe returns the seconds of its step outside the step's phases; the rounds
+    take them rather than the whole call's (its backward pass included)."""
+    now = [0.0]
+
+    def own() -> float:
+        now[0] += 10.0
+        return 0.25
+
+    rounds = compute_probe._interleaved_rounds({"own": own}, 2, torch.device("cpu"), lambda: now[0])
+    assert rounds == {"own": [0.25, 0.25]}
+
+
+@pytest.mark.parametrize("kl_clip", [0.001, None])
+def test_the_host_probe_is_a_plain_step_outside_its_phases(kl_clip: float | None) -> None:
+    """A real preconditioner's plain steps on the model alone: the gradients are
+    preconditioned in place, no decomposition after the first (untimed) call, and the
+    seconds returned are the step's wall time less its timed phases."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    batch = (torch.randn(8, 6), torch.randint(0, 3, (8,)))
+
+    def loss(m: torch.nn.Module, b: Any) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(m(b[0]), b[1])
+
+    options = {"strategy": "dp_kfac", "damping": 0.003, "kl_clip": kl_clip}
+    step, pre = compute_probe._plain_step(model, batch, loss, options, 0.1, torch.device("cpu"))
+    assert pre.options.kl_clip == kl_clip
+    for call in range(3):
+        started = time.perf_counter()
+        seconds = step()
+        assert 0.0 <= seconds < time.perf_counter() - started
+        if call:  # plain: the updates from the first call's decompositions
+            timed = pre.timings()
+            assert timed["decomposition"] == timed["factor_compute"] == 0.0 < timed["precondition"]
+    preconditioned = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    loss(model, batch).backward()
+    raw = [p.grad for p in model.parameters()]
+    assert not all(torch.equal(a, b) for a, b in zip(preconditioned, raw, strict=True))

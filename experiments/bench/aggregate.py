@@ -56,6 +56,13 @@ def kind_weights(factor_update_steps: int, inv_update_steps: int) -> dict[str, f
     return {k: w for k, w in weights.items() if w > 0}
 
 
+def in_step(phases: dict[str, float], in_hooks: dict[str, float]) -> float:
+    """Seconds of ``phases`` (the preconditioner's timings after ``step()``) timed inside
+    ``step()``: less what its timings held after the backward pass (``in_hooks``, the phases
+    of the forward and backward hooks). ``step()``'s wall time less this is its other work."""
+    return sum(max(t - in_hooks.get(p, 0.0), 0.0) for p, t in phases.items())
+
+
 def _flatten(record: dict[str, Any]) -> dict[str, float]:
     """One rank's step record as flat scalars."""
     phases = record["phases"]
@@ -63,12 +70,11 @@ def _flatten(record: dict[str, Any]) -> dict[str, float]:
     in_hooks = record.get("phases_in_fwd_bwd") or {
         "factor_compute": phases.get("factor_compute", 0.0)
     }
-    in_step = sum(max(t - in_hooks.get(p, 0.0), 0.0) for p, t in phases.items())
     flat = {
         "iteration": record["iteration"],
         "fwd_bwd": max(record["fwd_bwd_wall"] - sum(in_hooks.values()), 0.0),
         "optimizer": record["optimizer"],
-        "step_other": max(record["step_wall"] - in_step, 0.0),
+        "step_other": max(record["step_wall"] - in_step(phases, in_hooks), 0.0),
         **{phase: phases.get(phase, 0.0) for phase in ("grad_comm", *KFAC_PHASES)},
     }
     for cat in COMM_CATEGORIES:

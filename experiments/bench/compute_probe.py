@@ -34,9 +34,14 @@ as a step runs them, nothing of them distributed:
   the forward/backward rather than taking turns with it on the rank's core
   (:func:`probe_overlap`), the cost model's ``Hardware.overlap``, which the network table's
   predictions otherwise take from a preset fitted on loopback;
-* ``host``: every K-FAC layer's update scaled (the KL clip) and written back into its
-  ``.grad``, as ``step()`` ends: per layer a few small kernels and the package's Python,
-  the "host" work per layer the cost model's ``step_other`` counts.
+* ``host``: a plain step's other work, the "host" work per layer the cost model's
+  ``step_other`` counts: a real ``KFACPreconditioner.step()`` of the job's first K-FAC
+  configuration on a copy of the model, on this rank alone (a group of one: nothing is
+  communicated, nothing packed), after a backward pass, its wall time less its timed
+  phases, as a row reads ``step_other`` (:func:`experiments.bench.aggregate.in_step`).
+  That is every layer's update scaled (the KL clip) and written back into its ``.grad``,
+  and the package's Python around each layer's phases. Timing the write-back alone priced
+  ResNet-32's practical step at 1.0 ms where the rows measured 6.5-10 ms.
 
 Each entry records its work as the cost model counts it (:mod:`dpkfac.costmodel.timing`)
 and its seconds over rounds that each time every kind once, in turn (interleaved, as the
@@ -49,6 +54,7 @@ it times a step or any strategy: the steps it predicts are measured after it.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -59,6 +65,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dpkfac import KFACPreconditioner
 from dpkfac.costmodel.optimizers import step_bytes
 from dpkfac.costmodel.shapes import shapes_from_model
 from dpkfac.costmodel.timing import factor_work, fold_work, forward_backward_work
@@ -116,8 +123,9 @@ def _interleaved_rounds(
     clock: Callable[[], float] = time.perf_counter,
     scratch: torch.Tensor | None = None,
 ) -> dict[str, list[float]]:
-    """Seconds of each probe (to completion on ``device``) in each of ``repeats`` rounds,
-    after one untimed round; each round times every probe once, in order.
+    """Seconds of each probe (to completion on ``device``; or the seconds it returns, where
+    it times its own part of the call) in each of ``repeats`` rounds, after one untimed
+    round; each round times every probe once, in order.
 
     Interleaved, like the benchmark's strategies: a burst of load from elsewhere on a shared
     host hits one sample of every kind rather than all samples of one. And cold: before each
@@ -132,9 +140,10 @@ def _interleaved_rounds(
             scratch.add_(1.0)
             sync(device)
         start = clock()
-        fn()
+        seconds = fn()
         sync(device)
-        return clock() - start
+        # A probe that times its own part of the call (a step's work outside its phases).
+        return seconds if isinstance(seconds, float) else clock() - start
 
     for fn in probes.values():
         run(fn)
@@ -273,6 +282,7 @@ def probe_compute(
     skip_layers: list[str] | None = None,
     factor_method: str = DEFAULT_METHOD,
     damping: float = 1e-3,
+    preconditioner: Mapping[str, Any] | None = None,
     repeats: int = COMPUTE_PROBE_REPEATS,
 ) -> list[dict[str, Any]]:
     """Time this host's engines on ``model`` (a copy of the job's; its gradients are left
@@ -280,6 +290,8 @@ def probe_compute(
 
     Every rank calls it when a process group is up (the entries are then the same on
     every rank: per round the most over ranks, then the median); alone, its own times.
+    ``preconditioner``: the ``KFACPreconditioner`` arguments of the ``host`` probe's plain
+    step (its update intervals and process group are the probe's; default: dp_kfac's).
 
     Returns:
         One entry per kind of :data:`COMPUTE_PROBE_KINDS` (``precondition``, ``factor``
@@ -289,6 +301,7 @@ def probe_compute(
         forward/backward (kind :data:`OVERLAP_KIND`).
     """
     device = next(model.parameters()).device
+    step_model = copy.deepcopy(model)  # the host probe's, before the probes' hooks
     shapes = shapes_from_model(model, example_input, batch_size, skip_layers=skip_layers or [])
     modules = dict(model.named_modules())
     layers = []
@@ -407,16 +420,14 @@ def probe_compute(
             built = [index[s.name] for s, _ in captured]
             work = fold_work(shapes, built, matrices[0].element_size())
             probes["fold"] = _work(work), fold
-        updates = [(x, precondition_layer(x, g, damping).matrix) for x, g in grad_matrices()]
-        scale = torch.ones((), device=device)
-
-        def write_back() -> None:
-            for x, matrix in updates:
-                x.helper.set_grad_matrix(matrix * scale)
-
-        update_bytes = sum(m.numel() * m.element_size() for _, m in updates)
-        work = {"pack": (0.0, 4.0 * update_bytes), "host": (float(len(updates)), 0.0)}
-        probes["host"] = _work(work), write_back
+        updates = [g for _, g in grad_matrices()]
+        options = dict(preconditioner or {})
+        step, pre = _plain_step(step_model, batch, loss, options, lr, device)
+        update_bytes = sum(g.numel() * g.element_size() for g in updates)
+        # step_other_bytes: each update read and written, and with the KL clip scaled first.
+        copies = 4.0 if pre.options.kl_clip is not None else 2.0
+        work = {"pack": (0.0, copies * update_bytes), "host": (float(len(updates)), 0.0)}
+        probes["host"] = _work(work), step
     scratch = torch.zeros(cache_bytes(device) // 4, device=device)
     fns = {k: fn for k, (_, fn) in probes.items()}
     rounds = _interleaved_rounds(fns, repeats, device, scratch=scratch)
@@ -431,6 +442,52 @@ def probe_compute(
     return out
 
 
+#: The host probe's update intervals: factors and decompositions at its first (untimed)
+#: step only, every timed step plain.
+NEVER = 10**9
+
+
+def _own_group() -> dist.ProcessGroup | None:
+    """A process group of this rank alone (every rank makes every rank's, in rank order, as
+    ``new_group`` asks); None without a group up, where a preconditioner is alone anyway."""
+    if not dist.is_initialized():
+        return None
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    return groups[dist.get_rank()]
+
+
+def _plain_step(
+    model: nn.Module,
+    batch: Any,
+    loss: Callable[[nn.Module, Any], torch.Tensor],
+    options: Mapping[str, Any],
+    lr: float,
+    device: torch.device,
+) -> tuple[Callable[[], float], KFACPreconditioner]:
+    """The ``host`` probe: a call that runs a backward pass and a plain ``step()`` of a
+    preconditioner on ``model`` alone and returns the step's seconds outside its timed
+    phases; and that preconditioner."""
+    from experiments.bench.aggregate import in_step
+
+    kwargs = {**options, "lr": lr, "process_group": _own_group()}
+    kwargs.update(factor_update_steps=NEVER, inv_update_steps=NEVER)
+    pre = KFACPreconditioner(model, **kwargs)
+
+    def step() -> float:
+        pre.reset_stats()
+        model.zero_grad(set_to_none=True)
+        loss(model, batch).backward()
+        sync(device)
+        in_hooks = pre.timings()
+        start = time.perf_counter()
+        pre.step()
+        sync(device)
+        wall = time.perf_counter() - start
+        return max(wall - in_step(pre.timings(), in_hooks), 0.0)
+
+    return step, pre
+
+
 def job_compute_probes(spec: Mapping[str, Any], rank: int, device: torch.device) -> list[dict]:
     """:func:`probe_compute` of a benchmark job's model (a copy of its own, built and fed as
     the job's strategies are: ``spec`` is :func:`experiments.bench.run.job_spec`'s), with the
@@ -443,6 +500,8 @@ def job_compute_probes(spec: Mapping[str, Any], rank: int, device: torch.device)
     model = bench.model.to(device)
     batch = bench.make_batch(int(spec["seed"]) * 1000 + 17 * (rank + 1))
     batch = {k: v.to(device) for k, v in batch.items()}
+    from experiments.preconditioning import with_schedules
+
     kfac = next((m["kfac"] for m in spec["strategies"] if m["kfac"] is not None), None) or {}
     damping = kfac.get("damping", 1e-3)
     return probe_compute(
@@ -456,4 +515,5 @@ def job_compute_probes(spec: Mapping[str, Any], rank: int, device: torch.device)
         skip_layers=list(kfac.get("skip_layers") or []),
         factor_method=str(kfac.get("factor_method", DEFAULT_METHOD)),
         damping=float(damping) if isinstance(damping, (int, float)) else 1e-3,
+        preconditioner=with_schedules(kfac),
     )

@@ -70,9 +70,8 @@ def preconditioner_kwargs_of(name: str, hardware: str) -> dict[str, Any] | None:
     A strategy that would measure its hardware model at start-up gets the preset
     ``hardware`` instead: at P=1 nothing is received, so there is nothing to probe.
     """
-    from experiments.bench.measure import with_schedules
     from experiments.config import compose_config
-    from experiments.preconditioning import preconditioner_kwargs
+    from experiments.preconditioning import preconditioner_kwargs, with_schedules
 
     cfg = compose_config("benchmark", [f"strategy={name}"])
     kwargs = preconditioner_kwargs(cfg.strategy)

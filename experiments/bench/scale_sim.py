@@ -431,8 +431,7 @@ def strategy_config(cfg: Any, *, factor_method: str | None = None) -> StrategyCo
     ``factor_method``: the batch-factor kernel instead of the config's (None:
     the config's; why "unfold" by default: see the module docstring).
     """
-    from experiments.bench.measure import with_schedules
-    from experiments.preconditioning import preconditioner_kwargs, strategy_name
+    from experiments.preconditioning import preconditioner_kwargs, strategy_name, with_schedules
 
     kwargs = preconditioner_kwargs(cfg.strategy)
     if kwargs is None:
