@@ -73,7 +73,9 @@ from dpkfac.curvature import EigenDecomposition, KFACLayer, helper_for
 from dpkfac.curvature.factors import DEFAULT_METHOD
 from dpkfac.plan.assignment import EIGH_COEFF
 from dpkfac.plan.fusion import travels_alone
+from experiments.bench.aggregate import in_step
 from experiments.bench.link_probe import FLUSH_BYTES, sync
+from experiments.preconditioning import with_schedules
 
 __all__ = [
     "COMPUTE_PROBE_KINDS",
@@ -467,8 +469,6 @@ def _plain_step(
     """The ``host`` probe: a call that runs a backward pass and a plain ``step()`` of a
     preconditioner on ``model`` alone and returns the step's seconds outside its timed
     phases; and that preconditioner."""
-    from experiments.bench.aggregate import in_step
-
     kwargs = {**options, "lr": lr, "process_group": _own_group()}
     kwargs.update(factor_update_steps=NEVER, inv_update_steps=NEVER)
     pre = KFACPreconditioner(model, **kwargs)
@@ -500,8 +500,6 @@ def job_compute_probes(spec: Mapping[str, Any], rank: int, device: torch.device)
     model = bench.model.to(device)
     batch = bench.make_batch(int(spec["seed"]) * 1000 + 17 * (rank + 1))
     batch = {k: v.to(device) for k, v in batch.items()}
-    from experiments.preconditioning import with_schedules
-
     kfac = next((m["kfac"] for m in spec["strategies"] if m["kfac"] is not None), None) or {}
     damping = kfac.get("damping", 1e-3)
     return probe_compute(
