@@ -94,6 +94,32 @@ def test_each_step_is_split_into_compute_exposed_and_hidden_communication() -> N
     assert two.loc["dp_kfac", "floor_ms"] == pytest.approx(10.5)  # compute-bound there
 
 
+def test_a_configs_ratios_are_its_own_median_run_not_the_median_jobs() -> None:
+    """The median job is ranked by every config together; here it holds the overlapped
+    config's slowest run (18 ms), and its ratios are read from its own median run."""
+    wire = {"wire_grad_allreduce": 1_500_000}
+    times = {0: (22, 32, 18), 1: (24, 36, 15), 2: (21, 31, 16)}  # totals 72, 75, 68
+    rows = []
+    for seed, (sgd, plain, overlapped) in times.items():
+        rows.append(_row("none", 1e9, seed, sgd, fwd_bwd_s=0.008, **wire))
+        rows.append(_row("dp_kfac", 1e9, seed, plain, **wire))
+        rows.append(_row("dp_kfac_owner_overlap", 1e9, seed, overlapped, **wire))
+    frame = network_table.network_frame(pd.DataFrame(rows), predict=False)
+    overlap = frame.set_index("strategy").loc["dp_kfac_owner_overlap"]
+    assert overlap["iteration_ms"] == 18.0  # the median job's row (seed 0)
+    assert overlap["vs_sgd"] == pytest.approx(16 / 21)  # ratios 18/22, 15/24, 16/21
+    assert (overlap["vs_sgd_min"], overlap["vs_sgd_max"]) == pytest.approx((15 / 24, 18 / 22))
+    floor = 12 + 4 / 3 + 2  # the same in every run: wire, forward, after
+    assert overlap["vs_floor"] == pytest.approx(16 / floor)
+    assert (overlap["vs_floor_min"], overlap["vs_floor_max"]) == pytest.approx(
+        (15 / floor, 18 / floor)
+    )
+    assert overlap["floor_vs_sgd"] == pytest.approx(floor / 22)  # the median job's SGD
+    answer = takeaways.network(frame)
+    assert f"{16 / 21:.2f}× ({15 / 24:.2f}–{18 / 22:.2f}) SGD" in answer[0]
+    assert f"{16 / floor:.2f}× ({15 / floor:.2f}–{18 / floor:.2f}) its floor" in answer[0]
+
+
 def test_the_cost_model_predicts_every_row_from_its_probe_alone() -> None:
     frame = network_table.network_frame(_rows())
     assert frame["pred_iteration_ms"].gt(0).all()

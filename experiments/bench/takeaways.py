@@ -49,6 +49,12 @@ def _with_runs(strategy: str, row: pd.Series) -> str:
     return f"{strategy} {ratio_text(row['vs_sgd'], low, high, int(row.get('runs', 1) or 1), '×')}"
 
 
+def _floor_text(row: pd.Series) -> str:
+    """``1.04× (1.03–1.11)``: a config's iteration over its floor and the range over runs."""
+    low, high = row.get("vs_floor_min", math.nan), row.get("vs_floor_max", math.nan)
+    return ratio_text(row["vs_floor"], low, high, int(row.get("runs", 1) or 1), "×")
+
+
 def _distinct(values: Iterable[Any], sep: str = ", ") -> str:
     """The values' distinct texts, in order of first appearance."""
     return sep.join(dict.fromkeys(str(v) for v in values))
@@ -216,7 +222,8 @@ def network(frame: pd.DataFrame) -> list[str]:
         shown = focus.iloc[0] if not focus.empty else best
         parts = [
             f"DDP SGD {sgd['iteration_ms'].iloc[0]:.0f} ms",
-            f"{_with_runs(str(shown['strategy']), shown)} SGD, {shown['vs_floor']:.2f}× its floor, "
+            f"{_with_runs(str(shown['strategy']), shown)} SGD, "
+            f"{_floor_text(shown)} its floor, "
             f"which is {shown['floor_vs_sgd']:.2f}× SGD",
         ]
         if not twins.empty:
