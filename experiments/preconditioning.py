@@ -87,6 +87,24 @@ def preconditioner_kwargs(node: Mapping[str, Any] | DictConfig) -> dict[str, Any
     return {"strategy": str(node["algorithm"]), **node_options(node)}
 
 
+def split_options(kwargs: Mapping[str, Any]) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """Preconditioner arguments (with ``strategy``) split as the library splits them: the
+    strategy's name, the common options (:class:`dpkfac.options.KFACOptions` fields, dtypes
+    as torch's) and the strategy's own options. Private keys (``_target_``) are not options.
+    """
+    from dataclasses import fields
+
+    from dpkfac.options import KFACOptions
+
+    values = {k: v for k, v in kwargs.items() if not k.startswith("_")}
+    if "strategy" not in values:
+        raise ValueError(f"preconditioner arguments {sorted(values)} name no strategy")
+    name = str(values.pop("strategy"))
+    known = {f.name for f in fields(KFACOptions)}
+    common = {k: to_dtype(k, values.pop(k)) for k in list(values) if k in known}
+    return name, common, values
+
+
 def with_schedules(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """Preconditioner arguments (:func:`preconditioner_kwargs`, as the benchmark ships them to
     its ranks) with their schedule nodes (``_target_``) instantiated."""

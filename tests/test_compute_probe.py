@@ -14,8 +14,10 @@ from dist_utils import run_ranks
 from test_benchmark_tables import MLP_COLUMNS
 
 from dpkfac.costmodel import PRESETS, Engine
+from dpkfac.costmodel import predict as costmodel_predict
 from dpkfac.costmodel.optimizers import step_bytes
 from dpkfac.costmodel.timing import factor_work, forward_backward_work
+from dpkfac.options import KFACOptions
 from dpkfac.plan import fusion
 from dpkfac.plan.assignment import EIGH_COEFF
 from experiments.bench import compute_probe, predict
@@ -91,7 +93,8 @@ def test_the_probes_scratch_is_the_size_of_the_last_level_cache() -> None:
 
 def test_every_engine_is_timed_on_the_jobs_own_model() -> None:
     entries = job_compute_probes(SPEC, 0, torch.device("cpu"))
-    assert [e["kind"] for e in entries] == list(COMPUTE_PROBE_KINDS)
+    # Alone there is no collective to launch: no launch probe.
+    assert [e["kind"] for e in entries] == [k for k in COMPUTE_PROBE_KINDS if k != "launch"]
     assert all(e["seconds"] > 0 for e in entries)
     work = {e["kind"]: e["work"] for e in entries}
     shapes, _ = predict.row_shapes({**MLP_COLUMNS})
@@ -145,11 +148,41 @@ def test_probes_agree_on_every_rank() -> None:
     assert results[0] == results[1]  # the most over ranks, agreed by an all-reduce
     # With two ranks, one entry more: how much of a transfer ran beside the forward/backward.
     assert [e["kind"] for e in results[0]] == [*COMPUTE_PROBE_KINDS, OVERLAP_KIND]
+    # The launch probe's plain step at P=2: beside the host probe's write-back, the cost
+    # model's packing and one launch per collective (dp_kfac: the gradients' all-reduce and
+    # one fused broadcast per owner), the busiest rank's.
+    work = {e["kind"]: e["work"] for e in results[0][:-1]}
+    shapes, _ = predict.row_shapes({**MLP_COLUMNS})
+    kfac = KFACOptions(damping=0.003, factor_update_steps=10**9, inv_update_steps=10**9)
+    plain = costmodel_predict(
+        shapes, strategy="dp_kfac", world_size=2, hardware=PRESETS["cpu_gloo_local"], kfac=kfac
+    ).plain
+    busiest = max(w["step_other"]["pack"][1] for w in plain.work)
+    assert work["launch"]["launch"] == [float(len(plain.rank_collectives[0])), 0.0] == [3.0, 0.0]
+    assert work["launch"]["host"] == work["host"]["host"]
+    assert work["launch"]["pack"] == [0.0, busiest]
+    assert busiest > work["host"]["pack"][1]  # the gradients and updates packed too
     overlap = results[0][-1]
     assert 0.0 <= overlap["overlap"] <= 1.0
     low, high = compute_probe.OVERLAP_BYTES
     assert low <= overlap["nbytes"] <= high and overlap["nbytes"] % 4 == 0
     assert overlap["transfer_s"] > 0 and overlap["compute_s"] > 0
+
+
+def _probe_owner(rank: int, world_size: int) -> list[dict[str, Any]]:
+    owner = {"strategy": "dp_kfac", "damping": 0.003, "grad_reduction": "owner"}
+    spec = {**SPEC, "strategies": [{"name": "dp_kfac_owner", "kfac": owner}]}
+    return job_compute_probes(spec, rank, torch.device("cpu"))
+
+
+@pytest.mark.distributed
+def test_a_step_the_fake_backend_cannot_run_drops_the_launch_probe_alone() -> None:
+    """The owner reduction's uneven all-gather does not fit the fake backend's copies: no
+    launch probe for that job (the model's launches stay free), every other probe kept."""
+    first, second = run_ranks(_probe_owner, 2)
+    assert first == second
+    kinds = [k for k in COMPUTE_PROBE_KINDS if k != "launch"]
+    assert [e["kind"] for e in first] == [*kinds, OVERLAP_KIND]
 
 
 def _overlap_of_sleep(rank: int, world_size: int) -> dict[str, Any]:
@@ -199,6 +232,12 @@ def test_engines_are_scaled_until_they_give_the_probes_seconds() -> None:
     assert engines["pack"].time(0, 4e6) == pytest.approx(1e-3)
     # The preset has no "host" engine (free): the probe less its 2 ms of copies, per call.
     assert engines["host"] == Engine(math.inf, pytest.approx(1e-4))
+    # The launch probe: its copies (4 ms) and the host's calls (1 ms) priced by the engines
+    # fitted before it, the rest per collective.
+    launch = {"pack": [0, 1.6e7], "host": [10, 0], "launch": [4, 0]}
+    with_launch = [*entries, {"kind": "launch", "work": launch, "seconds": 7e-3}]
+    engines = predict.probe_engines({"compute_probes": json.dumps(with_launch)}, base)
+    assert engines["launch"] == Engine(math.inf, pytest.approx(2e-3 / 4))
     opt = engines["optimizer"]  # the preset's optimizer is its memory engine
     assert opt.time(1, 1e7) == pytest.approx(2e-3)
     fb, preset = engines["forward_backward"], base.engine("forward_backward")

@@ -175,6 +175,32 @@ def test_a_measured_host_engine_prices_every_layer_written_back() -> None:
     assert MEMORY.engine("host").time(5, 0) == 0.0  # not measured: free
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_measured_launch_engine_prices_every_collective_where_it_is_launched(
+    overlap: bool,
+) -> None:
+    """One "launch" call per collective: in ``step()``'s other work, or, for the overlapped
+    mode's reductions and exchanges, in the backward hooks' work that launches them."""
+    launch = Hardware(
+        MEMORY.name,
+        MEMORY.links,
+        {**MEMORY.engines, "launch": Engine(math.inf, 1e-4)},
+        backend="gloo",
+    )
+    kfac = KFACOptions(kl_clip=None)
+    options = {"grad_reduction": "owner", "overlap": True} if overlap else None
+    args = {"strategy": "dp_kfac", "world_size": 2, "kfac": kfac, "options": options}
+    free = predict(SHAPES, hardware=MEMORY, **args).plain
+    timed = predict(SHAPES, hardware=launch, **args).plain
+    launched = len(timed.rank_collectives[0])
+    assert launched >= 2
+    where = "hooks" if overlap else "step_other"
+    assert timed.work[0][where]["launch"] == (float(launched), 0.0)
+    extra = timed.breakdown[where] - free.breakdown.get(where, 0.0)
+    assert extra == pytest.approx(launched * 1e-4)
+    assert MEMORY.engine("launch").time(5, 0) == 0.0  # not measured: free
+
+
 def _start_up(rank: int, world_size: int) -> dict:
     from dpkfac.comm import Communicator
     from dpkfac.costmodel.fitting import calibrate

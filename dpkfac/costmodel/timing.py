@@ -30,8 +30,10 @@ Work (``kind -> (calls, amount)``, see :mod:`dpkfac.plan.hardware`) per phase:
 * ``step_other``: the K-FAC step's work outside its timed phases
   (:func:`step_other_work`): "pack" copies gathering every buffer handed to a
   collective and writing each layer's update back into ``.grad`` (scaled by the
-  KL clip first), and one "host" call per layer written back (its Python and
-  small kernels; free unless the hardware has a measured "host" engine); on a
+  KL clip first), one "host" call per layer written back (its Python and
+  small kernels; free unless the hardware has a measured "host" engine), and one
+  "launch" call per collective the step launches (the Python around it: planning its
+  buffer, launching it, landing it; free unless measured); on a
   factor step also the fold of every batch factor the rank built into its running
   average (:func:`fold_work`: a "fold" call of its non-finite check and average per
   factor; the overlapped mode runs it in the hook that launches the last bucket, inside the
@@ -356,9 +358,14 @@ def step_other_work(
 ) -> Work:
     """A rank's K-FAC step work outside its timed phases: :func:`step_other_bytes` of
     "pack" copies (the streaming copy a landing is too: a fit of the run's phases leaves
-    that engine as timed alone), and one "host" call per K-FAC layer written back."""
+    that engine as timed alone), one "host" call per K-FAC layer written back, and one
+    "launch" call per collective in ``collectives`` (the Python around each outside its
+    phase's timer)."""
     nbytes = step_other_bytes(model, collectives, itemsize=itemsize, kl_clip=kl_clip)
-    return {"pack": (0.0, nbytes), "host": (float(sum(model.captured)), 0.0)}
+    work: Work = {"pack": (0.0, nbytes), "host": (float(sum(model.captured)), 0.0)}
+    if collectives:
+        work["launch"] = (float(len(collectives)), 0.0)
+    return work
 
 
 def _precondition_flops(s: LayerShape, compute_method: str) -> float:
@@ -701,8 +708,11 @@ def step_prediction(
             work[r]["step_other"] = step_other_work(
                 model, mine, itemsize=param_itemsize, kl_clip=kl_clip
             )
-            packed = sum(2.0 * c.pack_bytes for c in colls if c.category in hooked)
+            in_hooks = [c for c in colls if c.category in hooked]
+            packed = sum(2.0 * c.pack_bytes for c in in_hooks)
             work[r]["hooks"] = {"pack": (0.0, packed)} if packed else {}
+            if in_hooks:
+                work[r]["hooks"]["launch"] = (float(len(in_hooks)), 0.0)
             for kind, (calls, amount) in folds[r].items():
                 add_work(work[r][folded_in], kind, calls, amount)
         breakdown["step_other"] = max(hw.time(w["step_other"], p) for w in work)

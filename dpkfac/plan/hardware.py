@@ -16,9 +16,10 @@ Time is predicted from *work*, a mapping ``kind -> (calls, amount)``:
   costs ``calls * latency + amount / rate`` with ``amount`` in flops;
   ``"memory"`` is memory-bound traffic (``amount`` in bytes, ``rate`` in
   bytes/s, free when not given); ``"host"`` is the host's per-call work of
-  ``step()`` (calls, latency only; free when not given); ``"unpack"`` is the
-  landing of a received buffer (:func:`landing_bytes`: averaging it, copying it
-  back into its tensors, or rebuilding full factors from triangle-packed
+  ``step()`` (calls, latency only; free when not given), ``"launch"`` the host's work
+  around each collective the step launches (calls, latency only; free when not
+  given); ``"unpack"`` is the landing of a received buffer (:func:`landing_bytes`:
+  averaging it, copying it back into its tensors, or rebuilding full factors from triangle-packed
   buffers; bytes written; falls back to ``"memory"``), and ``"pack"`` the
   copies that gather tensors into one buffer or write one back (bytes read and
   written; falls back to ``"unpack"``, the same streaming copy); ``"fold"`` is a
@@ -71,6 +72,7 @@ COMPUTE_KINDS = (
     "optimizer",
     "pack",
     "host",
+    "launch",
     "fold",
 )
 
@@ -217,14 +219,15 @@ class Hardware:
 
         Falls back to "matmul"; "pack" and "fold" to "unpack" (streaming passes over
         buffers, as a received buffer's landing); "unpack" and "optimizer"
-        (memory-bound passes) to "memory", and "memory" and "host" (the host's work per
-        call of ``step()``, which only a measurement in the job gives) to free.
+        (memory-bound passes) to "memory", and "memory", "host" and "launch" (the host's
+        work per call of ``step()`` and per collective it launches, which only a
+        measurement in the job gives) to free.
         """
         if kind in ("pack", "fold") and kind not in self.engines:
             kind = "unpack"
         if kind in ("unpack", "optimizer") and kind not in self.engines:
             kind = "memory"
-        if kind in ("memory", "host"):
+        if kind in ("memory", "host", "launch"):
             return self.engines.get(kind, Engine(math.inf))
         return self.engines.get(kind, self.engines["matmul"])
 

@@ -41,7 +41,18 @@ as a step runs them, nothing of them distributed:
   phases, as a row reads ``step_other`` (:func:`experiments.bench.aggregate.in_step`).
   That is every layer's update scaled (the KL clip) and written back into its ``.grad``,
   and the package's Python around each layer's phases. Timing the write-back alone priced
-  ResNet-32's practical step at 1.0 ms where the rows measured 6.5-10 ms.
+  ResNet-32's practical step at 1.0 ms where the rows measured 6.5-10 ms;
+* ``launch`` (with two ranks or more): the same plain step at the job's world size on a
+  process group of torch's fake backend (:func:`_fake_group`: its collectives move
+  nothing and return at once), its wall time less its timed phases again. Beside the
+  host probe's work it packs the step's buffers and runs the Python around each
+  collective (planning its buffer, launching it, landing it): the cost model's
+  "launch" call per collective, which a group of one never reaches (on loopback a
+  traced ResNet-32 plain step spent about 3 ms there). Its work is the cost model's
+  ``step_other`` of that step (:func:`dpkfac.costmodel.timing.step_other_work`). Where
+  the fake backend cannot run the step (it copies one buffer into every slot of an
+  all-gather, which the owner reduction's uneven shards do not fit) the job has no launch
+  probe, with a warning, and the model's launches stay free.
 
 Each entry records its work as the cost model counts it (:mod:`dpkfac.costmodel.timing`)
 and its seconds over rounds that each time every kind once, in turn (interleaved, as the
@@ -55,6 +66,7 @@ it times a step or any strategy: the steps it predicts are measured after it.
 from __future__ import annotations
 
 import copy
+import logging
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -67,15 +79,20 @@ from torch import nn
 
 from dpkfac import KFACPreconditioner
 from dpkfac.costmodel.optimizers import step_bytes
-from dpkfac.costmodel.shapes import shapes_from_model
+from dpkfac.costmodel.predict import predict
+from dpkfac.costmodel.shapes import ModelShapes, shapes_from_model
 from dpkfac.costmodel.timing import factor_work, fold_work, forward_backward_work
 from dpkfac.curvature import EigenDecomposition, KFACLayer, helper_for
 from dpkfac.curvature.factors import DEFAULT_METHOD
+from dpkfac.options import KFACOptions
 from dpkfac.plan.assignment import EIGH_COEFF
 from dpkfac.plan.fusion import travels_alone
+from dpkfac.plan.presets import CPU_GLOO_LOCAL
 from experiments.bench.aggregate import in_step
 from experiments.bench.link_probe import FLUSH_BYTES, sync
-from experiments.preconditioning import with_schedules
+from experiments.preconditioning import split_options, with_schedules
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "COMPUTE_PROBE_KINDS",
@@ -98,6 +115,7 @@ COMPUTE_PROBE_KINDS = (
     "eigh",
     "fold",
     "host",
+    "launch",
 )
 #: The kind of the compute probes' entry that says how much of a transfer runs beside
 #: compute (not an engine: :func:`probe_overlap`).
@@ -304,6 +322,8 @@ def probe_compute(
     """
     device = next(model.parameters()).device
     step_model = copy.deepcopy(model)  # the host probe's, before the probes' hooks
+    together = dist.is_initialized() and dist.get_world_size() > 1
+    launch_model = copy.deepcopy(model) if together else None  # the launch probe's
     shapes = shapes_from_model(model, example_input, batch_size, skip_layers=skip_layers or [])
     modules = dict(model.named_modules())
     layers = []
@@ -430,6 +450,21 @@ def probe_compute(
         copies = 4.0 if pre.options.kl_clip is not None else 2.0
         work = {"pack": (0.0, copies * update_bytes), "host": (float(len(updates)), 0.0)}
         probes["host"] = _work(work), step
+        if launch_model is not None:
+            group = _fake_group()
+            launch, _ = _plain_step(launch_model, batch, loss, options, lr, device, group)
+            try:
+                launch()  # the first step (placement), untimed
+            except RuntimeError as err:
+                # The fake backend copies one buffer into every rank's slot of an
+                # all-gather: the owner reduction's uneven shards (NCCL's path, which the
+                # fake backend takes) do not fit. Every rank fails alike; the model's
+                # launches stay free for this job.
+                name = options.get("strategy")
+                log.warning("no launch probe: %s's plain step on a fake group: %s", name, err)
+            else:
+                work = _plain_step_other(shapes, options, dist.get_world_size())
+                probes["launch"] = _work(work), launch
     scratch = torch.zeros(cache_bytes(device) // 4, device=device)
     fns = {k: fn for k, (_, fn) in probes.items()}
     rounds = _interleaved_rounds(fns, repeats, device, scratch=scratch)
@@ -458,6 +493,37 @@ def _own_group() -> dist.ProcessGroup | None:
     return groups[dist.get_rank()]
 
 
+def _fake_group() -> dist.ProcessGroup:
+    """A process group over every rank on torch's fake backend: its collectives return at
+    once and move nothing, so a step on it runs all of the package's Python around its
+    collectives (packing, launching, landing) at the job's world size and none of the
+    transfers. Every rank calls it, as ``new_group`` asks."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+
+    return dist.new_group(backend="fake")
+
+
+def _plain_step_other(
+    shapes: ModelShapes, options: Mapping[str, Any], world_size: int
+) -> dict[str, tuple[float, float]]:
+    """The work of a plain step of ``options``' preconditioner outside its timed phases on
+    ``world_size`` ranks, as the cost model counts it (``step_other``): the copies, a
+    "host" call per layer written back and a "launch" per collective; the busiest rank's,
+    as the probe's seconds are the most over ranks."""
+    name, common, own = split_options(options)
+    common.update(factor_update_steps=NEVER, inv_update_steps=NEVER)
+    prediction = predict(
+        shapes,
+        strategy=name,
+        world_size=world_size,
+        hardware=CPU_GLOO_LOCAL,
+        kfac=KFACOptions(**common),
+        options=own,
+    )
+    works = [w["step_other"] for w in prediction.plain.work]
+    return dict(max(works, key=lambda w: CPU_GLOO_LOCAL.time(w, world_size)))
+
+
 def _plain_step(
     model: nn.Module,
     batch: Any,
@@ -465,11 +531,13 @@ def _plain_step(
     options: Mapping[str, Any],
     lr: float,
     device: torch.device,
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[Callable[[], float], KFACPreconditioner]:
-    """The ``host`` probe: a call that runs a backward pass and a plain ``step()`` of a
-    preconditioner on ``model`` alone and returns the step's seconds outside its timed
-    phases; and that preconditioner."""
-    kwargs = {**options, "lr": lr, "process_group": _own_group()}
+    """The ``host`` and ``launch`` probes: a call that runs a backward pass and a plain
+    ``step()`` of a preconditioner on ``model`` and returns the step's seconds outside its
+    timed phases; and that preconditioner. On ``group``, or by default on this rank alone
+    (a group of one: nothing is communicated, nothing packed)."""
+    kwargs = {**options, "lr": lr, "process_group": group or _own_group()}
     kwargs.update(factor_update_steps=NEVER, inv_update_steps=NEVER)
     pre = KFACPreconditioner(model, **kwargs)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 import pandas as pd
@@ -48,7 +48,7 @@ from dpkfac.strategies import canonical_name, strategy_options
 from experiments.bench.aggregate import SECOND_ORDER_CATEGORIES, SECOND_ORDER_COMM, kind_weights
 from experiments.bench.measure import OPTIMIZER
 from experiments.bench.workloads import json_value, row_model
-from experiments.preconditioning import to_dtype
+from experiments.preconditioning import split_options
 
 PREDICTED_P = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: The ``phase`` of the error rows that compare a whole step (measured less its barriers).
@@ -60,7 +60,6 @@ STEP_OF_KIND = {"decomp": (True, True), "factor": (True, False), "plain": (False
 PAPER_PRESET = "v100_ib100"
 #: The base of calibration: kinds the measurements do not cover come from here.
 BASE_PRESET = "cpu_gloo_local"
-_KFAC_FIELDS = frozenset(f.name for f in fields(KFACOptions))
 
 
 def row_shapes(row: Mapping[str, Any], *, paper: bool = False) -> tuple[ModelShapes, str]:
@@ -104,13 +103,12 @@ def _kfac_split(
     """
     raw = json_value(row.get("kfac_options"))
     if raw is None:
-        name, values = None, {}
+        name, common, values = None, {}, {}
     elif "strategy" not in raw:
         raise ValueError(f"kfac_options {raw!r} of a K-FAC row name no strategy")
     else:
-        values = {k: v for k, v in raw.items() if not k.startswith("_")}
-        name = canonical_name(values.pop("strategy"))
-    common = {k: to_dtype(k, values.pop(k)) for k in list(values) if k in _KFAC_FIELDS}
+        given, common, values = split_options(raw)
+        name = canonical_name(given)
     common.setdefault("compute_method", row.get("compute_method", "eigen"))
     common.setdefault("factor_update_steps", int(row.get("factor_update_steps", 1)))
     common.setdefault("inv_update_steps", int(row.get("inv_update_steps", 1)))
@@ -533,8 +531,8 @@ def probe_engines(row: Mapping[str, Any], base: Hardware) -> dict[str, Engine]:
     probe's seconds, its other kinds (a factor's memory passes) priced by what was fitted
     before it (:data:`~experiments.bench.compute_probe.COMPUTE_PROBE_KINDS` order). The
     preset keeps how each kind's time grows with its size; the probe says how fast this
-    host runs it in a job. A kind the preset leaves free ("host") gets the probe's seconds
-    per call. Empty for rows without probes (rows that predate them).
+    host runs it in a job. A kind the preset leaves free ("host", "launch") gets the probe's
+    seconds per call. Empty for rows without probes (rows that predate them).
     """
     from experiments.bench.compute_probe import COMPUTE_PROBE_KINDS
 
@@ -555,7 +553,7 @@ def probe_engines(row: Mapping[str, Any], base: Hardware) -> dict[str, Engine]:
         if predicted > 0:
             engine, scale = hw.engine(kind), predicted / left
             out[kind] = Engine(engine.rate * scale, engine.latency / scale)
-        elif calls > 0:  # a kind the preset leaves free ("host"): its latency per call
+        elif calls > 0:  # a kind the preset leaves free ("host", "launch"): per call
             out[kind] = Engine(math.inf, left / calls)
         else:
             continue
