@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from dist_utils import run_ranks
@@ -160,13 +161,13 @@ def test_a_factor_step_folds_what_each_rank_built(strategy: str, overlap: bool) 
     assert pred.update.breakdown[where] >= fold
 
 
+def _measured(kind: str, latency: float) -> Hardware:
+    """MEMORY with a measured per-call engine ``kind`` (the preset leaves it free)."""
+    return replace(MEMORY, engines={**MEMORY.engines, kind: Engine(math.inf, latency)})
+
+
 def test_a_measured_host_engine_prices_every_layer_written_back() -> None:
-    host = Hardware(
-        MEMORY.name,
-        MEMORY.links,
-        {**MEMORY.engines, "host": Engine(math.inf, 1e-5)},
-        backend="gloo",
-    )
+    host = _measured("host", 1e-5)
     kfac = KFACOptions(kl_clip=None)
     free = predict(SHAPES, strategy="dp_kfac", world_size=2, hardware=MEMORY, kfac=kfac)
     timed = predict(SHAPES, strategy="dp_kfac", world_size=2, hardware=host, kfac=kfac)
@@ -181,12 +182,7 @@ def test_a_measured_launch_engine_prices_every_collective_where_it_is_launched(
 ) -> None:
     """One "launch" call per collective: in ``step()``'s other work, or, for the overlapped
     mode's reductions and exchanges, in the backward hooks' work that launches them."""
-    launch = Hardware(
-        MEMORY.name,
-        MEMORY.links,
-        {**MEMORY.engines, "launch": Engine(math.inf, 1e-4)},
-        backend="gloo",
-    )
+    launch = _measured("launch", 1e-4)
     kfac = KFACOptions(kl_clip=None)
     options = {"grad_reduction": "owner", "overlap": True} if overlap else None
     args = {"strategy": "dp_kfac", "world_size": 2, "kfac": kfac, "options": options}
