@@ -193,22 +193,19 @@ def predicted_iteration(
     parallelism. Returns ``pred_iteration_s``, ``pred_hardware`` and ``pred_chosen``
     (what an ``auto`` option resolved to, e.g. grouped's k and f; "" if none).
     """
-    from dataclasses import fields
-
     from dpkfac.costmodel import PRESETS, predict, shapes_from_model
     from dpkfac.options import KFACOptions
-    from experiments.preconditioning import preconditioner_kwargs
+    from experiments.preconditioning import preconditioner_kwargs, split_options
 
     batch = int(train_cfg.data.batch_size)
     options = preconditioner_kwargs(train_cfg.strategy)
     skip = (options or {}).get("skip_layers", [])
     shapes = shapes_from_model(model, example, batch, skip_layers=skip, ready_order=True)
-    values = {k: plain(v) for k, v in (options or {}).items()}
-    name = values.pop("strategy", None)  # None (SGD): no strategy, no options
+    name: str | None = None  # SGD: no strategy, no options
+    values: dict[str, Any] = {}
     kfac: KFACOptions | None = None
     if options is not None:
-        known = {f.name for f in fields(KFACOptions)}
-        common = {k: values.pop(k) for k in list(values) if k in known}
+        name, common, values = split_options({k: plain(v) for k, v in options.items()})
         # Left out of the price: the fidelity probe (a measurement aid, not the algorithm)
         # and schedules of the step (damping's changes nothing priced; an interval's would
         # be priced as every step).
