@@ -10,6 +10,7 @@ No wall time is asserted.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -176,7 +177,7 @@ def test_workload_sets_what_k_fac_sees() -> None:
 @pytest.mark.parametrize("strategy", _options("strategy"))
 def test_practical_setting_measures_whole_cycles(strategy: str) -> None:
     spec = _spec(f"strategy={strategy}", "setting=practical", "steps=4", "warmup=2")
-    cycle = 3 if spec["strategies"][0]["kfac"] is not None else 1
+    cycle = 4 if spec["strategies"][0]["kfac"] is not None else 1  # plain twice a cycle
     assert spec["steps"] % cycle == 0 and spec["steps"] >= 4
     assert spec["warmup"] % cycle == 0 and spec["warmup"] >= 2
     assert (spec["factor_update_steps"], spec["inv_update_steps"]) == (10, 100)
@@ -283,7 +284,7 @@ def test_interleaved_strategies_come_from_the_strategy_group() -> None:
     assert spec["strategies"][0]["kfac"] is None
     assert spec["strategies"][1]["kfac"]["strategy"] == "dp_kfac"
     assert spec["strategies"][1]["kfac"]["grad_reduction"] == "owner"
-    assert spec["steps"] == 3  # one whole cycle of decomposition, factor and plain steps
+    assert spec["steps"] == 4  # one whole cycle: decomposition, factor and two plain steps
     # Each entry is composed as the job would be with strategy=<entry>.
     single = _spec("strategy=dp_kfac_owner", "setting=practical", "steps=1")
     assert single["strategies"][0] == spec["strategies"][1]
@@ -387,6 +388,12 @@ def test_tiny_sweep_at_world_size_2_matches_cost_model_bytes(tmp_path: Path) -> 
         assert row["isolate_comm"] and (row["comm_sync_s"] == 0 if sgd else row["comm_sync_s"] > 0)
         if sgd:
             assert row["bytes_grad_allreduce"] == 4 * row["params"]  # DDP's buckets: each once
+            # Its pass again without reductions, after the step's record (whose tally still
+            # holds the gradients: DDP's buckets).
+            assert 0 < row["fwd_bwd_local_s"] < row["iteration_s"]
+            assert row["mem_process_gradients"] == 4 * row["params"]
+        else:
+            assert math.isnan(row["fwd_bwd_local_s"])  # only DDP SGD runs it
         assert set(json.loads(row["least_wait"])) >= {"grad_comm", "precond_comm"}
     by = rows.set_index("strategy")
     assert by.loc["dp_kfac", "bytes_factor_allreduce"] == 0

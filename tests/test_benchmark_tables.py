@@ -216,7 +216,8 @@ def test_timed_steps_flush_subnormals_and_restore_them() -> None:
 
 def test_step_kinds_and_weights() -> None:
     assert step_kinds(1, 1) == ["decomp"]
-    assert step_kinds(10, 100) == ["decomp", "factor", "plain"]
+    assert step_kinds(10, 100) == ["decomp", "factor", "plain", "plain"]
+    assert step_kinds(10, 10) == ["decomp", "plain"]
     assert step_kinds(1, 5) == ["decomp", "factor"]
     w = kind_weights(10, 100)
     assert w == pytest.approx({"decomp": 0.01, "factor": 0.09, "plain": 0.9})
@@ -274,6 +275,19 @@ def test_phases_timed_in_the_backward_pass_leave_forward_backward() -> None:
     assert row["fwd_bwd_s"] == pytest.approx(0.5)
     assert row["step_other_s"] == pytest.approx(0.05)
     assert row["decomposition_s"] == pytest.approx(2.0)
+
+
+def test_sgds_pass_without_reductions_is_read_as_its_steps_are() -> None:
+    """DDP SGD's ``no_sync`` pass (``fwd_bwd_local``): per step the slower rank, then the
+    median over steps; rows of steppers without it have no such column."""
+    ranks = []
+    for per_step in ([0.3, 0.1, 0.2], [0.1, 0.4, 0.1]):
+        records = [{**_record("decomp", 0.0, 8), "fwd_bwd_local": t} for t in per_step]
+        ranks.append({"rank": len(ranks), "records": records})
+    assert aggregate(ranks, 1, 1)["fwd_bwd_local_s"] == pytest.approx(0.3)  # 0.3, 0.4, 0.2
+    assert "fwd_bwd_local_s" not in aggregate(
+        [{"rank": 0, "records": [_record("decomp", 0, 8)]}], 1, 1
+    )
 
 
 def test_least_wait_is_the_per_step_minimum_over_ranks() -> None:

@@ -63,6 +63,34 @@ def test_the_probes_are_timed_in_interleaved_rounds() -> None:
     assert compute_probe._busiest_median(list(rounds.values()), torch.device("cpu")) == [2, 5]
 
 
+def _starts(rank: int, world_size: int) -> dict[str, list[float]]:
+    """When each probe call began on this rank (wall clock), rank 1 slow in its first call."""
+    starts: dict[str, list[float]] = {"a": [], "b": []}
+
+    def probe(kind: str) -> Any:
+        def run() -> None:
+            starts[kind].append(time.time())
+            if rank == 1 and kind == "a" and len(starts["a"]) == 1:
+                time.sleep(0.5)
+
+        return run
+
+    compute_probe._interleaved_rounds({k: probe(k) for k in starts}, 2, torch.device("cpu"))
+    return starts
+
+
+@pytest.mark.distributed
+def test_the_ranks_start_every_probe_call_together() -> None:
+    """A barrier before each call, as before each step: rank 1's slow first call holds rank
+    0's next call back, so the ranks run each call at once (as a step's ranks do), not
+    half a second apart for the rest of the rounds."""
+    first, second = run_ranks(_starts, 2)
+    for kind in ("a", "b"):
+        for t0, t1 in zip(first[kind], second[kind], strict=True):
+            assert abs(t0 - t1) < 0.2
+    assert first["b"][0] - first["a"][0] >= 0.5  # rank 0 waited for rank 1
+
+
 def _busiest(rank: int, world_size: int) -> list[float]:
     rounds = [[1.0, 5.0, 3.0], [4.0, 2.0, 2.0]]
     return compute_probe._busiest_median([rounds[rank]], torch.device("cpu"))

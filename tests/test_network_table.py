@@ -94,6 +94,25 @@ def test_each_step_is_split_into_compute_exposed_and_hidden_communication() -> N
     assert two.loc["dp_kfac", "floor_ms"] == pytest.approx(10.5)  # compute-bound there
 
 
+def test_sgds_compute_is_its_own_pass_without_reductions_where_measured() -> None:
+    """Where the K-FAC rows capture every step (the paper setting) their forward/backward
+    holds the hooks' work: SGD's pass run again under ``no_sync`` is its reference instead,
+    so the wait DDP left exposed is read whole, not cut by the K-FAC hooks' time."""
+    rows = _rows()
+    sgd = rows["strategy"] == "none"
+    rows.loc[sgd, "fwd_bwd_local_s"] = 0.0035
+    rows.loc[rows["strategy"] == "dp_kfac", "fwd_bwd_s"] = 0.006  # the hooks' work inside
+    one = network_table.network_frame(rows).set_index(["rate_bps", "strategy"])
+    assert one.loc[(1e9, "none"), "pure_fwd_bwd_ms"] == pytest.approx(3.5)
+    assert one.loc[(1e9, "none"), "exposed_comm_ms"] == pytest.approx(22 - 3.5 - 1)
+    assert one.loc[(1e9, "dp_kfac"), "pure_fwd_bwd_ms"] == pytest.approx(6.0)  # its own
+    # Rows from before the pass: the lesser of SGD's own and the K-FAC rows' median (6 ms).
+    old = network_table.network_frame(rows.drop(columns="fwd_bwd_local_s"))
+    assert old.set_index(["rate_bps", "strategy"]).loc[
+        (1e9, "none"), "pure_fwd_bwd_ms"
+    ] == pytest.approx(6.0)
+
+
 def test_a_configs_ratios_are_its_own_median_run_not_the_median_jobs() -> None:
     """The median job is ranked by every config together; here it holds the overlapped
     config's slowest run (18 ms), and its ratios are read from its own median run."""

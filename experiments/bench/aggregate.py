@@ -77,6 +77,8 @@ def _flatten(record: dict[str, Any]) -> dict[str, float]:
         "step_other": max(record["step_wall"] - in_step(phases, in_hooks), 0.0),
         **{phase: phases.get(phase, 0.0) for phase in ("grad_comm", *KFAC_PHASES)},
     }
+    if "fwd_bwd_local" in record:  # DDP SGD's forward/backward without its reductions
+        flat["fwd_bwd_local"] = record["fwd_bwd_local"]
     for cat in COMM_CATEGORIES:
         stats = record["comm"].get(cat, {})
         for column, key in (("bytes", "bytes"), ("calls", "calls"), ("wire", "wire_bytes")):

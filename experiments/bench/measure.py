@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from dpkfac.memory import cuda_peak_bytes, process_memory, reset_cuda_peak
 from dpkfac.timeline import Timeline
-from experiments.bench.compute_probe import job_compute_probes
+from experiments.bench.compute_probe import cache_bytes, job_compute_probes
 from experiments.bench.link_probe import faithful_rate, network_record, probe_links, sync
 from experiments.distributed import deadline
 from experiments.network import node_link
@@ -57,6 +57,9 @@ def step_kinds(factor_update_steps: int, inv_update_steps: int) -> list[str]:
 
     A decomposition step is always also a factor step (the step loop folds
     fresh factors in before decomposing), as step 0 of a real schedule is.
+    Where both other kinds occur the plain step comes twice: at F=10 it is 90% of
+    the row (:func:`experiments.bench.aggregate.kind_weights`), so its median
+    carries the row's noise, and twice the samples halve what one slow step moves it.
     """
     f, i = factor_update_steps, inv_update_steps
     if f < 1 or i < 1:
@@ -65,7 +68,7 @@ def step_kinds(factor_update_steps: int, inv_update_steps: int) -> list[str]:
     if i > f:
         kinds.append("factor")
     if f > 1:
-        kinds.append("plain")
+        kinds += ["plain"] * (2 if i > f else 1)
     return kinds
 
 
@@ -185,6 +188,9 @@ class _Stepper:
         comm = self.pre.comm if self.pre is not None else self.comm
         comm.isolate = bool(spec.get("isolate_comm", False))
         self.timeline: Timeline | None = None
+        # DDP's local reference pass evicts the cache first, as another strategy's step does.
+        ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        self._scratch = torch.zeros(cache_bytes(device) // 4, device=device) if ddp else None
 
     def trace_into(self, timeline: Timeline) -> None:
         """Record this strategy's steps, phases and collectives on ``timeline``."""
@@ -216,6 +222,28 @@ class _Stepper:
         if self.timeline is None:
             return contextlib.nullcontext()
         return self.timeline.span(name, "step", strategy=self.name, **args)
+
+    def _local_fwd_bwd(self) -> float | None:
+        """Seconds of DDP SGD's forward/backward again, with no reduction (``no_sync``), after
+        its step (None for any other stepper). Its gradients are discarded.
+
+        The step's own forward/backward holds the reductions DDP left exposed; this is the
+        same work without them, timed in turn with the steps, cold like them: the reference
+        the network page splits SGD's step at (its compute, and the rest the wire).
+        """
+        model, scratch = self.model, self._scratch
+        if scratch is None or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return None
+        scratch.add_(1.0)
+        sync(self.device)
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        with model.no_sync():
+            self.bench.loss(model, self.batch).backward()
+        sync(self.device)
+        seconds = time.perf_counter() - start
+        self.optimizer.zero_grad(set_to_none=True)
+        return seconds
 
     def step(self, index: int) -> dict[str, Any]:
         """Run and time one training step; everything is read after a fresh reset."""
@@ -257,7 +285,7 @@ class _Stepper:
         else:
             phases, comm = self.timer.as_dict(), self.stats.as_dict()
             memory = {"factors_bytes": 0, "decompositions_bytes": 0, "buffers_bytes": 0}
-        return {
+        record = {
             "step": index,
             "kind": kind,
             "loss": float(loss.detach()),
@@ -271,6 +299,10 @@ class _Stepper:
             "memory": memory,
             "process_memory": process_record(self.model, self.optimizer, self.pre, self.device),
         }
+        local = self._local_fwd_bwd()  # after the step's record: it discards the gradients
+        if local is not None:
+            record["fwd_bwd_local"] = local
+        return record
 
 
 def run_rank(spec: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:

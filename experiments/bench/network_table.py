@@ -7,10 +7,11 @@ the rows into ``results/network.{csv,md,png}``.
 
 Per step, each row is split into what the rank computes and what it waits for:
 
-* **compute** is the pure forward/backward (:func:`_pure_fwd_bwd`: the ``fwd_bwd`` of the
-  job's K-FAC rows that reduce gradients after the backward pass, whose backward holds no
-  transfer), plus the row's own K-FAC compute (factors, decompositions, preconditioning),
-  other work in ``step()`` and the optimizer step;
+* **compute** is the pure forward/backward (:func:`_pure_fwd_bwd`: SGD's own pass again
+  without DDP's reductions, and the ``fwd_bwd`` of the job's K-FAC rows that reduce
+  gradients after the backward pass, whose backward holds no transfer), plus the row's own
+  K-FAC compute (factors, decompositions, preconditioning), other work in ``step()`` and the
+  optimizer step;
 * **exposed communication** is the rest of the measured step (the time it waited for the
   wire, whichever phase the wait fell in);
 * **hidden communication** is what the row's wire bytes need at the link's rate beyond
@@ -132,8 +133,15 @@ def _pure_fwd_bwd(row: dict[str, Any], job: list[dict[str, Any]]) -> float:
     A K-FAC row that reduces gradients after the backward pass has nothing else in its
     ``fwd_bwd`` (its factor hooks are timed apart): its own. An overlapped row's holds its
     reductions, so it takes the median of those rows of its job. SGD's holds DDP's exposed
-    waits, those rows' the K-FAC hooks' bookkeeping: the lesser of its own and that median.
+    waits: it takes its own forward/backward run again without DDP's reductions, in turn
+    with the steps (``fwd_bwd_local_s``, :meth:`experiments.bench.measure._Stepper.step`).
+    Rows measured before that pass existed take the lesser of their own and that median,
+    which holds the K-FAC hooks' capture work where they capture every step (the paper
+    setting) and so reads SGD's exposed wait short.
     """
+    local = _ms(row, "fwd_bwd_local")
+    if first_order(row) and local > 0:
+        return local
     plain = [_ms(r, "fwd_bwd") for r in job if not first_order(r) and not _overlapped(r)]
     median = float(pd.Series(plain).median()) if plain else math.inf
     if first_order(row):
