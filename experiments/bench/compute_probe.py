@@ -89,7 +89,7 @@ from dpkfac.plan.assignment import EIGH_COEFF
 from dpkfac.plan.fusion import travels_alone
 from dpkfac.plan.presets import CPU_GLOO_LOCAL
 from experiments.bench.aggregate import in_step
-from experiments.bench.link_probe import FLUSH_BYTES, sync
+from experiments.bench.link_probe import FLUSH_BYTES, evict, sync
 from experiments.preconditioning import split_options, with_schedules
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ __all__ = [
     "COMPUTE_PROBE_REPEATS",
     "OVERLAP_KIND",
     "cache_bytes",
+    "cache_scratch",
     "job_compute_probes",
     "probe_compute",
     "probe_overlap",
@@ -162,8 +163,7 @@ def _interleaved_rounds(
 
     def run(fn: Callable[[], object]) -> float:
         if scratch is not None:
-            scratch.add_(1.0)
-            sync(device)
+            evict(scratch, device)
         if dist.is_initialized():
             dist.barrier()
         start = clock()
@@ -292,6 +292,12 @@ def cache_bytes(device: torch.device) -> int:
         if digits.isdigit():
             sizes.append(int(digits) * scale)
     return max(sizes, default=FLUSH_BYTES)
+
+
+def cache_scratch(device: torch.device) -> torch.Tensor:
+    """A float32 scratch on ``device`` of :func:`cache_bytes`: written before a timed call
+    (:func:`~experiments.bench.link_probe.evict`), it leaves that call cold."""
+    return torch.zeros(cache_bytes(device) // 4, device=device)
 
 
 def _full_rank_like(factor: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -483,7 +489,7 @@ def probe_compute(
             else:
                 work = _plain_step_other(shapes, options, dist.get_world_size())
                 probes["launch"] = _work(work), launch
-    scratch = torch.zeros(cache_bytes(device) // 4, device=device)
+    scratch = cache_scratch(device)
     fns = {k: fn for k, (_, fn) in probes.items()}
     rounds = _interleaved_rounds(fns, repeats, device, scratch=scratch)
     kinds = [k for k in COMPUTE_PROBE_KINDS if k in probes]

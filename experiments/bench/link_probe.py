@@ -86,6 +86,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def evict(scratch: torch.Tensor, device: torch.device) -> None:
+    """Write ``scratch`` (at least the caches' size) and wait: what a timed call then
+    touches comes from memory, as after another strategy's step."""
+    scratch.add_(1.0)
+    sync(device)
+
+
 def _every_root_broadcasts(buf: torch.Tensor) -> None:
     """One broadcast rooted at every rank, each of its own ``1/P`` of ``buf``, launched
     together and waited for: as a step's owners and decomposers broadcast their shares."""
@@ -117,8 +124,7 @@ def _timed(
     times = []
     for _ in range(repeats + 1):
         buf = torch.ones(numel, device=device)
-        scratch.add_(1.0)
-        sync(device)
+        evict(scratch, device)
         dist.barrier()
         start = time.perf_counter()
         op(buf)

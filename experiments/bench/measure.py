@@ -41,8 +41,8 @@ import torch.distributed as dist
 
 from dpkfac.memory import cuda_peak_bytes, process_memory, reset_cuda_peak
 from dpkfac.timeline import Timeline
-from experiments.bench.compute_probe import cache_bytes, job_compute_probes
-from experiments.bench.link_probe import faithful_rate, network_record, probe_links, sync
+from experiments.bench.compute_probe import cache_scratch, job_compute_probes
+from experiments.bench.link_probe import evict, faithful_rate, network_record, probe_links, sync
 from experiments.distributed import deadline
 from experiments.network import node_link
 from experiments.preconditioning import with_schedules
@@ -190,7 +190,7 @@ class _Stepper:
         self.timeline: Timeline | None = None
         # DDP's local reference pass evicts the cache first, as another strategy's step does.
         ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
-        self._scratch = torch.zeros(cache_bytes(device) // 4, device=device) if ddp else None
+        self._scratch = cache_scratch(device) if ddp else None
 
     def trace_into(self, timeline: Timeline) -> None:
         """Record this strategy's steps, phases and collectives on ``timeline``."""
@@ -234,8 +234,7 @@ class _Stepper:
         model, scratch = self.model, self._scratch
         if scratch is None or not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return None
-        scratch.add_(1.0)
-        sync(self.device)
+        evict(scratch, self.device)
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         with model.no_sync():

@@ -261,9 +261,9 @@ def _run_ratios(runs: pd.DataFrame, rate: float) -> pd.DataFrame:
     The median job is ranked by every config's time together, so one config's row in it
     can be that config's slowest run (it was, once, for BERT-base's overlapped owner mode:
     its runs 304, 314 and 326 ms, the median job holding the 326). A statement about one
-    configuration (its
-    time over SGD's, over its floor) reads that configuration's own median run: the median
-    of its ratios, each taken within its run against the same run's SGD and floor.
+    configuration (its time over SGD's, over its floor) reads that configuration's own
+    median run: the median of its ratios, each taken within its run against the same run's
+    SGD and floor.
     """
     from experiments.bench.tables import over_sgd
 
