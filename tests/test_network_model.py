@@ -3,19 +3,23 @@ memory passes outside its timed phases (exact values on small inputs)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import replace
 
 import pytest
 from dist_utils import run_ranks
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dpkfac.costmodel import PRESETS, Engine, Hardware, Link, predict, predict_sgd
+from dpkfac.costmodel import PRESETS, Engine, Hardware, Link, predict, predict_sgd, timing
 from dpkfac.costmodel.shapes import as_model_shapes
 from dpkfac.costmodel.timing import step_other_bytes
 from dpkfac.costmodel.traffic import Collective
 from dpkfac.options import KFACOptions
 from dpkfac.plan.assignment import LayerShape
+from dpkfac.plan.exchange import update_nbytes
 from dpkfac.plan.hardware import COLLECTIVE_KINDS, gloo_link, wire_bytes
 from experiments.bench import predict as bench_predict
 
@@ -249,3 +253,59 @@ def test_the_fold_is_priced_as_a_streaming_pass_where_not_measured() -> None:
     assert slow_memory.engine("fold") == slow_memory.engine("unpack")
     assert slow_memory.engine("pack") == slow_memory.engine("unpack")
     assert MEMORY.engine("fold") == MEMORY.engine("memory")  # no unpack: its own fallback
+
+
+_SHARE = st.lists(
+    st.tuples(st.floats(0, 10, allow_nan=False), st.floats(0, 10, allow_nan=False)), max_size=4
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_SHARE, min_size=1, max_size=3))
+def test_the_compute_or_send_bound_is_below_every_split_and_exact_for_one_rank(
+    shares: list[list[tuple[float, float]]],
+) -> None:
+    """Every way of splitting each rank's items between computing them before the point
+    (the slowest rank delays it) and sending them after it (the busiest link carries them)
+    gains at least the bound; with one rank some split gains exactly it."""
+    bound = timing.compute_or_send_bound(shares)
+    choices = [itertools.product((True, False), repeat=len(share)) for share in shares]
+    best = math.inf
+    for split in itertools.product(*choices):
+        before = max(
+            sum(c for (c, _), b in zip(sh, s, strict=True) if b)
+            for sh, s in zip(shares, split, strict=True)
+        )
+        after = max(
+            sum(e for (_, e), b in zip(sh, s, strict=True) if not b)
+            for sh, s in zip(shares, split, strict=True)
+        )
+        best = min(best, before + after)
+    assert bound <= best + 1e-9
+    if len(shares) == 1:
+        assert bound == pytest.approx(best)
+
+
+def test_early_updates_are_the_cheaper_of_each_layers_compute_and_bytes_per_sender() -> None:
+    """Four 512x512 layers at P=2, the first two completed only by the last bucket:
+    under dp_kfac each layer's owner sends its update, so the layers outside ``late`` add,
+    per owner, the lesser of their preconditioning and their bytes on the link; under
+    d_kfac every rank preconditions every layer for itself and nothing is sent."""
+    shapes = as_model_shapes(
+        [LayerShape(f"l{i}", "linear", 512, 512, batch_size=8) for i in range(4)]
+    )
+    hw = PRESETS["v100_ib100"]
+    plan = predict(shapes, strategy="dp_kfac", world_size=2, hardware=hw).plan
+    assert plan is not None
+    owners = [[i for i in range(4) if plan.sends_update(r, i)] for r in range(2)]
+    assert sorted(owners[0] + owners[1]) == [0, 1, 2, 3]
+    update = sum(update_nbytes(512, 512, with_kl=True, itemsize=4))
+    compute = timing.precondition_seconds(shapes[0], hw)
+    late = {0, 1}
+    for spb, each in ((1e-12, update * 1e-12), (1.0, compute)):  # bytes cheaper, then compute
+        got = timing.early_update_seconds(shapes, plan, late, hw, seconds_per_byte=spb)
+        assert got == pytest.approx(max(len(set(o) - late) for o in owners) * each)
+    assert timing.early_update_seconds(shapes, plan, set(range(4)), hw, seconds_per_byte=1.0) == 0
+    d_plan = predict(shapes, strategy="d_kfac", world_size=2, hardware=hw).plan
+    assert d_plan is not None
+    assert timing.early_update_seconds(shapes, d_plan, set(), hw, seconds_per_byte=1.0) == 0

@@ -113,6 +113,33 @@ def test_sgds_compute_is_its_own_pass_without_reductions_where_measured() -> Non
     ] == pytest.approx(6.0)
 
 
+def test_the_floor_holds_the_updates_of_layers_completed_before_the_last_bucket() -> None:
+    """A 16-600-600-10 MLP: DDP's first bucket (1 MiB cap) holds the last two layers, whose
+    gradients are reduced during the backward pass. An owner sends their updates, which
+    either lengthen its backward pass (preconditioned there) or follow the last bucket on
+    the link: its floor holds the cheaper (``early_update_ms``, computed from the config's
+    placement), SGD's nothing."""
+    wide = {"model_config": json.dumps(
+        {"_target_": "experiments.models.mlp.MLP", "d_in": 16, "hidden": [600, 600]}
+    )}  # fmt: skip
+    rows = _rows()
+    for key, value in wide.items():
+        rows[key] = value
+    frame = network_table.network_frame(rows, predict=False)
+    one = frame[frame["rate_bps"] == 1e9].set_index("strategy")
+    assert one.loc["none", "early_update_ms"] == 0.0
+    for strategy in ("dp_kfac", "dp_kfac_owner_overlap"):
+        r = one.loc[strategy]
+        assert r["early_update_ms"] > 0
+        third = r["pure_fwd_bwd_ms"] + r["early_update_ms"] + r["last_bucket_ms"] + r["after_ms"]
+        second = r["pure_fwd_bwd_ms"] / 3 + r["wire_ms"] + r["after_ms"]
+        assert r["floor_ms"] == pytest.approx(max(r["compute_ms"], second, third))
+        assert r["floor_ms"] == pytest.approx(third)  # the link-bound term here
+    # Each owner's layers of the first bucket are 600x600 and 600x10: at 1 Gbit/s their
+    # bytes (1.44 MB: 11.5 ms) or their preconditioning, whichever is less, per owner.
+    assert 0 < one.loc["dp_kfac", "early_update_ms"] <= 1e3 * 4 * (600 * 601 + 10 * 601) * 8 / 1e9
+
+
 def test_a_configs_ratios_are_its_own_median_run_not_the_median_jobs() -> None:
     """The median job is ranked by every config together; here it holds the overlapped
     config's slowest run (18 ms), and its ratios are read from its own median run."""

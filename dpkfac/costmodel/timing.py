@@ -69,6 +69,7 @@ from dpkfac.costmodel import traffic as tr
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.options import KFACOptions
 from dpkfac.plan.assignment import EIGH_COEFF, INVERSE_COEFF, CostFn, LayerShape
+from dpkfac.plan.exchange import update_nbytes
 from dpkfac.plan.fusion import CommModel, plan_buckets
 from dpkfac.plan.hardware import Hardware, Work, add_work, wire_bytes
 from dpkfac.plan.roles import Plan
@@ -78,11 +79,14 @@ __all__ = [
     "COMM_PHASES",
     "COMPUTE_PHASES",
     "StepPrediction",
+    "compute_or_send_bound",
+    "early_update_seconds",
     "factor_work",
     "fold_work",
     "forward_backward_work",
     "owner_seconds",
     "pipelined_plan",
+    "precondition_seconds",
     "seconds_cost",
     "step_other_bytes",
     "step_other_work",
@@ -372,6 +376,67 @@ def _precondition_flops(s: LayerShape, compute_method: str) -> float:
     return (4.0 if compute_method == "eigen" else 2.0) * s.g_dim * s.a_dim * (s.g_dim + s.a_dim)
 
 
+def precondition_seconds(s: LayerShape, hw: Hardware, compute_method: str = "eigen") -> float:
+    """Seconds ``hw`` takes to precondition one layer's gradient (one call)."""
+    return hw.time({"precondition": (1, _precondition_flops(s, compute_method))}, 1)
+
+
+def compute_or_send_bound(shares: Sequence[Sequence[tuple[float, float]]]) -> float:
+    """The least a step can gain from work that each rank must either compute before a
+    point of it or send after it: ``shares[r]`` holds, per item of rank ``r``, (seconds of
+    compute, seconds on the rank's link).
+
+    Whatever items each rank computes before the point (set ``A_r``, the rest ``R_r``), the
+    step gains ``max_r C(A_r) + max_r E(R_r)`` (the point waits for the slowest rank, the
+    link after it for the busiest), which for any one rank is at least ``C(A_r) + E(R_r)``,
+    so at least ``sum(min(c, e))`` over its items: the largest such sum over ranks is a
+    lower bound, exact for one rank.
+    """
+    return max((sum(min(c, e) for c, e in share) for share in shares), default=0.0)
+
+
+def early_update_seconds(
+    model: ModelShapes,
+    plan: Plan,
+    late: set[int],
+    hw: Hardware,
+    *,
+    seconds_per_byte: float,
+    compute_method: str = "eigen",
+    itemsize: int = 4,
+    kl_clip: bool = True,
+) -> float:
+    """A lower bound on what the updates of the layers the backward pass completes before its
+    last gradient bucket (every layer not in ``late``) add to a step after its end, on any
+    schedule.
+
+    The last bucket's gradients exist only when the backward pass ends, so its transfer
+    starts then at the earliest. A rank that sends a layer's update to its update group
+    either preconditions the layer before its backward pass ends, which a serial compute
+    stream lengthens by that much (:func:`precondition_seconds`), or after it, when the
+    update (:func:`~dpkfac.plan.exchange.update_nbytes`, which must leave the rank at least
+    once) goes out on its link beside the last bucket's transfer
+    (:func:`compute_or_send_bound`). Layers every rank preconditions for itself (no update
+    group) add nothing. ``model[i]`` is layer ``i`` of ``plan``.
+    """
+
+    def share(rank: int) -> list[tuple[float, float]]:
+        group = plan.update_group(rank)
+        if group is None or len(group) < 2:
+            return []
+        return [
+            (
+                precondition_seconds(s, hw, compute_method),
+                sum(update_nbytes(s.g_dim, s.a_dim, with_kl=kl_clip, itemsize=itemsize))
+                * seconds_per_byte,
+            )
+            for i, s in enumerate(model)
+            if i not in late and plan.sends_update(rank, i)
+        ]
+
+    return compute_or_send_bound([share(r) for r in range(plan.world_size)])
+
+
 def owner_seconds(
     shape: LayerShape,
     hw: Hardware,
@@ -492,7 +557,7 @@ def _overlap_backward(
         return hw.link(c.kind).time(1, c.wire_bytes, p)
 
     def prec_time(i: int) -> float:
-        return hw.time({"precondition": (1, _precondition_flops(model[i], compute_method))}, 1)
+        return precondition_seconds(model[i], hw, compute_method)
 
     t, j = 0.0, 0
     queued: list[tuple[float, float]] = []  # (ready, seconds) of update broadcasts

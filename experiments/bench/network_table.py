@@ -26,7 +26,12 @@ Its **floor** is what no schedule can beat on this link, the longest of: the com
 wire time plus what no transfer can overlap (the forward pass, taken as a third of
 forward/backward, and the optimizer step and other work after the last transfer); and the
 whole forward/backward, then the last gradient bucket's transfer (DDP's buckets: its
-gradients are ready only when the backward pass ends), then that work after it. Beside each row
+gradients are ready only when the backward pass ends), then that work after it. In that last
+term, a config whose owners send the updates of layers that an earlier bucket completes pays
+for them too: each owner either preconditions such a layer before its backward pass ends,
+which lengthens it, or sends its update after, beside the last bucket on its link; the floor
+takes the least either way costs (``early_update_ms``,
+:func:`dpkfac.costmodel.timing.early_update_seconds`). Beside each row
 is the cost model's prediction from the job's link probe alone
 (:func:`experiments.bench.predict.probe_hardware`), held out from every measured step.
 """
@@ -149,11 +154,17 @@ def _pure_fwd_bwd(row: dict[str, Any], job: list[dict[str, Any]]) -> float:
     return _ms(row, "fwd_bwd") if not _overlapped(row) else median
 
 
-def _model_terms(rows: list[dict[str, Any]], predict: bool) -> list[dict[str, float]]:
-    """Per row, what its model's shapes say: the last gradient bucket's bytes, and the cost
-    model's iteration and :data:`MODEL_PHASES` (ms, ``pred_<phase>_ms``) from the job's own
-    probes alone (``predict``), weighted over the step kinds like the row."""
+def _model_terms(rows: list[dict[str, Any]], rate: float, predict: bool) -> list[dict[str, float]]:
+    """Per row, what its model's shapes say: the last gradient bucket's bytes; what the link
+    carries (``link_bps``: what the job's link probe measured, else the shaped ``rate``); the
+    least time the updates of the layers completed before that bucket add after it
+    (``early_update_ms``, :func:`dpkfac.costmodel.timing.early_update_seconds`: the config's
+    placement as the cost model makes it, each layer's preconditioning priced by the job's
+    probed engines); and the cost model's iteration and :data:`MODEL_PHASES` (ms,
+    ``pred_<phase>_ms``) from the job's own probes alone (``predict``), weighted over the
+    step kinds like the row."""
     from dpkfac.costmodel import fitting
+    from dpkfac.costmodel.timing import early_update_seconds
     from dpkfac.costmodel.traffic import ddp_bucket_params
     from dpkfac.plan.fusion import DDP_DEFAULT_CAP_BYTES
     from experiments.bench import predict as predict_lib
@@ -161,15 +172,32 @@ def _model_terms(rows: list[dict[str, Any]], predict: bool) -> list[dict[str, fl
     out = []
     for r, (shapes, sharing) in zip(rows, predict_lib.shapes_per_row(rows), strict=True):
         last = ddp_bucket_params(shapes, itemsize=4, cap_bytes=DDP_DEFAULT_CAP_BYTES)[-1]
-        terms = {"last_bucket_bytes": float(4 * sum(n for _, n in last))}
         link = predict_lib.probe_links(r).get("allreduce")
-        if link is not None and link.beta > 0:
-            terms["link_bps"] = 8 / link.beta
-        if predict:
-            m = predict_lib.as_ran(
-                r, predict_lib.measurement(r, shapes=shapes, weight_sharing=sharing)
+        carried = 8 / link.beta if link is not None and link.beta > 0 else rate
+        terms = {
+            "last_bucket_bytes": float(4 * sum(n for _, n in last)),
+            "link_bps": carried,
+            "early_update_ms": 0.0,
+        }
+        if first_order(r) and not predict:
+            out.append(terms)
+            continue
+        m = predict_lib.as_ran(r, predict_lib.measurement(r, shapes=shapes, weight_sharing=sharing))
+        hw = predict_lib.probe_hardware(r)
+        pred = fitting.predict_measurement(m, hw)
+        if pred.plan is not None:
+            early = early_update_seconds(
+                shapes,
+                pred.plan,
+                {i for i, _ in last if i >= 0},
+                hw,
+                seconds_per_byte=8 / carried,
+                compute_method=m.kfac.compute_method,
+                itemsize=m.param_itemsize,
+                kl_clip=m.kfac.kl_clip is not None,
             )
-            pred = fitting.predict_measurement(m, predict_lib.probe_hardware(r))
+            terms["early_update_ms"] = 1e3 * early
+        if predict:
             amortised = predict_lib.amortised_prediction(r, pred)["iteration_s"]
             terms["pred_iteration_ms"] = 1e3 * amortised
             for phase in MODEL_PHASES:
@@ -190,7 +218,7 @@ def _job_entries(
     p = int(job[0]["world_size"])
     out = []
     for r, model in zip(job, terms, strict=True):
-        carried = model.get("link_bps", rate)  # what the link carries, by its probe
+        carried = model["link_bps"]
         pure = _pure_fwd_bwd(r, job)
         kfac = sum(_ms(r, k) for k in KFAC_COMPUTE)
         after = _ms(r, "optimizer") + _ms(r, "step_other")
@@ -198,9 +226,11 @@ def _job_entries(
         iteration = _ms(r, "iteration")
         wire_ms = 1e3 * _wire_bytes(r) * 8 / carried
         exposed = max(iteration - compute, 0.0)
-        # The last bucket's gradients are ready when the backward pass ends.
+        # The last bucket's gradients are ready when the backward pass ends; the updates of
+        # the layers completed before it delay that end or follow on the link.
         last_ms = 1e3 * wire_bytes("allreduce", int(model["last_bucket_bytes"]), p) * 8 / carried
-        floor = max(compute, FORWARD_SHARE * pure + wire_ms + after, pure + last_ms + after)
+        early = model["early_update_ms"]
+        floor = max(compute, FORWARD_SHARE * pure + wire_ms + after, pure + early + last_ms + after)
         out.append(
             {
                 "model": r["model"],
@@ -224,6 +254,7 @@ def _job_entries(
                 "wire_ms": wire_ms,
                 "wire_MB": _wire_bytes(r) / 1e6,
                 "last_bucket_ms": last_ms,
+                "early_update_ms": early,
                 "floor_ms": floor,
                 "vs_floor": iteration / floor if floor > 0 else math.nan,
                 **{f"{phase}_ms": _ms(r, phase) for phase in PHASES},
@@ -271,7 +302,7 @@ def _run_ratios(runs: pd.DataFrame, rate: float) -> pd.DataFrame:
     for seed, run in runs.groupby("seed", sort=False, dropna=False):
         for _, job in run.groupby(JOB, sort=False):
             rows = job.to_dict("records")
-            found = _job_entries(rows, rate, _model_terms(rows, predict=False))
+            found = _job_entries(rows, rate, _model_terms(rows, rate, predict=False))
             entries += [{**e, "run": seed} for e in found]
     each = pd.DataFrame(entries)
     if each.empty:
@@ -308,7 +339,7 @@ def network_frame(df: pd.DataFrame, *, predict: bool = True) -> pd.DataFrame:
         entries = []
         for _, job in ok_rows(runs).groupby(JOB, sort=False):
             rows = job.to_dict("records")
-            entries += _job_entries(rows, float(rate), _model_terms(rows, predict))
+            entries += _job_entries(rows, float(rate), _model_terms(rows, float(rate), predict))
         frame = pd.DataFrame(entries)
         ranges = runs.assign(ms=1e3 * runs["iteration_s"]).groupby([*JOB, "strategy"])["ms"]
         bounds = ranges.agg(iteration_min_ms="min", iteration_max_ms="max").reset_index()
@@ -445,6 +476,7 @@ def _detail_table(g: pd.DataFrame) -> pd.DataFrame:
         "wire_MB": "wire MB",
         "wire_ms": "wire ms",
         "last_bucket_ms": "last bucket ms",
+        "early_update_ms": "early updates ms",
         "floor_ms": "floor ms",
         "floor_vs_sgd": "floor × SGD",
     }
@@ -498,7 +530,9 @@ def write_network(df: pd.DataFrame, out: Path) -> dict[str, Path]:
             "plus what no transfer overlaps (the forward pass, "
             f"{FORWARD_SHARE:.2g} of forward/backward,",
             "and the work after the last transfer); and forward/backward, then the last gradient",
-            "bucket's transfer, then that work.",
+            "bucket's transfer, then that work, with the least that the updates an owner sends of",
+            "layers an earlier bucket completes add there (`early updates ms`: preconditioned",
+            "before the backward pass ends, they lengthen it; after, they follow on the link).",
             "`predicted ms`: the cost model on the job's own probes alone (links fitted to its",
             "link probe, engines to its compute probe where it has one; nothing fitted on these",
             "rows: see the end of the page). Bandwidth per node is emulated both ways; latency",
