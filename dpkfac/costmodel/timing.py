@@ -382,15 +382,15 @@ def precondition_seconds(s: LayerShape, hw: Hardware, compute_method: str = "eig
 
 
 def compute_or_send_bound(shares: Sequence[Sequence[tuple[float, float]]]) -> float:
-    """The least a step can gain from work that each rank must either compute before a
-    point of it or send after it: ``shares[r]`` holds, per item of rank ``r``, (seconds of
-    compute, seconds on the rank's link).
+    """A lower bound on what items add to a step when each rank must either compute each of
+    its items before a point of the step or send it after that point: ``shares[r]`` holds,
+    per item of rank ``r``, (seconds of compute, seconds on the rank's link).
 
     Whatever items each rank computes before the point (set ``A_r``, the rest ``R_r``), the
-    step gains ``max_r C(A_r) + max_r E(R_r)`` (the point waits for the slowest rank, the
+    step grows by ``max_r C(A_r) + max_r E(R_r)`` (the point waits for the slowest rank, the
     link after it for the busiest), which for any one rank is at least ``C(A_r) + E(R_r)``,
-    so at least ``sum(min(c, e))`` over its items: the largest such sum over ranks is a
-    lower bound, exact for one rank.
+    so at least ``sum(min(c, e))`` over its items: the largest such sum over ranks, exact
+    for one rank.
     """
     return max((sum(min(c, e) for c, e in share) for share in shares), default=0.0)
 
