@@ -119,12 +119,9 @@ def test_the_floor_holds_the_updates_of_layers_completed_before_the_last_bucket(
     either lengthen its backward pass (preconditioned there) or follow the last bucket on
     the link: its floor holds the cheaper (``early_update_ms``, computed from the config's
     placement), SGD's nothing."""
-    wide = {"model_config": json.dumps(
-        {"_target_": "experiments.models.mlp.MLP", "d_in": 16, "hidden": [600, 600]}
-    )}  # fmt: skip
     rows = _rows()
-    for key, value in wide.items():
-        rows[key] = value
+    wide = {"_target_": "experiments.models.mlp.MLP", "d_in": 16, "hidden": [600, 600]}
+    rows["model_config"] = json.dumps(wide)
     frame = network_table.network_frame(rows, predict=False)
     one = frame[frame["rate_bps"] == 1e9].set_index("strategy")
     assert one.loc["none", "early_update_ms"] == 0.0
