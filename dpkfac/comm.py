@@ -21,9 +21,12 @@ no-op that records nothing, which is what makes world size 1 communication-free.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
+import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -46,10 +49,12 @@ class CollectiveTimeout(RuntimeError):
 #: collectives (broadcast, reduce, alltoallv). gloo's TCP pair carries one large message per
 #: direction in turn, not both at once, wherever two transfers cross on a link: at P=2 on the
 #: emulated 1 Gbit/s network, 14 MB each way took 243 ms as one alltoallv and 122 ms cut into
-#: calls of 512 KiB per peer launched together (the link's rate both ways); two broadcasts of
-#: 4 MB from either rank, 64 ms as one call each and 34 ms cut. On loopback the cut cost nothing
-#: measurable (27 ms against 27 ms for the 14 MB alltoallv). gloo's ring all-reduce sends its
-#: buffer in segments already and runs at the link's rate uncut.
+#: calls of 512 KiB per peer launched together (the link's rate both ways). Broadcasts rooted
+#: at either rank cross only where their calls take turns (:meth:`Communicator.together`):
+#: 9 MiB from each rank took 143-152 ms cut and launched one root after the other, as long as
+#: two transfers in turn, and 87-93 ms with the roots' calls alternating. On loopback the cut
+#: cost nothing measurable (27 ms against 27 ms for the 14 MB alltoallv). gloo's ring
+#: all-reduce sends its buffer in segments already and runs at the link's rate uncut.
 GLOO_MESSAGE_BYTES = 512 * 2**10
 
 
@@ -202,6 +207,11 @@ class Handle:
     overlapped: bool = False
 
 
+#: A collective launched inside :meth:`Communicator.together`: its handle, its calls not yet
+#: started, and what the timeline records of it (category, kind, bytes).
+_Held = tuple[Handle, list[Callable[[], object]], str, str, int]
+
+
 class Communicator:
     """Accounted, fused, time-limited collectives over one process group.
 
@@ -268,6 +278,9 @@ class Communicator:
         self.label = "main"
         self._parent: Communicator | None = None
         self._in_flight: set[int] = set()
+        #: Inside :meth:`together`: the collectives launched there, each its handle, its
+        #: calls not yet started, and what the timeline records of it.
+        self._held: list[_Held] | None = None
         #: :func:`bucket_plan` per layout (dtypes, devices and sizes of the tensors, the
         #: cap): a step hands the same layouts to the same collectives every time.
         self._layouts: dict[tuple[object, ...], list[tuple[list[int], bool]]] = {}
@@ -417,12 +430,46 @@ class Communicator:
         # A rooted collective sends its whole buffer to a peer: on gloo in consecutive pieces,
         # launched together (message_calls), into the same buffer.
         calls = 1 if kind == "allreduce" else message_calls(self.backend, nbytes)
-        works = [
-            fn(piece, group=self.group, async_op=True, **kwargs)
+        starts: list[Callable[[], object]] = [
+            functools.partial(fn, piece, group=self.group, async_op=True, **kwargs)
             for piece in flat.tensor_split(calls)
         ]
-        handle.works.extend(works)
-        self._traced(handle.category, getattr(fn, "__name__", kind), nbytes, works[-1])
+        entry: _Held = (handle, starts, handle.category, getattr(fn, "__name__", kind), nbytes)
+        if self._held is not None:
+            self._held.append(entry)
+        else:
+            self._start([entry])
+
+    def _start(self, entries: list[_Held]) -> None:
+        """Start the calls of ``entries``, the collectives' calls taking turns: the first call
+        of each, then the second of each, and so on (every rank in the same order)."""
+        for turn in itertools.zip_longest(*(starts for _, starts, *_ in entries)):
+            for (handle, *_), start in zip(entries, turn, strict=True):
+                if start is not None:
+                    handle.works.append(start())
+        for handle, _, category, name, nbytes in entries:
+            self._traced(category, name, nbytes, handle.works[-1])
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Launch the collectives started inside the block together, at its end, their calls
+        taking turns (see :data:`GLOO_MESSAGE_BYTES`): broadcasts rooted at different ranks then
+        cross on the links both ways, where launched one after the other each root's calls
+        would all go first. Every rank must start the same collectives in the block, as
+        everywhere. Waiting on one of them inside the block launches those held so far. A
+        block inside another launches with the outer one's.
+        """
+        if self._held is not None:
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        except BaseException:
+            self._held = None  # never launched: the other ranks fail at their timeout
+            raise
+        held, self._held = self._held, None
+        self._start(held)
 
     def _traced(self, category: str, kind: str, nbytes: int, work: object) -> None:
         """Record a launched collective on the timer's timeline, if it has one (on a track
@@ -541,6 +588,9 @@ class Communicator:
         """Block until ``handle`` completes (timed in its category's phase), then unpack."""
         if handle.done:
             return
+        if self._held:  # inside together(): what it holds goes now, the block goes on
+            held, self._held = self._held, []
+            self._start(held)
         phase = PHASE_OF_CATEGORY.get(handle.category, handle.category)
         with self.timer.phase(phase):
             for work in handle.works:
@@ -660,16 +710,11 @@ class Communicator:
         category: str,
         cap_bytes: int | None,
         async_op: bool,
-        into: Handle | None = None,
     ) -> Handle:
-        """A broadcast or reduce with one root: only the side that receives unpacks.
-
-        ``into``: launch into this handle (several roots, one wait) instead of a new one.
-        """
-        handle = Handle(category) if into is None else into
+        """A broadcast or reduce with one root: only the side that receives unpacks."""
+        handle = Handle(category)
         if not self.active or not tensors:
-            if into is None:  # a shared handle is settled by its caller
-                handle.done = True
+            handle.done = True
             return handle
         tensors = list(tensors)
         is_reduce = fn is dist.reduce

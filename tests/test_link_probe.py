@@ -39,6 +39,37 @@ def test_probes_agree_on_every_rank_and_fit_links() -> None:
         assert big["seconds"] / 2 <= fitted <= 2 * big["seconds"]
 
 
+def _probe_order(rank: int, world_size: int) -> list[int]:
+    """The roots of the broadcast calls one probe of 64 Ki floats per root starts, on gloo
+    cut into 64 KiB calls (4 per root)."""
+    import torch.distributed as dist
+
+    import dpkfac.comm as comm_module
+
+    comm_module.GLOO_MESSAGE_BYTES = 64 * 2**10
+    started: list[int] = []
+    real = dist.broadcast
+
+    def recording(tensor: torch.Tensor, src: int, **kwargs: Any) -> Any:
+        started.append(src)
+        return real(tensor, src=src, **kwargs)
+
+    dist.broadcast = recording  # type: ignore[assignment]
+    try:
+        probe_links(torch.device("cpu"), kinds=("broadcast",), numels=(65536,), repeats=1)
+    finally:
+        dist.broadcast = real  # type: ignore[assignment]
+    return started
+
+
+@pytest.mark.distributed
+def test_the_broadcast_probe_launches_as_a_step_does() -> None:
+    """Through the communicator, together: each root's broadcast cut into gloo's message
+    calls, the roots' calls taking turns (as the strategies' decompositions and updates)."""
+    for started in run_ranks(_probe_order, 2):
+        assert started == [0, 1] * 4 * 2  # 4 calls per root, one untimed and one timed repeat
+
+
 def test_no_probes_on_one_rank_and_rows_without_them() -> None:
     assert probe_links(torch.device("cpu")) == []
     assert predict.probe_links({}) == {}

@@ -178,10 +178,11 @@ def launch_gradients(
     assert transfer.kind == "reduce_scatter", transfer.kind
     shards = [list(s) for s in transfer.shards]
     if len({g.dtype for s in shards for g in s}) > 1:
-        return [
-            comm.reduce_mean(s, r, cat, cap_bytes=cap_bytes, async_op=True)
-            for r, s in enumerate(shards)
-        ]
+        with comm.together():  # the owners' reduces crossing on the links
+            return [
+                comm.reduce_mean(s, r, cat, cap_bytes=cap_bytes, async_op=True)
+                for r, s in enumerate(shards)
+            ]
     handle = comm.reduce_scatter_mean(
         shards, cat, cap_bytes=cap_bytes, async_op=True, overlapped=overlapped
     )
@@ -237,20 +238,22 @@ def launch_updates(
 
     cat = "precond_broadcast"
     counts = tuple(len(s) for s in sent_by)
-    for layout in update_layout(owner_reduction, counts):
-        transfer = on_items(layout, lambda rj: sent_by[rj[0]][rj[1]])
-        if transfer.kind == "broadcast":
-            sent = buffers(transfer.root, transfer.shards[0])
-            handles.append(
-                comm.broadcast(sent, transfer.root, cat, cap_bytes=cap_bytes, async_op=True)
-            )
-            parts.append((transfer.shards[0], sent))
-            continue
-        by = [buffers(r, shard) for r, shard in enumerate(transfer.shards)]
-        for dtype in sorted({b.dtype for bs in by for b in bs}, key=str):  # one per dtype
-            shards = [[b for b in bs if b.dtype == dtype] for bs in by]
-            handles.append(comm.all_gather(shards, cat, cap_bytes=cap_bytes, async_op=True))
-        parts += zip(transfer.shards, by, strict=True)
+    # Several roots' broadcasts cross on the links only with their calls taking turns.
+    with comm.together():
+        for layout in update_layout(owner_reduction, counts):
+            transfer = on_items(layout, lambda rj: sent_by[rj[0]][rj[1]])
+            if transfer.kind == "broadcast":
+                sent = buffers(transfer.root, transfer.shards[0])
+                handles.append(
+                    comm.broadcast(sent, transfer.root, cat, cap_bytes=cap_bytes, async_op=True)
+                )
+                parts.append((transfer.shards[0], sent))
+                continue
+            by = [buffers(r, shard) for r, shard in enumerate(transfer.shards)]
+            for dtype in sorted({b.dtype for bs in by for b in bs}, key=str):  # one per dtype
+                shards = [[b for b in bs if b.dtype == dtype] for bs in by]
+                handles.append(comm.all_gather(shards, cat, cap_bytes=cap_bytes, async_op=True))
+            parts += zip(transfer.shards, by, strict=True)
     return InFlightUpdates(parts, handles)
 
 
@@ -629,33 +632,34 @@ class Strategy(Generic[OptionsT]):
             for src in members
         ]
         pending = []
-        for transfer in decomposition_transfers(sent_by):
-            position, (items, *_) = transfer.root, transfer.shards
-            src = members[position]
-            tensors: list[torch.Tensor] = []
-            for layer, which in items:
-                if src == self.rank:
-                    decomposition = layer.decomposition(which)
-                    assert decomposition is not None, "a due decomposition is computed first"
-                    tensors += decomposition.tensors()
-                else:
-                    # A receiver may hold no factor of the layer (grouped's
-                    # gradient workers outside the owner's factor group).
-                    weight = layer.helper.module.weight
-                    factor_dtype = self.kfac.factor_dtype or weight.dtype
-                    dtype = working_dtype(factor_dtype, self.decomposition_dtype)
-                    tensors += [
-                        torch.empty(shape, dtype=dtype, device=weight.device)
-                        for shape in self.method.shapes(layer.dim(which))
-                    ]
-            handle = comm.broadcast(
-                tensors,
-                position,
-                "decomposition_broadcast",
-                cap_bytes=self.bucket_cap_bytes,
-                async_op=True,
-            )
-            pending.append((src, items, tensors, handle))
+        with comm.together():  # every root's calls taking turns on the links
+            for transfer in decomposition_transfers(sent_by):
+                position, (items, *_) = transfer.root, transfer.shards
+                src = members[position]
+                tensors: list[torch.Tensor] = []
+                for layer, which in items:
+                    if src == self.rank:
+                        decomposition = layer.decomposition(which)
+                        assert decomposition is not None, "a due decomposition is computed first"
+                        tensors += decomposition.tensors()
+                    else:
+                        # A receiver may hold no factor of the layer (grouped's
+                        # gradient workers outside the owner's factor group).
+                        weight = layer.helper.module.weight
+                        factor_dtype = self.kfac.factor_dtype or weight.dtype
+                        dtype = working_dtype(factor_dtype, self.decomposition_dtype)
+                        tensors += [
+                            torch.empty(shape, dtype=dtype, device=weight.device)
+                            for shape in self.method.shapes(layer.dim(which))
+                        ]
+                handle = comm.broadcast(
+                    tensors,
+                    position,
+                    "decomposition_broadcast",
+                    cap_bytes=self.bucket_cap_bytes,
+                    async_op=True,
+                )
+                pending.append((src, items, tensors, handle))
         count = len(self.method.shapes(1))
         for src, items, tensors, handle in pending:
             comm.wait(handle)

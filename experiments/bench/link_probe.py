@@ -16,9 +16,12 @@ few probes in the step's conditions:
 * one collective at a time, timed to completion, and per repeat the least
   time over ranks (the rank that arrived last waited only for the transfer,
   as a phase's least wait), the median over repeats; broadcasts one per root,
-  launched together, as a step's owners and decomposers broadcast their shares
-  (a lone root returns once its bytes are in the socket's buffers, before the
-  transfer: probes recorded before this, without ``calls``, timed that).
+  launched through the communicator together, as a step's owners and decomposers
+  broadcast their shares (a lone root returns once its bytes are in the socket's
+  buffers, before the transfer: probes recorded before this, without ``calls``,
+  timed that). Probes recorded before the roots' calls took turns launched each
+  root's broadcast whole, and the two crossed on the links only sometimes: 16 MiB
+  from each of two ranks took 139 ms in some jobs and 247 ms in others at 1 Gbit/s.
 
 They take well under a second per job on loopback (a few seconds on a 1 Gbit/s
 emulated link) and are stored in the job's rows
@@ -46,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dpkfac.comm import Communicator
 from dpkfac.plan.hardware import wire_bytes
 from experiments.network import NodeLink
 
@@ -93,22 +97,29 @@ def evict(scratch: torch.Tensor, device: torch.device) -> None:
     sync(device)
 
 
-def _every_root_broadcasts(buf: torch.Tensor) -> None:
-    """One broadcast rooted at every rank, each of its own ``1/P`` of ``buf``, launched
-    together and waited for: as a step's owners and decomposers broadcast their shares."""
-    works = [
-        dist.broadcast(part, src=root, async_op=True)
-        for root, part in enumerate(buf.chunk(dist.get_world_size()))
-    ]
-    for work in works:
-        work.wait()
+def _every_root_broadcasts() -> Callable[[torch.Tensor], object]:
+    """One broadcast rooted at every rank, each of its own ``1/P`` of the buffer, launched as a
+    step's owners and decomposers launch theirs (:meth:`dpkfac.comm.Communicator.together`:
+    on gloo cut into message calls, the roots' calls taking turns) and waited for."""
+    comm = Communicator()
+
+    def run(buf: torch.Tensor) -> None:
+        with comm.together():
+            handles = [
+                comm.broadcast([part], root, "setup", async_op=True)
+                for root, part in enumerate(buf.chunk(comm.size))
+            ]
+        for handle in handles:
+            comm.wait(handle)
+
+    return run
 
 
 def _op(kind: str) -> Callable[[torch.Tensor], object]:
     if kind == "allreduce":
         return dist.all_reduce
     if kind == "broadcast":
-        return _every_root_broadcasts
+        return _every_root_broadcasts()
     raise ValueError(f"unknown probe kind {kind!r}; expected one of {LINK_PROBE_KINDS}")
 
 
@@ -145,10 +156,10 @@ def probe_links(
     """Time each kind and size on the default group; every rank calls it and gets the same list.
 
     A broadcast is timed as a step meets its broadcasts: every rank roots one, of
-    ``4 * numel`` bytes each, all launched together and waited for on every rank
-    (:func:`_every_root_broadcasts`): gloo's binomial tree returns on a root once its bytes
-    are in the socket's buffers, so a lone root's time is not the transfer's, while a rank
-    that also receives waits for the link.
+    ``4 * numel`` bytes each, all launched together as the step launches them and waited
+    for on every rank (:func:`_every_root_broadcasts`): gloo's binomial tree returns on a
+    root once its bytes are in the socket's buffers, so a lone root's time is not the
+    transfer's, while a rank that also receives waits for the link.
 
     Returns:
         One entry per (kind, size): ``kind``, ``nbytes`` (one buffer), ``seconds`` (median
