@@ -157,7 +157,7 @@ def _interleaved_rounds(
     each call, as they do before each step, so each round's most over ranks is of the same
     work run at once, as a step's is. That did not close what separates the forward/backward
     probe from the same pass between the steps: over the committed network table's jobs
-    (practical setting) it reads a median 9% (ResNet-32) and 11% (BERT-base) below the K-FAC
+    (practical setting) it reads a median 12% (ResNet-32 and BERT-base) below the K-FAC
     rows' forward/backward. It reads like the pass of the one config whose step follows
     SGD's in the job's rotation (SGD's ends with the eviction and its ``no_sync`` pass);
     every config that follows another K-FAC step runs the same pass 8-12% slower. Which part
