@@ -14,7 +14,7 @@ import os
 import pickle
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -149,3 +149,21 @@ def run_ranks(
             msg.append(f"ranks {missing} did not report within {timeout}s (deadlock or crash?)")
         raise AssertionError("\n".join(msg))
     return [results[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def broadcast_roots() -> Iterator[list[int]]:
+    """The root of every ``torch.distributed.broadcast`` call started inside the block, in
+    the order they started (the communicator looks the function up at each call)."""
+    started: list[int] = []
+    real = dist.broadcast
+
+    def recording(tensor: torch.Tensor, src: int, **kwargs: Any) -> Any:
+        started.append(src)
+        return real(tensor, src=src, **kwargs)
+
+    dist.broadcast = recording  # type: ignore[assignment]
+    try:
+        yield started
+    finally:
+        dist.broadcast = real  # type: ignore[assignment]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import broadcast_roots, run_ranks
 
 import dpkfac.comm as comm_module
 from dpkfac.comm import Communicator
@@ -65,18 +65,8 @@ def test_rooted_collectives_cut_into_calls_are_exact(world_size: int, message: i
 def _together(rank: int, world_size: int) -> dict[str, Any]:
     """Each rank roots one broadcast (root r sends the first ``len(SIZES) - r`` tensors),
     launched inside ``together()``; the order the calls started in, per root."""
-    import torch.distributed as dist
-
     comm_module.GLOO_MESSAGE_BYTES = 8  # one float64 per call
-    started: list[int] = []
-    real = dist.broadcast
-
-    def recording(tensor: torch.Tensor, src: int, **kwargs: Any) -> Any:
-        started.append(src)
-        return real(tensor, src=src, **kwargs)
-
-    dist.broadcast = recording  # type: ignore[assignment]
-    try:
+    with broadcast_roots() as started:
         comm = Communicator()
         sizes = {root: SIZES[: len(SIZES) - root] for root in range(world_size)}
         sent = {
@@ -111,8 +101,6 @@ def _together(rank: int, world_size: int) -> dict[str, Any]:
             "late": late_value,
             "stats": comm.stats.as_dict(),
         }
-    finally:
-        dist.broadcast = real  # type: ignore[assignment]
 
 
 @pytest.mark.distributed

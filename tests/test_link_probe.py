@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import broadcast_roots, run_ranks
 
 from dpkfac.plan.hardware import wire_bytes
 from experiments.bench import predict
@@ -42,23 +42,11 @@ def test_probes_agree_on_every_rank_and_fit_links() -> None:
 def _probe_order(rank: int, world_size: int) -> list[int]:
     """The roots of the broadcast calls one probe of 64 Ki floats per root starts, on gloo
     cut into 64 KiB calls (4 per root)."""
-    import torch.distributed as dist
-
     import dpkfac.comm as comm_module
 
     comm_module.GLOO_MESSAGE_BYTES = 64 * 2**10
-    started: list[int] = []
-    real = dist.broadcast
-
-    def recording(tensor: torch.Tensor, src: int, **kwargs: Any) -> Any:
-        started.append(src)
-        return real(tensor, src=src, **kwargs)
-
-    dist.broadcast = recording  # type: ignore[assignment]
-    try:
+    with broadcast_roots() as started:
         probe_links(torch.device("cpu"), kinds=("broadcast",), numels=(65536,), repeats=1)
-    finally:
-        dist.broadcast = real  # type: ignore[assignment]
     return started
 
 
