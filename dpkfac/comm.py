@@ -11,6 +11,8 @@ Every collective of the package goes through :class:`Communicator`, which
 * launches every collective asynchronously and waits with a timeout, so a
   hang becomes an error that names the phase and the rank instead of a
   silent deadlock;
+* starts the calls of collectives launched inside :meth:`Communicator.together`
+  in turns, so that broadcasts from several roots cross on the links;
 * optionally (``isolate``, for measurements) meets the other ranks at a
   barrier before a phase's first collective, timed as ``comm_sync``, so a
   phase's time is its transfers alone and not also the wait for slower ranks.
