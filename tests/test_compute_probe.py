@@ -323,3 +323,22 @@ def test_the_host_probe_is_a_plain_step_outside_its_phases(kl_clip: float | None
     loss(model, batch).backward()
     raw = [p.grad for p in model.parameters()]
     assert not all(torch.equal(a, b) for a, b in zip(preconditioned, raw, strict=True))
+
+
+def test_the_pass_timed_in_the_steps_rotation_prices_the_forward_backward() -> None:
+    """A job's hook-free pass timed in turn with its steps (DDP SGD's ``no_sync`` pass) stands
+    for the forward/backward probe timed before them; nothing else moves."""
+    entries = [
+        {"kind": "forward_backward", "work": {"forward_backward": [3, 6e9]}, "seconds": 0.2},
+        {"kind": "eigh", "work": {"eigh": [6, 3e9]}, "seconds": 0.05},
+    ]
+    row = {"compute_probes": json.dumps(entries)}
+    alone, rotated = predict.probe_hardware(row), predict.probe_hardware(row, in_rotation_s=0.25)
+    assert alone.engine("forward_backward").time(3, 6e9) == pytest.approx(0.2)
+    assert rotated.engine("forward_backward").time(3, 6e9) == pytest.approx(0.25)
+    assert rotated.engines["eigh"] == alone.engines["eigh"]
+    # The job's pass: its SGD row's (the slowest rank per step, then the median); none where
+    # no row has one (no SGD under DDP, or rows from before the pass: NaN read from CSV).
+    job = [{"fwd_bwd_local_s": math.nan}, {"fwd_bwd_local_s": 0.25}, {}]
+    assert predict.rotation_forward_backward(job) == 0.25
+    assert predict.rotation_forward_backward(job[::2]) is None

@@ -113,6 +113,33 @@ def test_sgds_compute_is_its_own_pass_without_reductions_where_measured() -> Non
     ] == pytest.approx(6.0)
 
 
+@pytest.mark.parametrize(
+    ("options", "sends"),
+    [
+        ({"strategy": "dp_kfac", **COMMON}, False),
+        (OVERLAP, True),  # gradients reduced from the backward hooks
+        ({**OVERLAP, "overlap": "auto"}, True),  # may choose that
+        ({"strategy": "spd_kfac", **COMMON}, True),  # factors all-reduced from the hooks
+        ({"strategy": "d_kfac", **COMMON}, False),
+    ],
+)
+def test_a_row_that_sends_during_its_pass_takes_its_jobs_plain_forward_backward(
+    options: dict, sends: bool
+) -> None:
+    """A transfer beside the pass stretches it on the rank's core: such a row's own
+    ``fwd_bwd`` holds communication, so its pure forward/backward is the median of the job's
+    K-FAC rows that send nothing during theirs, and the stretch is read as exposed
+    communication."""
+    rows = _rows()
+    probe = rows["strategy"] == "dp_kfac_owner_overlap"
+    rows.loc[probe, "kfac_options"] = json.dumps(options)
+    rows.loc[probe, "fwd_bwd_s"] = 0.009  # 5 ms more than dp_kfac's 4
+    frame = network_table.network_frame(rows, predict=False)
+    row = frame[frame["rate_bps"] == 1e9].set_index("strategy").loc["dp_kfac_owner_overlap"]
+    assert row["pure_fwd_bwd_ms"] == pytest.approx(4.0 if sends else 9.0)
+    assert row["exposed_comm_ms"] == pytest.approx(16 - row["compute_ms"])
+
+
 def test_the_floor_holds_the_updates_of_layers_completed_before_the_last_bucket() -> None:
     """A 16-600-600-10 MLP: DDP's first bucket (1 MiB cap) holds the last two layers, whose
     gradients are reduced during the backward pass. An owner sends their updates, which
@@ -292,6 +319,13 @@ def test_the_answer_names_the_configs_whose_range_meets_the_focus_configs() -> N
     first = takeaways.network(frame)[0]
     assert "dp_kfac chose the same configuration (owner, overlap)" in first
     assert "meets" not in first and "fastest K-FAC" not in first
+    # The fastest is named by the ratio the line states (each config's own median run),
+    # not by the median job's row, which can be a config's slowest run.
+    rival = frame.assign(configuration=frame["configuration"].where(~lucky, "owner"))
+    rival.loc[lucky, "iteration_ms"] = 1.0
+    assert "fastest K-FAC" not in takeaways.network(rival)[0]
+    rival.loc[lucky, "vs_sgd"] = 0.5
+    assert "fastest K-FAC: dp_kfac 0.50×" in takeaways.network(rival)[0]
     # A chooser that resolved to the focus's configuration in some runs only: those runs
     # are the focus's; its other runs are the rival, compared with the focus's range.
     frame.loc[lucky, "configuration"] = "owner"

@@ -164,7 +164,9 @@ def _interleaved_rounds(
     with the configs a job holds: in a BERT-base job of 5 configs and SGD (practical, 1 Gbit/s)
     the probe read 42.6 ms and the K-FAC configs' plain steps 39-42, with a pass of a
     hook-free copy in the rotation 41-42 (in a ResNet-32 job, the probe 102.0 and the copy
-    101.1). What slows a pass when 15 configs take turns is not found.
+    101.1). What slows a pass when 15 configs take turns is not found, so the network
+    table's predictions price the forward/backward by the pass timed in the rotation where
+    the job has one (:func:`experiments.bench.predict.probe_hardware`).
     """
 
     def run(fn: Callable[[], object]) -> float:

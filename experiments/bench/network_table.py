@@ -83,8 +83,9 @@ PHASES = ("fwd_bwd", "grad_comm", "factor_comm", "decomposition_comm", "precond_
 #: the cost model's breakdown entries (:class:`dpkfac.costmodel.StepPrediction`) of each.
 #: Measured: the pure forward/backward, the K-FAC compute of the busiest rank, ``step()``'s
 #: other work and the optimizer, and the communication the step waited for (the rest; in
-#: the overlapped modes also their backward hooks' own work, which the pure forward/backward
-#: leaves out: their packing is the breakdown's ``hooks``).
+#: the configs that send during the pass, :func:`_sends_in_pass`, also their transfers'
+#: stretch of it and their backward hooks' own work, which the pure forward/backward leaves
+#: out: their packing is the breakdown's ``hooks``).
 MODEL_PHASES = {
     "fwd_bwd": ("forward_backward",),
     "kfac_compute": KFAC_COMPUTE,
@@ -109,10 +110,22 @@ MEASURED = {
 MODEL_PHASE_NAMES = takeaways.NETWORK_PARTS
 
 
-def _overlapped(row: dict[str, Any]) -> bool:
-    """Whether a K-FAC row reduces gradients inside its backward pass (``overlap``)."""
-    options = json_value(row.get("kfac_options")) or {}
-    return bool(options.get("overlap"))
+def _sends_in_pass(row: dict[str, Any]) -> bool:
+    """Whether a K-FAC row launches collectives from its hooks, so that their transfers run
+    during its forward/backward pass: it reduces gradients from its backward hooks (the
+    overlapped modes, or ``overlap="auto"``, which may choose them) or all-reduces its
+    factors from the capture hooks (``factor_comm="pipelined"``: spd_kfac). On a rank's one
+    core a transfer beside the pass stretches it (over the committed network rows,
+    spd_kfac's paper-setting pass took 94 ms on BERT-base at 1 Gbit/s against its job's
+    plain 49), so the row's ``fwd_bwd`` holds communication."""
+    from dpkfac.plan import scheme_of, scheme_options
+    from experiments.bench.predict import row_strategy
+
+    name, own = row_strategy(row)
+    if name is None:
+        return False
+    scheme, options = scheme_of(name), scheme_options(name, own)
+    return scheme.may_overlap(options) or scheme.traits(options).factor_comm == "pipelined"
 
 
 def _ms(row: dict[str, Any], key: str) -> float:
@@ -135,11 +148,12 @@ def _wire_bytes(row: dict[str, Any]) -> float:
 def _pure_fwd_bwd(row: dict[str, Any], job: list[dict[str, Any]]) -> float:
     """Milliseconds of ``row``'s forward/backward without any transfer in it.
 
-    A K-FAC row that reduces gradients after the backward pass has nothing else in its
-    ``fwd_bwd`` (its factor hooks are timed apart): its own. An overlapped row's holds its
-    reductions, so it takes the median of those rows of its job. SGD's holds DDP's exposed
-    waits: it takes its own forward/backward run again without DDP's reductions, in turn
-    with the steps (``fwd_bwd_local_s``, :meth:`experiments.bench.measure._Stepper.step`).
+    A K-FAC row that sends nothing during its pass has nothing else in its ``fwd_bwd`` (its
+    factor hooks are timed apart): its own. A row that does (:func:`_sends_in_pass`) holds
+    those transfers, so it takes the median of the other K-FAC rows of its job. SGD's holds
+    DDP's exposed waits: it takes its own forward/backward run again without DDP's
+    reductions, in turn with the steps (``fwd_bwd_local_s``,
+    :meth:`experiments.bench.measure._Stepper.step`).
     Rows measured before that pass existed take the lesser of their own and that median,
     which holds the K-FAC hooks' capture work where they capture every step (the paper
     setting) and so reads SGD's exposed wait short.
@@ -147,11 +161,11 @@ def _pure_fwd_bwd(row: dict[str, Any], job: list[dict[str, Any]]) -> float:
     local = _ms(row, "fwd_bwd_local")
     if first_order(row) and local > 0:
         return local
-    plain = [_ms(r, "fwd_bwd") for r in job if not first_order(r) and not _overlapped(r)]
+    plain = [_ms(r, "fwd_bwd") for r in job if not first_order(r) and not _sends_in_pass(r)]
     median = float(pd.Series(plain).median()) if plain else math.inf
     if first_order(row):
         return min(_ms(row, "fwd_bwd"), median)
-    return _ms(row, "fwd_bwd") if not _overlapped(row) else median
+    return _ms(row, "fwd_bwd") if not _sends_in_pass(row) else median
 
 
 def _model_terms(rows: list[dict[str, Any]], rate: float, predict: bool) -> list[dict[str, float]]:
@@ -161,8 +175,10 @@ def _model_terms(rows: list[dict[str, Any]], rate: float, predict: bool) -> list
     (``early_update_ms``, :func:`dpkfac.costmodel.timing.early_update_seconds`: the config's
     placement as the cost model makes it, each layer's preconditioning priced by the job's
     probed engines); and the cost model's iteration and :data:`MODEL_PHASES` (ms,
-    ``pred_<phase>_ms``) from the job's own probes alone (``predict``), weighted over the
-    step kinds like the row."""
+    ``pred_<phase>_ms``) from the job's own probes alone (``predict``; its forward/backward
+    priced by the job's hook-free pass in the steps' rotation where it has one,
+    :func:`experiments.bench.predict.rotation_forward_backward`), weighted over the step
+    kinds like the row."""
     from dpkfac.costmodel import fitting
     from dpkfac.costmodel.timing import early_update_seconds
     from dpkfac.costmodel.traffic import ddp_bucket_params
@@ -170,6 +186,7 @@ def _model_terms(rows: list[dict[str, Any]], rate: float, predict: bool) -> list
     from experiments.bench import predict as predict_lib
 
     out = []
+    in_rotation = predict_lib.rotation_forward_backward(rows)
     for r, (shapes, sharing) in zip(rows, predict_lib.shapes_per_row(rows), strict=True):
         last = ddp_bucket_params(shapes, itemsize=4, cap_bytes=DDP_DEFAULT_CAP_BYTES)[-1]
         link = predict_lib.probe_links(r).get("allreduce")
@@ -183,7 +200,7 @@ def _model_terms(rows: list[dict[str, Any]], rate: float, predict: bool) -> list
             out.append(terms)
             continue
         m = predict_lib.as_ran(r, predict_lib.measurement(r, shapes=shapes, weight_sharing=sharing))
-        hw = predict_lib.probe_hardware(r)
+        hw = predict_lib.probe_hardware(r, in_rotation_s=in_rotation)
         pred = fitting.predict_measurement(m, hw)
         if pred.plan is not None:
             early = early_update_seconds(

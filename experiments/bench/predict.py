@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -522,9 +522,12 @@ def probe_links(row: Mapping[str, Any], *, link_bound: bool | None = None) -> di
     return links
 
 
-def probe_engines(row: Mapping[str, Any], base: Hardware) -> dict[str, Engine]:
+def probe_engines(
+    row: Mapping[str, Any], base: Hardware, *, forward_backward_s: float | None = None
+) -> dict[str, Engine]:
     """``base``'s engines scaled to the job's compute probes
-    (:mod:`experiments.bench.compute_probe`).
+    (:mod:`experiments.bench.compute_probe`); ``forward_backward_s``, where given, stands for
+    the forward/backward probe's seconds (:func:`probe_hardware` says why).
 
     Each probe timed one engine kind on the job's own model (its work as the cost model
     counts it): the kind's engine is sped up, rate and latency alike, until it gives the
@@ -547,7 +550,10 @@ def probe_engines(row: Mapping[str, Any], base: Hardware) -> dict[str, Engine]:
         work = {k: (float(c), float(a)) for k, (c, a) in entry["work"].items()}
         calls, amount = work.pop(kind, (0.0, 0.0))
         predicted = hw.time({kind: (calls, amount)}, 1)
-        left = float(entry["seconds"]) - hw.time(work, 1)
+        seconds = float(entry["seconds"])
+        if kind == "forward_backward" and forward_backward_s is not None:
+            seconds = forward_backward_s
+        left = seconds - hw.time(work, 1)
         if left <= 0:
             continue
         if predicted > 0:
@@ -572,22 +578,47 @@ def probe_overlap(row: Mapping[str, Any]) -> float | None:
     return float(entries[0]["overlap"]) if entries else None
 
 
-def probe_hardware(row: Mapping[str, Any]) -> Hardware:
+def probe_hardware(row: Mapping[str, Any], *, in_rotation_s: float | None = None) -> Hardware:
     """The hardware model of a row from its job's own probes alone: :data:`BASE_PRESET`'s
     engines scaled to the job's compute probes (:func:`probe_engines`, where the row has
     them), with the link probes' links (:func:`probe_links`, link-bound on an emulated
     network) and the overlap probe's overlap (:func:`probe_overlap`, where it has one; the
     preset's otherwise, fitted on loopback).
 
-    Nothing in it is fitted to any row's phase timings, so a prediction on it is held out
-    from every measured step; the network table predicts its rows this way.
+    ``in_rotation_s``: seconds of a hook-free forward/backward pass of the job's model timed
+    in turn with its steps (:func:`rotation_forward_backward`), which then prices the
+    forward/backward engine in place of the probe timed before the steps. The steps share
+    the process with every config's model copy and state; the probe before them does not,
+    and over the committed network rows it read a median 12% below the K-FAC steps' own
+    pass, a gap that grows with the configs a job holds
+    (:func:`experiments.bench.compute_probe._interleaved_rounds`). The pass in the rotation
+    read within the steps' spread, and with it the held-out step error over those rows fell
+    from 5.6% to 3.2% (rows over 10%: 20 of 120 to 3).
+
+    Nothing in it is fitted to any row's phase timings (a hook-free pass is no config's
+    step), so a prediction on it is held out from every measured step; the network table
+    predicts its rows this way.
     """
     base = PRESETS[BASE_PRESET]
     hw = replace(base, name="probes", links={**base.links, **probe_links(row)})
     overlap = probe_overlap(row)
     if overlap is not None:
         hw = replace(hw, overlap=overlap)
-    return replace(hw, engines={**hw.engines, **probe_engines(row, hw)})
+    engines = probe_engines(row, hw, forward_backward_s=in_rotation_s)
+    return replace(hw, engines={**hw.engines, **engines})
+
+
+def rotation_forward_backward(job: Sequence[Mapping[str, Any]]) -> float | None:
+    """Seconds of the hook-free forward/backward pass a job timed in turn with its steps:
+    DDP SGD's pass run again under ``no_sync`` after each of its steps, cold, as the steps
+    are (``fwd_bwd_local_s``, :meth:`experiments.bench.measure._Stepper.step`; per step the
+    slowest rank, then the median). None where the job has no such row (no SGD under DDP,
+    or rows that predate the pass)."""
+    for row in job:
+        value = row.get("fwd_bwd_local_s")
+        if value is not None and value == value and float(value) > 0:
+            return float(value)
+    return None
 
 
 def phase_errors(errors: pd.DataFrame) -> pd.DataFrame:
