@@ -524,7 +524,6 @@ def _overlap_backward(
     *,
     ends: Sequence[float],
     backward_end: float,
-    folds: Sequence[float],
     drain: Sequence[Mapping[int, tuple[float, float]]],
 ) -> None:
     """Hide gradient and update traffic behind the backward pass (``overlapped_precondition``).
@@ -550,7 +549,7 @@ def _overlap_backward(
     preconditioning beside them is booked in those phases (their timers run while the core
     is shared). The collectives, hence the bytes, are unchanged: only the ``grad_comm`` and
     ``precond_comm`` waits shrink (by the same factor on every rank). ``ends``,
-    ``backward_end``: :func:`timeline`'s; ``folds``: each rank's fold seconds of the step.
+    ``backward_end``: :func:`timeline`'s.
     """
     serial = seconds[0]["grad_comm"] + seconds[0]["precond_comm"]
     if serial <= 0.0 or not buckets:
@@ -577,10 +576,7 @@ def _overlap_backward(
             cursors[rank] = launches[-1] + after
         if b.updates:
             t = max(t, max(launches)) + sum(link_time(c) for c in b.updates)
-    compute = max(
-        r.get("decomposition", 0.0) + r.get("precondition", 0.0) + fold
-        for r, fold in zip(seconds, folds, strict=True)
-    )
+    compute = max(sum(before + after for before, after in d.values()) for d in drain)
     tail = max(t, *cursors) - (backward_end + compute)
     scale = exposed(serial, tail, hw.overlap) / serial
     for r in seconds:
@@ -756,7 +752,6 @@ def step_prediction(
             overlap,
             ends=ends,
             backward_end=backward_end,
-            folds=[hw.time(f, p) for f in folds],
             drain=[
                 _drain_seconds(
                     model,
