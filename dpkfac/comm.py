@@ -586,6 +586,17 @@ class Communicator:
             time.sleep(0.001)
         work.wait()
 
+    def completed(self, handle: Handle) -> bool:
+        """Whether ``handle``'s collectives have completed, asked without blocking or reading
+        the device (``is_completed()`` of each work: on NCCL a query of its CUDA events); a
+        collective still held by :meth:`together` has not. :meth:`wait` then returns at once,
+        but still unpacks the results."""
+        if handle.done:
+            return True
+        if self._held and any(entry[0] is handle for entry in self._held):
+            return False
+        return all(work.is_completed() for work in handle.works)
+
     def wait(self, handle: Handle) -> None:
         """Block until ``handle`` completes (timed in its category's phase), then unpack."""
         if handle.done:

@@ -40,9 +40,16 @@ Either way, on the step's last micro-batch (``accumulation_steps``):
   alltoallv on gloo). Not earlier: a hook runs on the backward pass's thread (on a
   GPU, its stream), so work there delays the launch of every later bucket, whose
   transfer is the step's critical path where it is large; after the last launch it
-  runs in the shadow of the transfers still on the wire. The exchanges run on a
-  second process group over the same ranks: their launch times differ between
-  ranks, and two groups keep each group's order identical on every rank.
+  runs in the shadow of the transfers still on the wire. With ``drain="ready"``
+  (:meth:`~dpkfac.plan.traits.Traits.drains_in_hooks`), on a step without
+  decompositions, each hook after a launch also settles the buckets whose K-FAC
+  part it finds reduced (asked without blocking: :meth:`Communicator.completed`),
+  in order up to the first still on the wire, and sends their layers then: the
+  exchanges use the link while the backward pass runs, and the preconditioning
+  holds back the later launches instead (the cost model weighs the two). The
+  exchanges run on a second process group over the same ranks: their launch times
+  differ between ranks, and two groups keep each group's order identical on every
+  rank.
 * **Factors**, in that shadow too: the owner folds a layer's pending batch factors
   into the running averages right after its update is launched, or on a
   decomposition step right before it is decomposed (the decomposition reads the
@@ -254,6 +261,8 @@ class _StepState:
         # Buckets whose K-FAC part is settled (their layers preconditioned and sent).
         self.done = 0
         self.folded: set[str] = set()  # layers whose batch factors are folded
+        # Layers sent from a hook before the last launch, their folds left to the drain after it.
+        self.unfolded: list[KFACLayer] = []
         self.prepared: set[str] = set()  # layers also decomposed (on decomposition steps)
         self.results: dict[str, Preconditioned] = {}
         self.sends: list[InFlightUpdates] = []
@@ -354,6 +363,8 @@ class OverlapEngine:
         self._launch_own(ready_only=True)
         if len(st.launched) == st.n_buckets:  # the backward pass launched every bucket
             self._drain()
+        elif self._early():
+            self._drain(reduced_only=True)
 
     @torch.no_grad()
     def _ddp_hook(self, _: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -384,6 +395,8 @@ class OverlapEngine:
         )
         if bucket.is_last():  # DDP launched every bucket; it waits for them after this hook
             self._drain()
+        elif self._early():
+            self._drain(reduced_only=True)
         return launched.future
 
     # ------------------------------------------------------------- the work
@@ -451,18 +464,47 @@ class OverlapEngine:
             grads = [g for p in params if (g := p.grad) is not None]
             self._launch(params, grads)
 
-    def _drain(self) -> None:
+    def _early(self) -> bool:
+        """Whether a hook before the last launch drains the buckets already reduced
+        (:meth:`~dpkfac.plan.traits.Traits.drains_in_hooks`: ``drain="ready"``, on a step
+        without decompositions)."""
+        return self._roles().traits.drains_in_hooks(self.ctx.flags.decompose)
+
+    def _drain(self, *, reduced_only: bool = False) -> None:
         """Settle the K-FAC parts of the launched buckets in order (waiting for each),
         preconditioning and sending the layers each completes; every rank thus launches
-        the exchanges in the same order."""
+        the exchanges in the same order, whenever each does.
+
+        ``reduced_only``: a hook before the last launch (``drain="ready"``) stops at the
+        first bucket whose K-FAC part is still on the wire (asked without blocking,
+        :meth:`_reduced`), and leaves the folds of the layers it sends to the drain after
+        the last launch, as without it (module docstring, "Factors").
+        """
         st = self.state
         assert st is not None
         while st.done < len(st.launched):
             launched = st.launched[st.done]
+            if reduced_only and not self._reduced(launched):
+                return
             self._settle(launched)
             st.done += 1
             with self._tags(bucket=launched.index):
-                self._send(self._completed(launched))
+                layers = self._completed(launched)
+                self._send(layers)
+                if reduced_only:
+                    st.unfolded += layers
+                else:
+                    self._fold_captured(layers)
+        if not reduced_only:
+            unfolded, st.unfolded = st.unfolded, []
+            self._fold_captured(unfolded)
+
+    def _reduced(self, launched: _Launched) -> bool:
+        """Whether a bucket's K-FAC part has completed (and, under DDP, been unpacked by its
+        future's callback), asked without blocking or reading the device."""
+        if launched.kfac_future is not None and not launched.kfac_future.done():
+            return False
+        return all(self.comm.completed(handle) for handle in launched.kfac)
 
     def _settle(self, launched: _Launched) -> None:
         """Wait for a bucket's K-FAC part (timed as grad_comm) and note its layers' reduced
@@ -589,10 +631,13 @@ class OverlapEngine:
                         cap_bytes=self.ctx.bucket_cap_bytes,
                     )
                 )
-        # Preconditioning reads the decompositions only: the folds can wait until the
-        # updates are on their way.
+
+    def _fold_captured(self, layers: Sequence[KFACLayer]) -> None:
+        """Fold the batch factors of those of ``layers`` this rank captures (after their
+        updates are on their way: preconditioning reads the decompositions only)."""
+        captures = self._roles().captures
         for layer in layers:
-            if layer.name in roles.captures:
+            if layer.name in captures:
                 self._prepare(layer)
 
     # ------------------------------------------------------------- step()

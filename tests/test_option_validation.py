@@ -144,7 +144,7 @@ def test_an_unknown_keyword_names_the_closest_option_and_every_accepted_one() ->
         "'grad_scaler', 'host_reader', 'inv_update_steps', 'kl_clip', 'lr', 'options', "
         "'pi_damping', 'process_group', 'skip_layers', 'strategy', 'timing', 'weight_sharing']; "
         "options of strategy 'dp_kfac': ['assignment', 'assignment_cost', 'auto_intervals', "
-        "'auto_tolerance', 'grad_reduction', 'hardware', 'overlap']"
+        "'auto_tolerance', 'drain', 'grad_reduction', 'hardware', 'overlap']"
     )
 
 

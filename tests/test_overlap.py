@@ -1,4 +1,4 @@
-"""dp_kfac with ``overlap=True`` gives the update of ``overlap=False``.
+"""dp_kfac with ``overlap=True`` gives the update of ``overlap=False``, with either drain.
 
 Float64, tiny models (a conv net with GroupNorm, a conv net with BatchNorm, so
 parameters K-FAC leaves alone are reduced in the buckets too), P = 1, 2, 3 on
@@ -72,9 +72,17 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _train(rank: int, kind: str, kwargs: dict[str, Any], overlap: bool) -> dict[str, Any]:
+#: The runs compared: the ordinary step, and the overlapped mode with each drain.
+MODES: dict[str, dict[str, Any]] = {
+    "plain": {},
+    "last": {"overlap": True},
+    "ready": {"overlap": True, "drain": "ready"},
+}
+
+
+def _train(rank: int, kind: str, kwargs: dict[str, Any], mode: str) -> dict[str, Any]:
     model = _model(kind)
-    pre = make_preconditioner(model, "dp_kfac", overlap=overlap, **kwargs)
+    pre = make_preconditioner(model, "dp_kfac", **MODES[mode], **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     micro = int(kwargs.get("accumulation_steps", 1))
     grads, params, stats = [], [], []
@@ -96,7 +104,7 @@ def _both(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
     out = {}
     for name in names:
         kind, kwargs = CASES[name]
-        out[name] = {o: _train(rank, kind, kwargs, o) for o in (False, True)}
+        out[name] = {mode: _train(rank, kind, kwargs, mode) for mode in MODES}
     return out
 
 
@@ -111,12 +119,12 @@ def _max_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def _check(results: list[dict[str, Any]], names: list[str]) -> float:
     worst = 0.0
     for name in names:
-        for rank, res in enumerate(results):
-            plain, overlapped = res[name][False], res[name][True]
+        for rank, res, mode in ((r, res, m) for r, res in enumerate(results) for m in MODES):
+            plain, overlapped = res[name]["plain"], res[name][mode]
             for step in range(STEPS):
                 err = _max_err(overlapped["grads"][step], plain["grads"][step])
                 worst = max(worst, err)
-                assert err < TOL, (name, rank, step, err)
+                assert err < TOL, (name, mode, rank, step, err)
                 # The same categories and byte counts (calls can differ: bucket split).
                 bytes_plain = {c: v["bytes"] for c, v in plain["stats"][step].items()}
                 bytes_over = {c: v["bytes"] for c, v in overlapped["stats"][step].items()}
@@ -127,11 +135,11 @@ def _check(results: list[dict[str, Any]], names: list[str]) -> float:
                     w = overlapped["stats"][step][c]
                     slack = max(v["calls"], w["calls"], 1)
                     assert abs(w["wire_bytes"] - v["wire_bytes"]) < slack, (name, rank, step, c)
-        for step in range(STEPS):  # identical replicas
-            first = results[0][name][True]["params"][step]
+        for step, mode in ((s, m) for s in range(STEPS) for m in MODES):  # identical replicas
+            first = results[0][name][mode]["params"][step]
             for res in results[1:]:
-                other = res[name][True]["params"][step]
-                assert all(torch.equal(first[k], other[k]) for k in first), (name, step)
+                other = res[name][mode]["params"][step]
+                assert all(torch.equal(first[k], other[k]) for k in first), (name, mode, step)
     return worst
 
 
@@ -157,7 +165,7 @@ def test_single_bucket_splits_its_kfac_gradients_from_the_rest() -> None:
     results = run_ranks(_both, 2, ["tiny"])
     for res in results:
         for step in range(STEPS):
-            over, plain = res["tiny"][True]["stats"][step], res["tiny"][False]["stats"][step]
+            over, plain = res["tiny"]["last"]["stats"][step], res["tiny"]["plain"]["stats"][step]
             grads_over, grads_plain = over.pop("grad_allreduce"), plain.pop("grad_allreduce")
             assert over == plain
             assert grads_over["bytes"] == grads_plain["bytes"]
@@ -167,9 +175,11 @@ def test_single_bucket_splits_its_kfac_gradients_from_the_rest() -> None:
 
 # ------------------------------------------------------------------ host reads
 @pytest.mark.distributed
+@pytest.mark.parametrize("drain", ["last", "ready"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_no_host_reads_in_hooks_and_at_most_one_per_step(world_size: int) -> None:
-    for out in run_ranks(reads_per_phase, world_size, "dp_kfac", {"overlap": True}):
+def test_no_host_reads_in_hooks_and_at_most_one_per_step(world_size: int, drain: str) -> None:
+    options = {"overlap": True, "drain": drain}
+    for out in run_ranks(reads_per_phase, world_size, "dp_kfac", options):
         assert out["hooks"] == [0, 0, 0]
         assert max(out["steps"]) <= 1, out["steps"]
 
@@ -424,3 +434,35 @@ def test_cost_model_exchanges_updates_after_the_last_launch_as_the_engine_does(
     after_backward = seconds("grad_allreduce")[-1] + sum(seconds("precond_broadcast"))
     waited = step.breakdown["grad_comm"] + step.breakdown["precond_comm"]
     assert waited == pytest.approx(after_backward, rel=0.02)
+
+
+@pytest.mark.parametrize("model", ["resnet50", "bert_qa"])
+def test_cost_model_prices_the_ready_drain_as_the_engine_runs_it(model: str) -> None:
+    """``drain="ready"``: on a plain step the hooks exchange the buckets already reduced
+    while the backward pass runs, so with free compute a step waits less than with the
+    last-launch drain, yet never less than the last bucket's own transfer; on a
+    decomposition step the engine drains at the last launch either way, and so does the
+    model (the same prediction)."""
+    from dpkfac.costmodel import PRESETS, bert_qa, predict, resnet50
+    from dpkfac.plan.hardware import Engine
+
+    shapes = resnet50(batch_size=32) if model == "resnet50" else bert_qa()
+    base = PRESETS["v100_ib100"]
+    free = {k: Engine(rate=1e18, latency=0.0) for k in ("precondition", "eigh", "memory")}
+    hw = replace(base, overlap=1.0, engines={**base.engines, **free})
+
+    def run(drain: str) -> Any:
+        options = {"overlap": True, "grad_reduction": "owner", "drain": drain}
+        return predict(
+            shapes, strategy="dp_kfac", options=options, world_size=8, hardware=hw, ddp=True
+        )
+
+    last, ready = run("last"), run("ready")
+    assert ready.traits is not None and ready.traits.drain == "ready"
+    assert ready.steps[(True, True)].iteration == last.steps[(True, True)].iteration
+    step, before = ready.steps[(False, False)], last.steps[(False, False)]
+    waited = step.breakdown["grad_comm"] + step.breakdown["precond_comm"]
+    waited_last = before.breakdown["grad_comm"] + before.breakdown["precond_comm"]
+    final = [c for c in step.collectives if c.category == "grad_allreduce"][-1]
+    assert hw.link(final.kind).time(1, final.wire_bytes, 8) <= waited < 0.9 * waited_last
+    assert step.comm == before.comm  # the same collectives

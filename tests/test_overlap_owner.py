@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dpkfac.comm import Communicator
 from dpkfac.costmodel import PRESETS, predict, shapes_from_model
 from dpkfac.options import KFACOptions
+from dpkfac.plan.dp_kfac import DRAINS
 
 TOL = 1e-12
 STEPS = 6
@@ -64,8 +65,9 @@ def _wrap(model: nn.Module, how: str | None, cap_mb: float | None) -> nn.Module:
     return DistributedDataParallel(model, **kwargs)
 
 
-def _train(rank: int, case: dict[str, Any], overlapped: bool) -> dict[str, Any]:
-    """Run STEPS steps; the gradients step() wrote, the parameters, the stats of each step."""
+def _train(rank: int, case: dict[str, Any], overlapped: str | None) -> dict[str, Any]:
+    """Run STEPS steps; the gradients step() wrote, the parameters, the stats of each step.
+    ``overlapped``: the overlapped mode's drain (None: the reference)."""
     options = dict(case)
     how, cap = options.pop("ddp"), options.pop("ddp_cap", None)
     micro = options.pop("micro", 1)
@@ -75,7 +77,7 @@ def _train(rank: int, case: dict[str, Any], overlapped: bool) -> dict[str, Any]:
     if overlapped:
         options.setdefault("grad_reduction", "owner")
         model = _wrap(inner, how, cap)
-        pre = make_preconditioner(model, "dp_kfac", overlap=True, **options)
+        pre = make_preconditioner(model, "dp_kfac", overlap=True, drain=overlapped, **options)
     else:  # the reference: the ordinary dp_kfac step, gradients all-reduced by it
         options.pop("grad_reduction", None)
         model = inner
@@ -115,7 +117,7 @@ def _sgd_wire(rank: int, world_size: int) -> int:
 def _all(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {"sgd_wire": _sgd_wire(rank, world_size)}
     for name, case in CASES.items():
-        out[name] = {o: _train(rank, case, o) for o in (False, True)}
+        out[name] = {o: _train(rank, case, o) for o in (None, *DRAINS)}
     return out
 
 
@@ -128,21 +130,22 @@ def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_owner_overlap_gives_dp_kfacs_update_in_sgds_bytes(world_size: int) -> None:
     results = run_ranks(_all, world_size, timeout=240)
     for name in CASES:
-        for rank, res in enumerate(results):
-            plain, over = res[name][False], res[name][True]
+        for rank, res, drain in ((r, res, d) for r, res in enumerate(results) for d in DRAINS):
+            plain, over = res[name][None], res[name][drain]
             for step in range(STEPS):
                 err = _rel(over["grads"][step], plain["grads"][step])
-                assert err < TOL, (name, rank, step, err)
-        for step in range(STEPS):  # replicas bitwise identical
-            first = results[0][name][True]["params"][step]
+                assert err < TOL, (name, drain, rank, step, err)
+        for step, drain in ((s, d) for s in range(STEPS) for d in DRAINS):  # replicas bitwise
+            first = results[0][name][drain]["params"][step]
             for res in results[1:]:
-                assert all(torch.equal(first[k], res[name][True]["params"][step][k]) for k in first)
+                other = res[name][drain]["params"][step]
+                assert all(torch.equal(first[k], other[k]) for k in first), (name, drain, step)
     for res in results:
         for name, case in CASES.items():
             if case.get("grad_reduction") == "allreduce":
                 continue
             # Steps after the first (which places the layers on the ordinary path).
-            for stats in res[name][True]["stats"][1:]:
+            for stats in (s for d in DRAINS for s in res[name][d]["stats"][1:]):
                 wire = sum(v["wire_bytes"] for v in stats.values())
                 assert wire <= 1.02 * res["sgd_wire"], (name, wire, res["sgd_wire"])
 
@@ -468,3 +471,99 @@ def test_a_late_bucket_rest_holds_back_no_preconditioning_or_exchange(
             kinds = {kind for kind, _ in step}
             assert kinds == {"precondition", "exchange"}, step
             assert all(early for _, early in step), step
+
+
+# ------------------------------------------------------------------ the ready drain
+PAUSE_S = 0.03  # the backward pass's compute between two layers: longer than a bucket's transfer
+
+
+class _Pause(torch.autograd.Function):
+    """Identity whose backward sleeps: the backward pass's compute between two layers."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(PAUSE_S)
+        return grad
+
+
+class _PausedNet(nn.Module):
+    """Three Linears, the backward pass pausing before each of the first two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(6, 12), nn.Linear(12, 12), nn.Linear(12, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.fc1(x))
+        x = torch.tanh(self.fc2(_Pause.apply(x)))
+        return self.fc3(_Pause.apply(x))
+
+
+def _paused_order(rank: int, world_size: int, how: str | None, drain: str) -> dict[str, Any]:
+    """Launches of gradient buckets and of update exchanges, in the order this rank made
+    them, on steps 2..4 (plain steps: no decomposition after step 0); the gradients
+    against the ordinary dp_kfac step's."""
+    inner = _PausedNet().double()
+    model = _wrap(inner, how, SMALL)
+    pre = make_preconditioner(
+        model,
+        "dp_kfac",
+        grad_reduction="owner",
+        overlap=True,
+        drain=drain,
+        bucket_cap_mb=SMALL,
+        inv_update_steps=100,
+    )
+    reference = _PausedNet().double()
+    plain = make_preconditioner(reference, "dp_kfac", inv_update_steps=100)
+    engine = pre.overlap
+    assert engine is not None
+    events: list[str] = []
+    launch, exchange = engine._launch, engine.bcast_comm.all_gather
+
+    def launched(*args: Any, **kw: Any) -> Any:
+        events.append("bucket")
+        return launch(*args, **kw)
+
+    def sent(*args: Any, **kw: Any) -> Any:
+        events.append("exchange")
+        return exchange(*args, **kw)
+
+    engine._launch = launched  # type: ignore[method-assign]
+    engine.bcast_comm.all_gather = sent  # type: ignore[method-assign]
+    out: dict[str, Any] = {"orders": [], "errors": []}
+    for step in range(5):
+        for net, p in ((model, pre), (reference, plain)):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(8, 6, generator=g, dtype=torch.float64)
+            y = torch.randint(0, 4, (8,), generator=g)
+            F.cross_entropy(net(x), y).backward()
+            p.step()
+        out["errors"].append(_rel(_grads(inner), _grads(reference)))
+        inner.zero_grad()
+        reference.zero_grad()
+        if step >= 2:
+            out["orders"].append(list(events))
+        events.clear()
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", [None, "ddp"])
+def test_the_ready_drain_exchanges_updates_while_the_backward_pass_runs(how: str | None) -> None:
+    """With the backward pass pausing between layers (each in its own bucket), the ready
+    drain launches the first buckets' update exchanges before the last bucket is launched;
+    the last-launch drain launches none before it. Both give the ordinary step's gradients."""
+    for drain in ("ready", "last"):
+        for out in run_ranks(_paused_order, 2, how, drain):
+            assert max(out["errors"]) < TOL, (drain, out["errors"])
+            for order in out["orders"]:
+                last = len(order) - order[::-1].index("bucket") - 1
+                assert order.count("bucket") == 3, order
+                early = order[:last].count("exchange")
+                assert (early >= 1) if drain == "ready" else (early == 0), (drain, order)

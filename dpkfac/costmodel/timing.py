@@ -525,23 +525,27 @@ def _overlap_backward(
     ends: Sequence[float],
     backward_end: float,
     drain: Sequence[Mapping[int, tuple[float, float]]],
+    in_hooks: bool = False,
 ) -> None:
     """Hide gradient and update traffic behind the backward pass (``overlapped_precondition``).
 
     The engine's schedule (:mod:`dpkfac.overlap`), on one link: a bucket's reduction
     (:func:`dpkfac.costmodel.traffic.overlap_buckets`, the runtime's own buckets, in backward
     order) is launched once the backward has made its gradients ready
-    (:func:`_ready_times`), its K-FAC part first. Once the last bucket is launched (the
-    backward's end), each rank drains the buckets in order: it waits for a bucket's K-FAC
-    part, decomposes (on a decomposition step) and preconditions the layers of it that it
-    owns, launches their update exchange (the exchange starts when the slowest rank has
-    launched it) and folds their batch factors (on a factor step): ``drain[r]`` holds, per
-    layer, rank ``r``'s seconds before and after that launch. Not earlier: the engine keeps
-    that work out of the hooks before the last launch, where it would hold back the later
-    buckets. The exchanges follow every gradient transfer on the link, as they are launched
-    after them. A traced ResNet-32 step (practical, 1 Gbit/s) launched the first bucket's
-    exchange 68-77 ms after its gradients were reduced, where a schedule exchanging as soon as
-    a bucket is reduced and preconditioned (this model's until then) hid it whole.
+    (:func:`_ready_times`), its K-FAC part first. Each rank drains the buckets in order: it
+    waits for a bucket's K-FAC part, decomposes (on a decomposition step) and preconditions
+    the layers of it that it owns, launches their update exchange (the exchange starts when
+    the slowest rank has launched it) and folds their batch factors (on a factor step):
+    ``drain[r]`` holds, per layer, rank ``r``'s seconds before and after that launch. It
+    drains once the last bucket is launched (the backward's end), or with ``in_hooks``
+    (:meth:`~dpkfac.plan.traits.Traits.drains_in_hooks`) also from each launching hook
+    before, the buckets already reduced then, their folds left to the end: that work
+    holds back the rank's later launches by its seconds, and its exchanges take the link
+    in launch order, between the gradient transfers. A traced ResNet-32 step (practical,
+    1 Gbit/s) launched the first bucket's exchange 68-77 ms after its gradients were
+    reduced, where a schedule exchanging as soon as a bucket is reduced and preconditioned
+    (this model's until then) hid it whole: the last-launch drain sends every exchange
+    after every gradient transfer.
 
     Only the link's tail past the end of that compute (the drain's, where it waited for a
     reduction) is exposed, to the extent the hardware overlaps (:func:`exposed`); the rest
@@ -559,24 +563,58 @@ def _overlap_backward(
     def link_time(c: tr.Collective) -> float:
         return hw.link(c.kind).time(1, c.wire_bytes, p)
 
-    t, reduced = 0.0, []
-    for b, when in zip(buckets, ready, strict=True):
-        t = max(t, when) + sum(link_time(c) for c in b.grads)
-        reduced.append(t)  # what the bucket's layers wait for
+    def before(rank: int, b: tr.OverlapBucket) -> float:
+        return sum(drain[rank].get(i, (0.0, 0.0))[0] for i in b.layers)
+
+    def after(rank: int, b: tr.OverlapBucket) -> float:
+        return sum(drain[rank].get(i, (0.0, 0.0))[1] for i in b.layers)
+
+    delay = [0.0] * p  # each rank's seconds of drain in the hooks so far
+    drained = [0] * p  # each rank's next bucket to drain
+    sent: dict[int, list[float]] = {}  # bucket -> each rank's launch of its exchange
+    exchanged = 0  # the next bucket whose exchange takes the link
+    t = 0.0
+    reduced: list[float] = []
+
+    def exchange_until(limit: float) -> None:
+        """Put the exchanges every rank has launched by ``limit`` on the link, in order."""
+        nonlocal t, exchanged
+        while exchanged < len(buckets):
+            b = buckets[exchanged]
+            if b.layers and b.updates:
+                launches = sent.get(exchanged)
+                if launches is None or len(launches) < p or max(launches) > limit:
+                    return
+                t = max(t, max(launches)) + sum(link_time(c) for c in b.updates)
+            elif exchanged >= len(reduced):
+                return
+            exchanged += 1
+
+    for j, (b, when) in enumerate(zip(buckets, ready, strict=True)):
+        launch = max(when + d for d in delay)
+        exchange_until(launch)
+        if b.grads:
+            t = max(t, launch) + sum(link_time(c) for c in b.grads)
+        reduced.append(t if b.grads else launch)  # what the bucket's layers wait for
         t += sum(link_time(c) for c in b.rest)
-    cursors = [backward_end] * p  # each rank's drain, from the last launch
-    for b, done in zip(buckets, reduced, strict=True):
-        if not b.layers:
+        if not in_hooks or j == len(buckets) - 1:
             continue
-        launches = []
         for rank in range(p):
-            before = sum(drain[rank].get(i, (0.0, 0.0))[0] for i in b.layers)
-            after = sum(drain[rank].get(i, (0.0, 0.0))[1] for i in b.layers)
-            launches.append(max(cursors[rank], done) + before)
-            cursors[rank] = launches[-1] + after
-        if b.updates:
-            t = max(t, max(launches)) + sum(link_time(c) for c in b.updates)
-    compute = max(sum(before + after for before, after in d.values()) for d in drain)
+            clock = when + delay[rank]
+            while drained[rank] < j and reduced[drained[rank]] <= clock:
+                clock += before(rank, buckets[drained[rank]])
+                sent.setdefault(drained[rank], []).append(clock)
+                drained[rank] += 1
+            delay[rank] = clock - when
+    cursors = [backward_end + d for d in delay]  # each rank's drain after its last launch
+    for rank in range(p):
+        for j in range(drained[rank], len(buckets)):
+            launched = max(cursors[rank], reduced[j]) + before(rank, buckets[j])
+            sent.setdefault(j, []).append(launched)
+            cursors[rank] = launched + after(rank, buckets[j])
+        cursors[rank] += sum(after(rank, b) for b in buckets[: drained[rank]])
+    exchange_until(math.inf)
+    compute = max(sum(x + y for x, y in d.values()) for d in drain)
     tail = max(t, *cursors) - (backward_end + compute)
     scale = exposed(serial, tail, hw.overlap) / serial
     for r in seconds:
@@ -752,6 +790,7 @@ def step_prediction(
             overlap,
             ends=ends,
             backward_end=backward_end,
+            in_hooks=plan.traits.drains_in_hooks(decomp),
             drain=[
                 _drain_seconds(
                     model,

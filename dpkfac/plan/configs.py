@@ -28,7 +28,11 @@ CONFIGS: dict[str, tuple[str | None, dict[str, Any]]] = {
     "dp_kfac_overlap": ("dp_kfac", {"overlap": True}),
     "dp_kfac_owner": ("dp_kfac", {"grad_reduction": "owner"}),
     "dp_kfac_owner_overlap": ("dp_kfac", {"grad_reduction": "owner", "overlap": True}),
-    "dp_kfac_auto": ("dp_kfac", {"grad_reduction": "auto", "overlap": "auto"}),
+    "dp_kfac_owner_ready": (
+        "dp_kfac",
+        {"grad_reduction": "owner", "overlap": True, "drain": "ready"},
+    ),
+    "dp_kfac_auto": ("dp_kfac", {"grad_reduction": "auto", "overlap": "auto", "drain": "auto"}),
     "d_kfac_eager": ("d_kfac", {"lazy_factor_sync": False}),
     "d_kfac_triangle": ("d_kfac", {"triangle": True, "lazy_factor_sync": False}),
     "d_kfac_lazy": ("d_kfac", {"triangle": True}),

@@ -21,6 +21,7 @@ from dpkfac.plan.traits import Traits
 __all__ = ["AUTO", "GRAD_REDUCTIONS", "DPKFACOptions", "DPKFACScheme"]
 
 GRAD_REDUCTIONS = ("allreduce", "owner")
+DRAINS = ("last", "ready")
 AUTO = "auto"
 
 
@@ -48,6 +49,13 @@ class DPKFACOptions(StrategyOptions):
             with either ``grad_reduction``. With a ``grad_scaler``, ``pre.step()``
             then takes the scaled gradients (``takes_scaled_gradients``). "auto":
             chosen at the first step by the cost model.
+        drain: with ``overlap``, when a bucket's layers are preconditioned and their
+            updates exchanged (:attr:`~dpkfac.plan.traits.Traits.drain`): "last", once
+            the backward pass has launched every bucket; "ready", from the first gradient
+            hook that finds the bucket's K-FAC part reduced, so the exchanges use the link
+            while the backward pass runs, at the price of holding back the later buckets'
+            launch by that work; "auto": chosen with ``overlap`` by the cost model.
+            Without overlap it has no effect.
         hardware / auto_tolerance / auto_intervals: how "auto" prices the
             candidates, as grouped's (:class:`~dpkfac.plan.grouped.GroupedOptions`).
             Every candidate gives the same update: "auto" only chooses how it
@@ -58,6 +66,7 @@ class DPKFACOptions(StrategyOptions):
     assignment: str = "lpt"
     assignment_cost: str | CostFn = "compute"
     overlap: bool | str = False
+    drain: str = "last"
     hardware: str | Hardware | None = None
     auto_tolerance: float = 0.05
     auto_intervals: tuple[int, int] | None = None
@@ -66,6 +75,7 @@ class DPKFACOptions(StrategyOptions):
         check_choice("grad_reduction", self.grad_reduction, (*GRAD_REDUCTIONS, AUTO))
         if not isinstance(self.overlap, bool) and self.overlap != AUTO:
             raise ValueError(f"overlap must be a bool or 'auto', got {self.overlap!r}")
+        check_choice("drain", self.drain, (*DRAINS, AUTO))
         check_choice("assignment", self.assignment, ASSIGNMENTS)
         if not callable(self.assignment_cost):
             check_choice("assignment_cost", self.assignment_cost, tuple(COSTS))
@@ -74,7 +84,8 @@ class DPKFACOptions(StrategyOptions):
     @property
     def resolved(self) -> bool:
         """Whether neither lever is left to "auto"."""
-        return AUTO not in (self.grad_reduction, self.overlap)
+        drain_open = self.drain == AUTO and self.overlap is not False
+        return AUTO not in (self.grad_reduction, self.overlap) and not drain_open
 
     @property
     def measures_hardware(self) -> bool:
@@ -101,6 +112,7 @@ class DPKFACScheme(Scheme):
             preconditions_all=False,
             owner_grad_reduction=options.grad_reduction == "owner",
             overlapped_precondition=options.overlap is True,
+            drain="ready" if options.overlap is True and options.drain == "ready" else "last",
         )
 
     @classmethod
@@ -135,8 +147,11 @@ class DPKFACScheme(Scheme):
         if not options.resolved:
             return ""
         owner = options.grad_reduction == "owner"
+        ready = options.overlap is True and options.drain == "ready"
         return ", ".join(
-            name for name, on in (("owner", owner), ("overlap", options.overlap)) if on
+            name
+            for name, on in (("owner", owner), ("overlap", options.overlap), ("ready", ready))
+            if on
         )
 
     # ------------------------------------------------ start-up and tuning
@@ -156,21 +171,31 @@ class DPKFACScheme(Scheme):
 
     @classmethod
     def candidates(cls, options: StrategyOptions, world_size: int) -> list[StrategyOptions]:
-        """Every (gradient reduction, overlap) pair the options leave open. All give the same
-        update."""
+        """Every (gradient reduction, overlap, drain) the options leave open (the drain with
+        overlap only). All give the same update."""
         assert isinstance(options, DPKFACOptions)
         reductions = (
             GRAD_REDUCTIONS if options.grad_reduction == AUTO else (options.grad_reduction,)
         )
         overlaps = (False, True) if options.overlap == AUTO else (options.overlap,)
-        return [replace(options, grad_reduction=r, overlap=o) for r in reductions for o in overlaps]
+        drains = DRAINS if options.drain == AUTO else (options.drain,)
+        ways = [(o, d) for o in overlaps for d in (drains if o else ("last",))]
+        return [
+            replace(options, grad_reduction=r, overlap=o, drain=d)
+            for r in reductions
+            for o, d in ways
+        ]
 
     @classmethod
     def preference(cls, options: StrategyOptions) -> tuple[float, ...]:
         """Among candidates priced alike: the owner reduction (SGD's wire), then no overlap
-        (fewer moving parts)."""
+        and the last-launch drain (fewer moving parts)."""
         assert isinstance(options, DPKFACOptions)
-        return (float(options.grad_reduction != "owner"), float(options.overlap is True))
+        return (
+            float(options.grad_reduction != "owner"),
+            float(options.overlap is True),
+            float(options.drain == "ready"),
+        )
 
     @classmethod
     def tuning(cls, options: StrategyOptions) -> Tuning:

@@ -35,6 +35,11 @@ class Traits:
             broadcast of preconditioned updates run from gradient hooks during
             the backward pass (the preconditioner's overlapped execution
             mode), so their communication overlaps it as far as the hardware does.
+        drain: in the overlapped mode, when a bucket's layers are preconditioned and their
+            updates exchanged: "last", once the backward pass has launched every bucket
+            (the work stays out of the hooks that launch later buckets), or "ready", from
+            the first hook that finds the bucket's K-FAC part reduced (the exchanges use
+            the link while the backward pass still runs, the work holds back later buckets).
     """
 
     captures_all: bool
@@ -45,3 +50,12 @@ class Traits:
     owner_grad_reduction: bool = False
     lazy_factor_sync: bool = False
     overlapped_precondition: bool = False
+    drain: Literal["last", "ready"] = "last"
+
+    def drains_in_hooks(self, decompose: bool) -> bool:
+        """Whether the overlapped mode preconditions and exchanges buckets from the hooks
+        before the last launch (``drain="ready"``) on a step that does (``decompose``) or
+        does not decompose. Never on a decomposition step: its decompositions there would
+        hold back every later bucket's launch, where after the last launch the transfers
+        still on the wire hide behind them."""
+        return self.overlapped_precondition and self.drain == "ready" and not decompose
