@@ -447,6 +447,7 @@ def predict(
             ddp=ddp_buckets,
             param_itemsize=param_itemsize,
             overlap=overlap,
+            ddp_hook=ddp,
             optimizer_bytes=optimizer_bytes,
             kl_clip=kfac.kl_clip is not None,
         )

@@ -526,6 +526,7 @@ def _overlap_backward(
     backward_end: float,
     drain: Sequence[Mapping[int, tuple[float, float]]],
     in_hooks: bool = False,
+    polls: Sequence[float] | None = None,
 ) -> None:
     """Hide gradient and update traffic behind the backward pass (``overlapped_precondition``).
 
@@ -538,14 +539,16 @@ def _overlap_backward(
     the slowest rank has launched it) and folds their batch factors (on a factor step):
     ``drain[r]`` holds, per layer, rank ``r``'s seconds before and after that launch. It
     drains once the last bucket is launched (the backward's end), or with ``in_hooks``
-    (:meth:`~dpkfac.plan.traits.Traits.drains_in_hooks`) also from each launching hook
-    before, the buckets already reduced then, their folds left to the end: that work
-    holds back the rank's later launches by its seconds, and its exchanges take the link
-    in launch order, between the gradient transfers. A traced ResNet-32 step (practical,
-    1 Gbit/s) launched the first bucket's exchange 68-77 ms after its gradients were
-    reduced, where a schedule exchanging as soon as a bucket is reduced and preconditioned
-    (this model's until then) hid it whole: the last-launch drain sends every exchange
-    after every gradient transfer.
+    (:meth:`~dpkfac.plan.traits.Traits.drains_in_hooks`) also from each hook before, the
+    buckets already reduced then, their folds left to the end: that work holds back the
+    rank's later launches by its seconds, and its exchanges take the link in launch
+    order, between the gradient transfers. The hooks: ``polls``, the backward's times at
+    which one runs (the engine's own hooks run at every parameter's gradient), or None
+    for one per bucket, at its launch (DDP's communication hook). A traced ResNet-32 step
+    (practical, 1 Gbit/s) launched the first bucket's exchange 68-77 ms after its gradients
+    were reduced, where a schedule exchanging as soon as a bucket is reduced and
+    preconditioned (this model's until then) hid it whole: the last-launch drain sends
+    every exchange after every gradient transfer.
 
     Only the link's tail past the end of that compute (the drain's, where it waited for a
     reduction) is exposed, to the extent the hardware overlaps (:func:`exposed`); the rest
@@ -599,13 +602,15 @@ def _overlap_backward(
         t += sum(link_time(c) for c in b.rest)
         if not in_hooks or j == len(buckets) - 1:
             continue
-        for rank in range(p):
-            clock = when + delay[rank]
-            while drained[rank] < j and reduced[drained[rank]] <= clock:
+        upto = ready[j + 1]
+        hooks = [when] + [h for h in polls or () if when < h < upto]
+        for rank, hook in ((r, h) for r in range(p) for h in hooks):
+            clock = hook + delay[rank]
+            while drained[rank] <= j and reduced[drained[rank]] <= clock:
                 clock += before(rank, buckets[drained[rank]])
                 sent.setdefault(drained[rank], []).append(clock)
                 drained[rank] += 1
-            delay[rank] = clock - when
+            delay[rank] = clock - hook
     cursors = [backward_end + d for d in delay]  # each rank's drain after its last launch
     for rank in range(p):
         for j in range(drained[rank], len(buckets)):
@@ -708,6 +713,7 @@ def step_prediction(
     ddp: Sequence[Sequence[tuple[int, int]]] | None = None,
     param_itemsize: int = 4,
     overlap: Sequence[tr.OverlapBucket] | None = None,
+    ddp_hook: bool = False,
     optimizer_bytes: int = 0,
     kl_clip: bool = True,
 ) -> StepPrediction:
@@ -720,7 +726,8 @@ def step_prediction(
     the backward leaves exposed; with K-FAC, DDP's all-reduces are not the
     preconditioner's (not in ``rank_colls``) and their exposed wait is the
     breakdown's ``ddp_grad_comm``. ``overlap``: the overlapped mode's
-    backward buckets (:func:`_overlap_backward`). ``optimizer_bytes``: what the
+    backward buckets (:func:`_overlap_backward`); ``ddp_hook``: the mode runs as DDP's
+    communication hook (one hook per bucket, not one per parameter). ``optimizer_bytes``: what the
     first-order optimizer's step reads and writes
     (:func:`dpkfac.costmodel.optimizers.step_bytes`), the breakdown's ``optimizer``.
     With K-FAC, ``step()``'s work outside its timed phases
@@ -791,6 +798,7 @@ def step_prediction(
             ends=ends,
             backward_end=backward_end,
             in_hooks=plan.traits.drains_in_hooks(decomp),
+            polls=None if ddp_hook else sorted(ends),
             drain=[
                 _drain_seconds(
                     model,
