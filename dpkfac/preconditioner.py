@@ -391,7 +391,9 @@ class KFACPreconditioner:
         scaled = ", before the loss scaler unscales them" if self.takes_scaled_gradients else ""
         if self._overlap is not None and (traits is None or traits.overlapped_precondition):
             source = "DDP's buckets, from its communication hook" if self.ddp else "own hooks"
-            return f"{how} inside the backward pass ({source}){scaled}"
+            ready = traits is not None and traits.drain == "ready"
+            when = ", each bucket preconditioned from the first hook that finds it reduced"
+            return f"{how} inside the backward pass ({source}){when if ready else ''}{scaled}"
         if self.ddp:
             after = ", updates exchanged in step()" if self.comm.active else ""
             return f"all-reduced by DDP inside the backward pass{after}{scaled}"

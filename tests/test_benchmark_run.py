@@ -131,6 +131,7 @@ def test_ablation_preset_states_every_switch() -> None:
         "dp_kfac_overlap",
         "dp_kfac_owner",
         "dp_kfac_owner_overlap",
+        "dp_kfac_owner_ready",
         "grouped_local_decomp",
         "grouped_auto",
     ]
@@ -149,6 +150,9 @@ def test_ablation_preset_states_every_switch() -> None:
     assert kfac["dp_kfac_overlap"]["overlap"] is True
     owner_overlap = kfac["dp_kfac_owner_overlap"]
     assert (owner_overlap["grad_reduction"], owner_overlap["overlap"]) == ("owner", True)
+    assert owner_overlap["drain"] == "last"
+    ready = kfac["dp_kfac_owner_ready"]
+    assert (ready["grad_reduction"], ready["overlap"], ready["drain"]) == ("owner", True, "ready")
     assert (
         kfac["grouped_local_decomp"]["factor_group_size"],
         kfac["grouped_local_decomp"]["grad_worker_fraction"],

@@ -43,11 +43,11 @@ from dpkfac.plan.configs import kfac_configs
 PRESET = {"hardware": "cpu_gloo_local"}
 
 
-#: The cross-strategy variants, plus dp_kfac's overlap (its hooks run inside backward).
+#: The cross-strategy variants, plus every configuration of the overlapped mode (its hooks
+#: run inside backward).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     **STRATEGY_VARIANTS,
-    "dp_kfac_overlap": ("dp_kfac", {"overlap": True}),
-    "dp_kfac_owner_overlap": ("dp_kfac", {"grad_reduction": "owner", "overlap": True}),
+    **{n: c for n, c in kfac_configs().items() if c[1].get("overlap") is True},
 }
 
 

@@ -98,10 +98,12 @@ def test_autocast_with_a_grad_scaler(dtype: torch.dtype) -> None:
 
 # ---------------------------------------------- the owner reduction overlapped, inside DDP
 def _owner_overlap(
-    rank: int, world_size: int, device: str, fp16: bool
+    rank: int, world_size: int, device: str, fp16: bool, drain: str = "last"
 ) -> dict[str, torch.Tensor | list[bool]]:
     """dp_kfac_owner_overlap under DDP: the hooks (DDP's communication hook) never
-    synchronise the device; with fp16 the loss scaler decides after pre.step()."""
+    synchronise the device, also where they ask whether a bucket is reduced (``drain``
+    "ready": ``is_completed()``, a query of the work's CUDA events); with fp16 the loss
+    scaler decides after pre.step()."""
     inner = make_model().float().to(device)
     dev = torch.device(device)
     model = torch.nn.parallel.DistributedDataParallel(
@@ -112,6 +114,7 @@ def _owner_overlap(
         model,
         grad_reduction="owner",
         overlap=True,
+        drain=drain,
         grad_scaler=scaler,
         kl_clip=0.01,
         damping=0.01,
@@ -146,9 +149,10 @@ def _owner_overlap(
 
 
 @pytest.mark.distributed
-def test_owner_overlap_inside_ddp_two_ranks_share_one_gpu() -> None:
+@pytest.mark.parametrize("drain", ["last", "ready"])
+def test_owner_overlap_inside_ddp_two_ranks_share_one_gpu(drain: str) -> None:
     """Over gloo with CUDA tensors: the same parameters as the CPU run, replicas equal."""
-    gpu = run_ranks(_owner_overlap, 2, "cuda:0", False, start_method="spawn")
+    gpu = run_ranks(_owner_overlap, 2, "cuda:0", False, drain, start_method="spawn")
     cpu = run_ranks(_owner_overlap_cpu, 2, start_method="spawn")
     for name, t in gpu[0].items():
         if name != "skipped":
@@ -184,15 +188,18 @@ def test_owner_overlap_inside_ddp_with_fp16_on_one_gpu() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_owner_overlap_on_nccl_with_fp16() -> None:
+@pytest.mark.parametrize("drain", ["last", "ready"])
+def test_owner_overlap_on_nccl_with_fp16(drain: str) -> None:
     """NCCL: the reduce-scatter completes DDP's future, the updates travel by one all-gather
     of uneven shards; with fp16 every rank skips the same steps."""
-    results = run_ranks(_nccl_owner_overlap, 2, backend="nccl", start_method="spawn")
+    results = run_ranks(_nccl_owner_overlap, 2, drain, backend="nccl", start_method="spawn")
     assert results[0]["skipped"] == results[1]["skipped"]
     for name, t in results[0].items():
         if name != "skipped":
             assert torch.equal(t, results[1][name]), name
 
 
-def _nccl_owner_overlap(rank: int, world_size: int) -> dict[str, torch.Tensor | list[bool]]:
-    return _owner_overlap(rank, world_size, f"cuda:{rank}", True)
+def _nccl_owner_overlap(
+    rank: int, world_size: int, drain: str
+) -> dict[str, torch.Tensor | list[bool]]:
+    return _owner_overlap(rank, world_size, f"cuda:{rank}", True, drain)

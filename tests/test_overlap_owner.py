@@ -550,6 +550,7 @@ def _paused_order(rank: int, world_size: int, how: str | None, drain: str) -> di
         if step >= 2:
             out["orders"].append(list(events))
         events.clear()
+    out["path"] = pre.gradient_path
     return out
 
 
@@ -562,6 +563,7 @@ def test_the_ready_drain_exchanges_updates_while_the_backward_pass_runs(how: str
     for drain in ("ready", "last"):
         for out in run_ranks(_paused_order, 2, how, drain):
             assert max(out["errors"]) < TOL, (drain, out["errors"])
+            assert ("first hook that finds it reduced" in out["path"]) == (drain == "ready")
             for order in out["orders"]:
                 last = len(order) - order[::-1].index("bucket") - 1
                 assert order.count("bucket") == 3, order

@@ -38,6 +38,10 @@ CASES: dict[str, tuple[dict[str, Any], bool]] = {
         {"grad_reduction": "owner", "overlap": True, "bucket_cap_mb": SMALL},
         True,
     ),
+    "owner-ready-ddp": (
+        {"grad_reduction": "owner", "overlap": True, "drain": "ready", "bucket_cap_mb": SMALL},
+        True,
+    ),
 }
 
 
