@@ -140,6 +140,7 @@ def measure_in_group(
         links={**base.links, **derived, "allreduce": allreduce, "broadcast": Link(alpha, beta)},
         engines={**base.engines, "eigh": Engine(1.0 / inv_rate if inv_rate > 0 else 1e30, latency)},
         sources=(f"measured in-process on {comm.size} ranks by measure_in_group",),
+        backend=comm.backend,
     )
 
 

@@ -233,6 +233,17 @@ def test_the_start_up_measurement_times_the_gradients_link() -> None:
     booked = {"calls": len(MEASURE_COLLECTIVES), "bytes": sum(n for _, n in MEASURE_COLLECTIVES)}
     for r in results:
         assert {k: r["setup"][k] for k in booked} == booked
+    assert hw.backend == "gloo" and not hw.host_ahead
+
+
+def test_the_start_up_measurement_keeps_the_groups_backend() -> None:
+    """The measured model is the group's, backend included (it decides how the owner
+    reduction's shards travel, and whether the hooks run ahead of the device): measured on
+    the in-process group it says "threads", not the CPU preset's "gloo"."""
+    from experiments.threads import run_threads
+
+    results = run_threads(_start_up, 2, timeout=120)
+    assert {Hardware.from_json(r["hardware"]).backend for r in results} == {"threads"}
 
 
 def test_the_fold_is_priced_as_a_streaming_pass_where_not_measured() -> None:

@@ -442,21 +442,26 @@ def test_cost_model_prices_the_ready_drain_as_the_engine_runs_it(model: str) -> 
     while the backward pass runs, so with free compute a step waits less than with the
     last-launch drain, yet never less than the last bucket's own transfer; on a
     decomposition step the engine drains at the last launch either way, and so does the
-    model (the same prediction)."""
+    model (the same prediction). Where the host queues work ahead of the device (NCCL's
+    CUDA streams: ``Hardware.host_ahead``) the hooks run before the device does and the
+    ready drain is the last-launch drain."""
     from dpkfac.costmodel import PRESETS, bert_qa, predict, resnet50
     from dpkfac.plan.hardware import Engine
 
     shapes = resnet50(batch_size=32) if model == "resnet50" else bert_qa()
     base = PRESETS["v100_ib100"]
     free = {k: Engine(rate=1e18, latency=0.0) for k in ("precondition", "eigh", "memory")}
-    hw = replace(base, overlap=1.0, engines={**base.engines, **free})
+    hw = replace(base, overlap=1.0, engines={**base.engines, **free}, backend="gloo")
 
-    def run(drain: str) -> Any:
+    def run(drain: str, hardware: Any = hw) -> Any:
         options = {"overlap": True, "grad_reduction": "owner", "drain": drain}
         return predict(
-            shapes, strategy="dp_kfac", options=options, world_size=8, hardware=hw, ddp=True
+            shapes, strategy="dp_kfac", options=options, world_size=8, hardware=hardware, ddp=True
         )
 
+    queued = replace(hw, backend="nccl")
+    assert queued.host_ahead and not hw.host_ahead
+    assert run("ready", queued).steps == run("last", queued).steps
     last, ready = run("last"), run("ready")
     assert ready.traits is not None and ready.traits.drain == "ready"
     assert ready.steps[(True, True)].iteration == last.steps[(True, True)].iteration

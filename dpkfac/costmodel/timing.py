@@ -797,7 +797,7 @@ def step_prediction(
             overlap,
             ends=ends,
             backward_end=backward_end,
-            in_hooks=plan.traits.drains_in_hooks(decomp),
+            in_hooks=plan.traits.drains_in_hooks(decomp) and not hw.host_ahead,
             polls=None if ddp_hook else sorted(ends),
             drain=[
                 _drain_seconds(

@@ -200,6 +200,16 @@ class Hardware:
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap}")
 
+    @property
+    def host_ahead(self) -> bool:
+        """Whether the host queues work ahead of the device (NCCL: CUDA streams). A hook then
+        runs when the backward pass is queued, not when it runs: asking there whether a
+        collective has completed on the device finds it rarely, and work queued there runs
+        after the backward's queued kernels. So the overlapped mode's ready drain
+        (:meth:`~dpkfac.plan.traits.Traits.drains_in_hooks`) is the last-launch drain on
+        such hardware; on gloo the hooks run as the backward does."""
+        return self.backend == "nccl"
+
     def link(self, kind: str) -> Link:
         """The model of collective ``kind`` (reduce, reduce_scatter, all_gather -> broadcast ->
         allreduce fallback)."""
