@@ -225,12 +225,16 @@ def _variants(p: int) -> dict[str, st.SearchStrategy[tuple[str, str, dict[str, A
         opts = {"factor_group_size": k, "grad_worker_fraction": f, "hardware": "cpu_gloo_local"}
         return (family, "grouped", opts)
 
+    drains = st.sampled_from(["last", "ready"])
     return {
         "dp_kfac": st.just(("local", "dp_kfac", {})),
         "dp_kfac_owner": st.just(("local", "dp_kfac", {"grad_reduction": "owner"})),
-        "dp_kfac_overlap": st.just(("local", "dp_kfac", {"overlap": True})),
-        "dp_kfac_owner_overlap": st.just(
-            ("local", "dp_kfac", {"grad_reduction": "owner", "overlap": True})
+        # Either drain: after the last launch, or from the first hook that finds a bucket reduced.
+        "dp_kfac_overlap": drains.map(
+            lambda d: ("local", "dp_kfac", {"overlap": True, "drain": d})
+        ),
+        "dp_kfac_owner_overlap": drains.map(
+            lambda d: ("local", "dp_kfac", {"grad_reduction": "owner", "overlap": True, "drain": d})
         ),
         "d_kfac": st.builds(
             lambda lazy, tri: ("replicated", "d_kfac", {"lazy_factor_sync": lazy, "triangle": tri}),
