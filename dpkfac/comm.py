@@ -590,9 +590,12 @@ class Communicator:
         """Whether ``handle``'s collectives have completed, asked without blocking or reading
         the device (``is_completed()`` of each work: on NCCL a query of its CUDA events); a
         collective still held by :meth:`together` has not. :meth:`wait` then returns at once,
-        but still unpacks the results."""
-        if handle.done:
-            return True
+        but still unpacks the results.
+
+        Asked of the works even where the handle is ``done``: NCCL completes a work's future
+        once the collective is queued, so a DDP hook's callback unpacks (and marks done) a
+        handle whose transfer the device has not run yet.
+        """
         if self._held and any(entry[0] is handle for entry in self._held):
             return False
         return all(work.is_completed() for work in handle.works)

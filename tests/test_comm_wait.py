@@ -51,3 +51,19 @@ def test_a_future_work_that_never_completes_times_out_naming_the_phase() -> None
     work, _ = _work(pending=True)
     with pytest.raises(CollectiveTimeout, match=r"precond_broadcast .* within 0.05s on rank 0"):
         comm.wait(Handle("precond_broadcast", works=[work]))
+
+
+def test_completed_asks_the_works_without_blocking_even_of_a_done_handle() -> None:
+    """The overlapped mode's ready drain asks ``completed`` in its hooks. It reads each work's
+    ``is_completed()``, never waits, and does not trust ``done``: NCCL completes a work's
+    future once the collective is queued, so a DDP hook's callback marks a handle done
+    before the device has run its transfer."""
+    comm = Communicator(timeout=5)
+    work, future = _work(pending=True)
+    handle = Handle("grad_allreduce", works=[work], done=True)
+    started = time.monotonic()
+    assert not comm.completed(handle)
+    assert time.monotonic() - started < 0.5
+    future.set_result([])
+    assert comm.completed(handle)
+    assert comm.completed(Handle("grad_allreduce", done=True))  # nothing launched
