@@ -46,7 +46,10 @@ Either way, on the step's last micro-batch (``accumulation_steps``):
   part it finds reduced (asked without blocking: :meth:`Communicator.completed`),
   in order up to the first still on the wire, and sends their layers then: the
   exchanges use the link while the backward pass runs, and the preconditioning
-  holds back the later launches instead (the cost model weighs the two). The
+  holds back the later launches instead (the cost model weighs the two). Not on
+  NCCL (:func:`~dpkfac.plan.hardware.drains_early`: the host runs ahead of the GPU,
+  and exchanges interleaved with the other group's buckets in orders that differ
+  between ranks could deadlock its kernels): there it is the last-launch drain. The
   exchanges run on a second process group over the same ranks: their launch times
   differ between ranks, and two groups keep each group's order identical on every
   rank.
@@ -106,6 +109,7 @@ from dpkfac.curvature.layer import KFACLayer, MaskedFold, warn_non_finite
 from dpkfac.device import HostReader
 from dpkfac.plan.exchange import gradient_layout, waited_by_layers
 from dpkfac.plan.fusion import ddp_buckets, ddp_first_cap
+from dpkfac.plan.hardware import drains_early
 from dpkfac.plan.roles import RankRoles
 from dpkfac.stats import PhaseTimer
 from dpkfac.strategies.base import (
@@ -288,6 +292,7 @@ class OverlapEngine:
             for p in layer.helper.parameters():
                 self.layers_of.setdefault(id(p), []).append(layer)
         self.k = ctx.accumulation_steps
+        self._drains_early = drains_early(self.comm.backend)
         self.state: _StepState | None = None
         self._unsettled: list[_Launched] = []  # buckets whose other gradients finish() left
         self.inactive = False  # this step runs the ordinary step()
@@ -467,8 +472,8 @@ class OverlapEngine:
     def _early(self) -> bool:
         """Whether a hook before the last launch drains the buckets already reduced
         (:meth:`~dpkfac.plan.traits.Traits.drains_in_hooks`: ``drain="ready"``, on a step
-        without decompositions)."""
-        return self._roles().traits.drains_in_hooks(self.ctx.flags.decompose)
+        without decompositions; never on NCCL: :func:`~dpkfac.plan.hardware.drains_early`)."""
+        return self._drains_early and self._roles().traits.drains_in_hooks(self.ctx.flags.decompose)
 
     def _drain(self, *, reduced_only: bool = False) -> None:
         """Settle the K-FAC parts of the launched buckets in order (waiting for each),

@@ -52,6 +52,7 @@ from dpkfac.overlap import OverlapContext, OverlapEngine
 from dpkfac.placement import build_strategy, finalise_placement
 from dpkfac.plan import SCHEMES, Scheme, StrategyOptions, scheme_of, scheme_options
 from dpkfac.plan.configs import resolve as resolve_config
+from dpkfac.plan.hardware import drains_early
 from dpkfac.plan.options import STEP_RULES
 from dpkfac.report import format_summary, layer_rows, report_construction, skipped_modules
 from dpkfac.state import load_state, save_state
@@ -391,7 +392,8 @@ class KFACPreconditioner:
         scaled = ", before the loss scaler unscales them" if self.takes_scaled_gradients else ""
         if self._overlap is not None and (traits is None or traits.overlapped_precondition):
             source = "DDP's buckets, from its communication hook" if self.ddp else "own hooks"
-            ready = traits is not None and traits.drain == "ready"
+            early = drains_early(self.comm.backend)
+            ready = early and traits is not None and traits.drain == "ready"
             when = ", each bucket preconditioned from the first hook that finds it reduced"
             return f"{how} inside the backward pass ({source}){when if ready else ''}{scaled}"
         if self.ddp:

@@ -71,7 +71,7 @@ from dpkfac.options import KFACOptions
 from dpkfac.plan.assignment import EIGH_COEFF, INVERSE_COEFF, CostFn, LayerShape
 from dpkfac.plan.exchange import update_nbytes
 from dpkfac.plan.fusion import CommModel, plan_buckets
-from dpkfac.plan.hardware import Hardware, Work, add_work, wire_bytes
+from dpkfac.plan.hardware import Hardware, Work, add_work, drains_early, wire_bytes
 from dpkfac.plan.roles import Plan
 from dpkfac.stats import PHASE_OF_CATEGORY
 
@@ -797,7 +797,7 @@ def step_prediction(
             overlap,
             ends=ends,
             backward_end=backward_end,
-            in_hooks=plan.traits.drains_in_hooks(decomp) and not hw.host_ahead,
+            in_hooks=plan.traits.drains_in_hooks(decomp) and drains_early(hw.backend),
             polls=None if ddp_hook else sorted(ends),
             drain=[
                 _drain_seconds(

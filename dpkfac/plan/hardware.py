@@ -50,6 +50,7 @@ __all__ = [
     "Sample",
     "Work",
     "add_work",
+    "drains_early",
     "gloo_link",
     "scaled",
     "sharded_by_alltoall",
@@ -200,16 +201,6 @@ class Hardware:
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"overlap must be in [0, 1], got {self.overlap}")
 
-    @property
-    def host_ahead(self) -> bool:
-        """Whether the host queues work ahead of the device (NCCL: CUDA streams). A hook then
-        runs when the backward pass is queued, not when it runs: asking there whether a
-        collective has completed on the device finds it rarely, and work queued there runs
-        after the backward's queued kernels. So the overlapped mode's ready drain
-        (:meth:`~dpkfac.plan.traits.Traits.drains_in_hooks`) is the last-launch drain on
-        such hardware; on gloo the hooks run as the backward does."""
-        return self.backend == "nccl"
-
     def link(self, kind: str) -> Link:
         """The model of collective ``kind`` (reduce, reduce_scatter, all_gather -> broadcast ->
         allreduce fallback)."""
@@ -342,6 +333,23 @@ def sharded_by_alltoall(backend: str) -> bool:
     at a time.
     """
     return backend == "gloo"
+
+
+def drains_early(backend: str) -> bool:
+    """Whether the overlapped mode's ready drain (``drain="ready"``,
+    :meth:`~dpkfac.plan.traits.Traits.drains_in_hooks`) runs on ``backend``; where it does
+    not, it is the last-launch drain, in the engine and in the cost model alike.
+
+    Not on NCCL, for two reasons. The host queues work ahead of the GPU: a hook runs when
+    the backward pass is queued, not when it runs, so asking there whether a reduction has
+    completed on the device seldom finds it, and work queued there runs after the
+    backward's queued kernels anyway. And an NCCL kernel waits on the device until every
+    rank has launched its collective: exchanges launched from the hooks at times that
+    differ between ranks would interleave with the gradient buckets of the other process
+    group in orders that differ between ranks, which can deadlock. gloo (each group served
+    by its own threads) and the in-process groups run such interleavings.
+    """
+    return backend != "nccl"
 
 
 def gloo_link(kind: str, allreduce: Link, world_size: int) -> Link:
