@@ -273,6 +273,8 @@ class _StepState:
         # The factors folded this step, per layer, with their device finiteness flags.
         self.folds: list[tuple[KFACLayer, MaskedFold]] = []
         self.n_buckets = n_buckets
+        # Whether the hooks before the last launch drain the buckets already reduced.
+        self.early = False
 
 
 class OverlapEngine:
@@ -341,6 +343,7 @@ class OverlapEngine:
             return
         st = _StepState(len(self.buckets))
         st.left = [len(b) for b in self.buckets]
+        st.early = self._early()
         for x in self.layers:
             n = len(set(map(id, x.helper.parameters())))
             st.unreduced[x.name] = n
@@ -368,7 +371,7 @@ class OverlapEngine:
         self._launch_own(ready_only=True)
         if len(st.launched) == st.n_buckets:  # the backward pass launched every bucket
             self._drain()
-        elif self._early():
+        elif st.early:
             self._drain(reduced_only=True)
 
     @torch.no_grad()
@@ -400,7 +403,7 @@ class OverlapEngine:
         )
         if bucket.is_last():  # DDP launched every bucket; it waits for them after this hook
             self._drain()
-        elif self._early():
+        elif st.early:
             self._drain(reduced_only=True)
         return launched.future
 
@@ -470,9 +473,10 @@ class OverlapEngine:
             self._launch(params, grads)
 
     def _early(self) -> bool:
-        """Whether a hook before the last launch drains the buckets already reduced
+        """Whether this step's hooks before the last launch drain the buckets already reduced
         (:meth:`~dpkfac.plan.traits.Traits.drains_in_hooks`: ``drain="ready"``, on a step
-        without decompositions; never on NCCL: :func:`~dpkfac.plan.hardware.drains_early`)."""
+        without decompositions; never on NCCL: :func:`~dpkfac.plan.hardware.drains_early`),
+        decided once per step in :meth:`_begin`, not in every hook."""
         return self._drains_early and self._roles().traits.drains_in_hooks(self.ctx.flags.decompose)
 
     def _drain(self, *, reduced_only: bool = False) -> None:
