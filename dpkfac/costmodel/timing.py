@@ -61,11 +61,13 @@ hardware overlaps them (``Hardware.overlap``; the rest is serial).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 from dpkfac.costmodel import traffic as tr
+from dpkfac.costmodel.link import busy_periods, paced_end, share
 from dpkfac.costmodel.shapes import ModelShapes
 from dpkfac.options import KFACOptions
 from dpkfac.plan.assignment import EIGH_COEFF, INVERSE_COEFF, CostFn, LayerShape
@@ -96,6 +98,15 @@ __all__ = [
 
 COMPUTE_PHASES = ("factor_compute", "decomposition", "precondition")
 COMM_PHASES = ("grad_comm", "factor_comm", "decomposition_comm", "precond_comm")
+
+# The overlapped mode's schedule is found by iterating it to its fixed point
+# (:func:`_overlap_backward`); each pass at least halves the change, so 50 passes take a
+# change of seconds below a picosecond.
+_SCHEDULE_PASSES = 50
+
+# One pass of it: exchange starts per bucket, the gradient group's transfers (launch,
+# seconds), each rank's clock after its drain and its drain's seconds lost to the transfers.
+_Schedule = tuple[dict[int, float], list[tuple[float, float]], list[float], list[float]]
 Key = tuple[str, str]
 
 
@@ -202,26 +213,33 @@ def forward_backward_work(model: ModelShapes) -> Work:
 
 
 def timeline(
-    model: ModelShapes, hw: Hardware, weight_sharing: str, itemsize: int, factors: bool = True
+    model: ModelShapes,
+    hw: Hardware,
+    weight_sharing: str,
+    itemsize: int,
+    factors: bool = True,
+    built: Collection[int] | None = None,
 ) -> tuple[dict[Key, float], list[float], float]:
     """Ready time of each factor (A in forward order, G in backward order), each layer's
     backward end (module order) and the backward's end.
 
     A layer's forward is a third of its forward/backward work, its backward
     two thirds; A is built right after the layer's forward, G right after
-    its backward, as the capture hooks do (only when ``factors``).
+    its backward, as the capture hooks do (only when ``factors``, and only for the
+    layers in ``built``, where given: a rank of an owner scheme builds its own layers'
+    factors alone, so its backward ends sooner; None: every captured layer).
     """
     t, ready = 0.0, {}
     ends = [0.0] * len(model)
-    for s, c in zip(model, model.captured, strict=True):
+    for i, (s, c) in enumerate(zip(model, model.captured, strict=True)):
         t += hw.time({"forward_backward": (1 / 3, _fb_flops(s) / 3)}, 1)
-        if c and factors:
+        if c and factors and (built is None or i in built):
             t += hw.time(factor_work(s, "A", weight_sharing, itemsize), 1)
             ready[(s.name, "A")] = t
     for i in reversed(range(len(model))):
         s = model[i]
         t += hw.time({"forward_backward": (2 / 3, 2 * _fb_flops(s) / 3)}, 1)
-        if model.captured[i] and factors:
+        if model.captured[i] and factors and (built is None or i in built):
             t += hw.time(factor_work(s, "G", weight_sharing, itemsize), 1)
             ready[(s.name, "G")] = t
         ends[i] = t
@@ -522,121 +540,192 @@ def _overlap_backward(
     seconds: list[dict[str, float]],
     buckets: Sequence[tr.OverlapBucket],
     *,
-    ends: Sequence[float],
-    backward_end: float,
+    ends: Sequence[Sequence[float]],
+    backward_end: Sequence[float],
     drain: Sequence[Mapping[int, tuple[float, float]]],
     in_hooks: bool = False,
-    polls: Sequence[float] | None = None,
+    polls: Sequence[Sequence[float]] | None = None,
 ) -> None:
     """Hide gradient and update traffic behind the backward pass (``overlapped_precondition``).
 
-    The engine's schedule (:mod:`dpkfac.overlap`), on one link: a bucket's reduction
+    The engine's schedule (:mod:`dpkfac.overlap`): a bucket's reduction
     (:func:`dpkfac.costmodel.traffic.overlap_buckets`, the runtime's own buckets, in backward
-    order) is launched once the backward has made its gradients ready
-    (:func:`_ready_times`), its K-FAC part first. Each rank drains the buckets in order: it
+    order) is launched once every rank's backward has made its gradients ready
+    (:func:`_ready_times` of ``ends[r]``, each rank's backward with the factors it builds),
+    its K-FAC part first. Each rank drains the buckets in order: it
     waits for a bucket's K-FAC part, decomposes (on a decomposition step) and preconditions
     the layers of it that it owns, launches their update exchange (the exchange starts when
     the slowest rank has launched it) and folds their batch factors (on a factor step):
     ``drain[r]`` holds, per layer, rank ``r``'s seconds before and after that launch. It
-    drains once the last bucket is launched (the backward's end), or with ``in_hooks``
+    drains once its last bucket is launched (``backward_end[r]``), or with ``in_hooks``
     (:meth:`~dpkfac.plan.traits.Traits.drains_in_hooks`) also from each hook before, the
     buckets already reduced then, their folds left to the end: that work holds back the
-    rank's later launches by its seconds, and its exchanges take the link in launch
-    order, between the gradient transfers. The hooks: ``polls``, the backward's times at
+    rank's later launches by its seconds. The hooks: ``polls[r]``, the backward's times at
     which one runs (the engine's own hooks run at every parameter's gradient), or None
     for one per bucket, at its launch (DDP's communication hook). A traced ResNet-32 step
     (practical, 1 Gbit/s) launched the first bucket's exchange 68-77 ms after its gradients
-    were reduced, where a schedule exchanging as soon as a bucket is reduced and
-    preconditioned (this model's until then) hid it whole: the last-launch drain sends
-    every exchange after every gradient transfer.
+    were reduced: the last-launch drain sends no exchange before the backward ends.
 
-    Only the link's tail past the end of that compute (the drain's, where it waited for a
-    reduction) is exposed, to the extent the hardware overlaps (:func:`exposed`); the rest
-    is serial, and the part of it the transfers took from the decompositions and
-    preconditioning beside them is booked in those phases (their timers run while the core
-    is shared). The collectives, hence the bytes, are unchanged: only the ``grad_comm`` and
-    ``precond_comm`` waits shrink (by the same factor on every rank). ``ends``,
-    ``backward_end``: :func:`timeline`'s.
+    The gradient buckets and the exchanges are two process groups, each serving its
+    collectives in order, sharing the link (:func:`dpkfac.costmodel.link.share`): an
+    exchange runs beside the bucket on the wire, not behind it (traced on BERT-base, paper
+    setting, 1 Gbit/s: a 1.2 MB exchange launched during the 23 MB embedding bucket
+    completed 7.8 ms later). Where the transfers take turns with the compute on a core
+    (``hw.overlap`` below 1), the drain runs at that pace while the link is busy
+    (:func:`dpkfac.costmodel.link.paced_end`): those seconds are booked in the
+    decompositions and preconditioning, whose timers run while the core is shared (the
+    same trace: 57 ms per 768-wide eigendecomposition beside the transfers, 45 ms without).
+    The step then waits for the link past the end of the busiest rank's compute. The
+    collectives, hence the bytes, are unchanged: only the ``grad_comm`` and
+    ``precond_comm`` waits shrink (by the same factor on every rank).
     """
     serial = seconds[0]["grad_comm"] + seconds[0]["precond_comm"]
     if serial <= 0.0 or not buckets:
         return
-    ready = _ready_times([b.params for b in buckets], ends)
+    params = [b.params for b in buckets]
+    ready = [_ready_times(params, mine) for mine in ends]  # per rank
 
     def link_time(c: tr.Collective) -> float:
         return hw.link(c.kind).time(1, c.wire_bytes, p)
 
+    def landing(collectives: Sequence[tr.Collective]) -> float:
+        """Seconds of landing them (averaging, copying back) on the compute thread."""
+        amount = sum(c.landing_bytes for c in collectives)
+        return hw.time({"unpack": (0.0, amount)}, p) if amount else 0.0
+
     def before(rank: int, b: tr.OverlapBucket) -> float:
-        return sum(drain[rank].get(i, (0.0, 0.0))[0] for i in b.layers)
+        """The drain's seconds on bucket ``b`` before its exchange: landing its K-FAC part,
+        then its layers' work (booked in the wait, like every landing: not in ``drain``)."""
+        return landing(b.grads) + sum(drain[rank].get(i, (0.0, 0.0))[0] for i in b.layers)
 
     def after(rank: int, b: tr.OverlapBucket) -> float:
         return sum(drain[rank].get(i, (0.0, 0.0))[1] for i in b.layers)
 
-    delay = [0.0] * p  # each rank's seconds of drain in the hooks so far
-    drained = [0] * p  # each rank's next bucket to drain
-    sent: dict[int, list[float]] = {}  # bucket -> each rank's launch of its exchange
-    exchanged = 0  # the next bucket whose exchange takes the link
-    t = 0.0
-    reduced: list[float] = []
+    def schedule(starts: Mapping[int, float], busy: Sequence[tuple[float, float]]) -> _Schedule:
+        """One pass of the step, the update exchanges starting at ``starts`` (the previous
+        pass's) and the drain paced beside the link's periods ``busy``: when each exchange
+        starts as this pass drains (every rank has launched it), the gradient group's
+        transfers (launch, seconds), each rank's clock after its drain, and each rank's
+        seconds of drain lost to the transfers beside it."""
+        exchanges = [
+            (starts[j], sum(link_time(c) for c in buckets[j].updates)) for j in sorted(starts)
+        ]
+        grads: list[tuple[float, float]] = []  # the gradient group's transfers, in launch order
+        clock = [0.0] * p  # each rank's time
+        at = [0.0] * p  # how far its backward has got, in the backward's own seconds
+        drained = [0] * p  # each rank's next bucket to drain
+        lost = [0.0] * p  # each rank's seconds of drain lost to the transfers beside it
+        sent: dict[int, list[float]] = {}  # bucket -> each rank's launch of its exchange
+        reduced: list[float] = []  # when each bucket's K-FAC part is reduced
 
-    def exchange_until(limit: float) -> None:
-        """Put the exchanges every rank has launched by ``limit`` on the link, in order."""
-        nonlocal t, exchanged
-        while exchanged < len(buckets):
-            b = buckets[exchanged]
-            if b.layers and b.updates:
-                launches = sent.get(exchanged)
-                if launches is None or len(launches) < p or max(launches) > limit:
-                    return
-                t = max(t, max(launches)) + sum(link_time(c) for c in b.updates)
-            elif exchanged >= len(reduced):
-                return
-            exchanged += 1
+        def run(rank: int, start: float, seconds: float) -> float:
+            """When ``seconds`` of the rank's drain started at ``start`` end: at the pace
+            ``hw.overlap`` while the link is busy, as the transfers take the rest of the core."""
+            end = paced_end(start, seconds, busy, hw.overlap)
+            lost[rank] += end - start - seconds
+            return end
 
-    for j, (b, when) in enumerate(zip(buckets, ready, strict=True)):
-        launch = max(when + d for d in delay)
-        exchange_until(launch)
-        if b.grads:
-            t = max(t, launch) + sum(link_time(c) for c in b.grads)
-        reduced.append(t if b.grads else launch)  # what the bucket's layers wait for
-        t += sum(link_time(c) for c in b.rest)
-        if not in_hooks or j == len(buckets) - 1:
-            continue
-        upto = ready[j + 1]
-        hooks = [when] + [h for h in polls or () if when < h < upto]
-        for rank, hook in ((r, h) for r in range(p) for h in hooks):
-            clock = hook + delay[rank]
-            while drained[rank] <= j and reduced[drained[rank]] <= clock:
-                clock += before(rank, buckets[drained[rank]])
-                sent.setdefault(drained[rank], []).append(clock)
-                drained[rank] += 1
-            delay[rank] = clock - hook
-    cursors = [backward_end + d for d in delay]  # each rank's drain after its last launch
-    for rank in range(p):
-        for j in range(drained[rank], len(buckets)):
-            launched = max(cursors[rank], reduced[j]) + before(rank, buckets[j])
-            sent.setdefault(j, []).append(launched)
-            cursors[rank] = launched + after(rank, buckets[j])
-        cursors[rank] += sum(after(rank, b) for b in buckets[: drained[rank]])
-    exchange_until(math.inf)
-    compute = max(sum(x + y for x, y in d.values()) for d in drain)
-    tail = max(t, *cursors) - (backward_end + compute)
-    scale = exposed(serial, tail, hw.overlap) / serial
-    for r in seconds:
+        def reach(rank: int, when: float) -> float:
+            """The rank's time once its backward has got to ``when`` (its own seconds)."""
+            clock[rank] += when - at[rank]
+            at[rank] = when
+            return clock[rank]
+
+        for j, b in enumerate(buckets):
+            launch = max(reach(r, ready[r][j]) for r in range(p))
+            grads += [(launch, link_time(c)) for c in b.grads]
+            reduced.append(share([grads, exchanges])[0][-1] if b.grads else launch)
+            grads += [(launch, link_time(c)) for c in b.rest]
+            if not in_hooks or j == len(buckets) - 1:
+                continue
+            hooks = [
+                (r, h)
+                for r, (when, upto) in enumerate((mine[j], mine[j + 1]) for mine in ready)
+                for h in [when, *(x for x in (polls[r] if polls else ()) if when < x < upto)]
+            ]
+            for rank, hook in hooks:
+                now = reach(rank, hook)
+                while drained[rank] <= j and reduced[drained[rank]] <= now:
+                    now = run(rank, now, before(rank, buckets[drained[rank]]))
+                    sent.setdefault(drained[rank], []).append(now)
+                    drained[rank] += 1
+                clock[rank] = now
+        cursors = [reach(r, e) for r, e in enumerate(backward_end)]  # after the last launch
+        for rank in range(p):
+            for j in range(drained[rank], len(buckets)):
+                launched = run(rank, max(cursors[rank], reduced[j]), before(rank, buckets[j]))
+                sent.setdefault(j, []).append(launched)
+                cursors[rank] = run(rank, launched, after(rank, buckets[j]))
+            folds = sum(after(rank, b) for b in buckets[: drained[rank]])
+            cursors[rank] = run(rank, cursors[rank], folds)
+        started = {j: max(sent[j]) for j, b in enumerate(buckets) if b.layers and b.updates}
+        return started, grads, cursors, lost
+
+    def link_busy(
+        starts: Mapping[int, float], grads: Sequence[tuple[float, float]]
+    ) -> list[tuple[float, float]]:
+        exchanges = [
+            (starts[j], sum(link_time(c) for c in buckets[j].updates)) for j in sorted(starts)
+        ]
+        return busy_periods([grads, exchanges], share([grads, exchanges]))
+
+    def settle(busy: Sequence[tuple[float, float]]) -> tuple[_Schedule, list[tuple[float, float]]]:
+        """The schedule at its fixed point, the drain paced beside ``busy``, and the link's
+        busy periods in it. An exchange slows the gradient transfers beside it, which
+        delays the drain that launches the later exchanges: each pass starts from the
+        last one's exchange starts, and at least halves the change (two lanes share the
+        link; a paced drain moves no more than its start does)."""
+        starts: dict[int, float] = {}
+        for _ in range(_SCHEDULE_PASSES):
+            found = schedule(starts, busy)
+            settled = found[0].keys() == starts.keys() and all(
+                abs(found[0][j] - starts[j]) <= 1e-9 for j in starts
+            )
+            starts = found[0]
+            if settled:
+                break
+        else:
+            warnings.warn(
+                f"the overlapped mode's schedule did not settle in {_SCHEDULE_PASSES} passes; "
+                "its last pass is priced",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return found, link_busy(found[0], found[1])
+
+    # Where the transfers take a share of the core (``overlap`` below 1), the drain is paced
+    # beside the link's busy periods of the schedule without that pacing: pacing against its
+    # own periods would feed back (a slower drain sends its exchanges later, which moves the
+    # periods) without settling where the drain stops dead beside the link.
+    (_, _, cursors, lost), busy = settle([])
+    if hw.overlap < 1.0:
+        (_, _, cursors, lost), busy = settle(busy)
+    t = busy[-1][1] if busy else 0.0  # when the link is done
+    # The step waits for the link past the end of the busiest rank's compute (its drain
+    # slowed by the transfers beside it, ``lost``): that wait is the mode's whole
+    # communication time, the lost seconds are booked in the phases whose timers ran
+    # while the core was shared (decomposition and preconditioning).
+    computed = [
+        e + sum(x + y for x, y in d.values()) + extra
+        for e, d, extra in zip(backward_end, drain, lost, strict=True)
+    ]
+    # After the drain, step() lands the other gradients and the exchanged updates. The
+    # backward pass beside the transfers loses its share of the core too: not slowed in the
+    # schedule (whose launches it would move, and which then need not settle), it is added
+    # here, the busiest rank's, as a wait on the transfers.
+    tail = landing([c for b in buckets for c in (*b.rest, *b.updates)])
+    stalled = max(
+        (1.0 - hw.overlap) * sum(max(0.0, min(b, end) - a) for a, b in busy if a < end)
+        for end in backward_end
+    )
+    wait = max(0.0, max(t, *cursors) + tail + stalled - max(computed))
+    scale = min(serial, wait) / serial
+    for r, extra in zip(seconds, lost, strict=True):
         r["grad_comm"] *= scale
         r["precond_comm"] *= scale
-    # Where the transfers take turns with the compute on a core (overlap < 1), the share
-    # they take of the decompositions and preconditioning beside them is spent inside those
-    # phases' timers, not waiting: it is booked there. The link is busy from the backward's
-    # end until ``t``, and the busiest rank's K-FAC compute runs in that window first. Every
-    # rank moves the same seconds (at most the least wait), so the critical path (the
-    # busiest rank's compute, rank 0's wait) keeps its length.
-    waits, computes = ("grad_comm", "precond_comm"), ("decomposition", "precondition")
-    kfac = max(sum(r.get(ph, 0.0) for ph in computes) for r in seconds)
-    stretch = (1.0 - hw.overlap) * min(kfac, max(0.0, t - backward_end))
-    moved = min(stretch, *(sum(r.get(ph, 0.0) for ph in waits) for r in seconds))
-    for r in seconds:
-        _move(r, moved, waits, computes)
+        own = r.get("decomposition", 0.0) + r.get("precondition", 0.0)
+        for ph in ("decomposition", "precondition") if own > 0.0 else ():
+            r[ph] = r.get(ph, 0.0) * (1.0 + extra / own)
 
 
 def _drain_seconds(
@@ -674,22 +763,6 @@ def _drain_seconds(
         if before or after:
             out[i] = (before, after)
     return out
-
-
-def _move(
-    seconds: dict[str, float], moved: float, source: Sequence[str], target: Sequence[str]
-) -> None:
-    """Move ``moved`` seconds (at most the sum of ``source``) from the ``source`` phases to
-    the ``target`` phases, each in proportion to its share (nowhere where the targets
-    are all zero)."""
-    taken = sum(seconds.get(ph, 0.0) for ph in source)
-    if moved <= 0.0 or taken <= 0.0:
-        return
-    for ph in source:
-        seconds[ph] = seconds.get(ph, 0.0) * (1.0 - moved / taken)
-    own = sum(seconds.get(ph, 0.0) for ph in target)
-    for ph in target if own > 0.0 else ():
-        seconds[ph] = seconds.get(ph, 0.0) * (1.0 + moved / own)
 
 
 def _built(model: ModelShapes, plan: Plan, rank: int) -> list[int]:
@@ -789,16 +862,22 @@ def step_prediction(
         for r in range(p)
     ]
     if plan is not None and plan.traits.overlapped_precondition and overlap:
-        _, ends, backward_end = timeline(model, hw, weight_sharing, factor_itemsize, factor)
+        passes: dict[tuple[int, ...], tuple[list[float], float]] = {}
+        for r in range(p):  # each rank's backward, with the factors it builds
+            own = tuple(_built(model, plan, r))
+            if own not in passes:
+                _, ends, end = timeline(model, hw, weight_sharing, factor_itemsize, factor, own)
+                passes[own] = ends, end
+        lines = [passes[tuple(_built(model, plan, r))] for r in range(p)]
         _overlap_backward(
             hw,
             p,
             seconds,
             overlap,
-            ends=ends,
-            backward_end=backward_end,
+            ends=[ends for ends, _ in lines],
+            backward_end=[end for _, end in lines],
             in_hooks=plan.traits.drains_in_hooks(decomp) and drains_early(hw.backend),
-            polls=None if ddp_hook else sorted(ends),
+            polls=None if ddp_hook else [sorted(ends) for ends, _ in lines],
             drain=[
                 _drain_seconds(
                     model,
