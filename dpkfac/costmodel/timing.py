@@ -593,13 +593,17 @@ def _overlap_backward(
         amount = sum(c.landing_bytes for c in collectives)
         return hw.time({"unpack": (0.0, amount)}, p) if amount else 0.0
 
-    def before(rank: int, b: tr.OverlapBucket) -> float:
-        """The drain's seconds on bucket ``b`` before its exchange: landing its K-FAC part,
-        then its layers' work (booked in the wait, like every landing: not in ``drain``)."""
-        return landing(b.grads) + sum(drain[rank].get(i, (0.0, 0.0))[0] for i in b.layers)
-
-    def after(rank: int, b: tr.OverlapBucket) -> float:
-        return sum(drain[rank].get(i, (0.0, 0.0))[1] for i in b.layers)
+    # Per rank and bucket, the drain's seconds before its exchange (landing its K-FAC part,
+    # booked in the wait like every landing, then its layers' work) and after (the folds).
+    lands = [landing(b.grads) for b in buckets]
+    pre = [
+        [
+            land + sum(d.get(i, (0.0, 0.0))[0] for i in b.layers)
+            for b, land in zip(buckets, lands, strict=True)
+        ]
+        for d in drain
+    ]
+    post = [[sum(d.get(i, (0.0, 0.0))[1] for i in b.layers) for b in buckets] for d in drain]
 
     def schedule(starts: Mapping[int, float], busy: Sequence[tuple[float, float]]) -> _Schedule:
         """One pass of the step, the update exchanges starting at ``starts`` (the previous
@@ -646,17 +650,17 @@ def _overlap_backward(
             for rank, hook in hooks:
                 now = reach(rank, hook)
                 while drained[rank] <= j and reduced[drained[rank]] <= now:
-                    now = run(rank, now, before(rank, buckets[drained[rank]]))
+                    now = run(rank, now, pre[rank][drained[rank]])
                     sent.setdefault(drained[rank], []).append(now)
                     drained[rank] += 1
                 clock[rank] = now
         cursors = [reach(r, e) for r, e in enumerate(backward_end)]  # after the last launch
         for rank in range(p):
             for j in range(drained[rank], len(buckets)):
-                launched = run(rank, max(cursors[rank], reduced[j]), before(rank, buckets[j]))
+                launched = run(rank, max(cursors[rank], reduced[j]), pre[rank][j])
                 sent.setdefault(j, []).append(launched)
-                cursors[rank] = run(rank, launched, after(rank, buckets[j]))
-            folds = sum(after(rank, b) for b in buckets[: drained[rank]])
+                cursors[rank] = run(rank, launched, post[rank][j])
+            folds = sum(post[rank][: drained[rank]])
             cursors[rank] = run(rank, cursors[rank], folds)
         started = {j: max(sent[j]) for j, b in enumerate(buckets) if b.layers and b.updates}
         return started, grads, cursors, lost
@@ -855,20 +859,18 @@ def step_prediction(
         for t in seconds:
             t["factor_comm"] = hidden + (1.0 - hw.overlap) * (t["factor_comm"] - unpack) + unpack
     # A factor step's folds, per rank: of the batch factors it built, into running averages.
+    built = [tuple(_built(model, plan, r)) if plan is not None else () for r in range(p)]
     folds = [
-        fold_work(model, _built(model, plan, r), factor_itemsize)
-        if factor and plan is not None
-        else {}
+        fold_work(model, built[r], factor_itemsize) if factor and plan is not None else {}
         for r in range(p)
     ]
     if plan is not None and plan.traits.overlapped_precondition and overlap:
         passes: dict[tuple[int, ...], tuple[list[float], float]] = {}
-        for r in range(p):  # each rank's backward, with the factors it builds
-            own = tuple(_built(model, plan, r))
+        for own in built:  # each rank's backward, with the factors it builds
             if own not in passes:
                 _, ends, end = timeline(model, hw, weight_sharing, factor_itemsize, factor, own)
                 passes[own] = ends, end
-        lines = [passes[tuple(_built(model, plan, r))] for r in range(p)]
+        lines = [passes[own] for own in built]
         _overlap_backward(
             hw,
             p,
@@ -886,7 +888,7 @@ def step_prediction(
                     p,
                     r,
                     decomp=decomp,
-                    folded=_built(model, plan, r) if factor else [],
+                    folded=built[r] if factor else (),
                     compute_method=compute_method,
                     itemsize=factor_itemsize,
                 )
