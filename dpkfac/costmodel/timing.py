@@ -575,8 +575,11 @@ def _overlap_backward(
     (:func:`dpkfac.costmodel.link.paced_end`): those seconds are booked in the
     decompositions and preconditioning, whose timers run while the core is shared (the
     same trace: 57 ms per 768-wide eigendecomposition beside the transfers, 45 ms without).
-    The step then waits for the link past the end of the busiest rank's compute. The
-    collectives, hence the bytes, are unchanged: only the ``grad_comm`` and
+    The step then waits for the link past the end of the busiest rank's compute, plus
+    what is a wait in the plain mode too: landing each collective (averaging, copying
+    back: a bucket's K-FAC part in the drain, the other gradients and the updates after
+    it) and the share of the core the transfers take from the backward pass beside them.
+    The collectives, hence the bytes, are unchanged: only the ``grad_comm`` and
     ``precond_comm`` waits shrink (by the same factor on every rank).
     """
     serial = seconds[0]["grad_comm"] + seconds[0]["precond_comm"]
