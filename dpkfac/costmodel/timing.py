@@ -588,8 +588,17 @@ def _overlap_backward(
     params = [b.params for b in buckets]
     ready = [_ready_times(params, mine) for mine in ends]  # per rank
 
-    def link_time(c: tr.Collective) -> float:
-        return hw.link(c.kind).time(1, c.wire_bytes, p)
+    def link_times(collectives: Sequence[tr.Collective]) -> list[float]:
+        return [hw.link(c.kind).time(1, c.wire_bytes, p) for c in collectives]
+
+    # Per bucket, its transfers' seconds alone on the link (priced once, not in every pass).
+    grad_seconds = [link_times(b.grads) for b in buckets]
+    rest_seconds = [link_times(b.rest) for b in buckets]
+    send_seconds = [sum(link_times(b.updates)) for b in buckets]
+
+    def exchange_lane(starts: Mapping[int, float]) -> list[tuple[float, float]]:
+        """The exchanges' lane: each bucket's, in bucket order, from its start."""
+        return [(starts[j], send_seconds[j]) for j in sorted(starts)]
 
     def landing(collectives: Sequence[tr.Collective]) -> float:
         """Seconds of landing them (averaging, copying back) on the compute thread."""
@@ -614,9 +623,7 @@ def _overlap_backward(
         starts as this pass drains (every rank has launched it), the gradient group's
         transfers (launch, seconds), each rank's clock after its drain, and each rank's
         seconds of drain lost to the transfers beside it."""
-        exchanges = [
-            (starts[j], sum(link_time(c) for c in buckets[j].updates)) for j in sorted(starts)
-        ]
+        exchanges = exchange_lane(starts)
         grads: list[tuple[float, float]] = []  # the gradient group's transfers, in launch order
         clock = [0.0] * p  # each rank's time
         at = [0.0] * p  # how far its backward has got, in the backward's own seconds
@@ -640,9 +647,9 @@ def _overlap_backward(
 
         for j, b in enumerate(buckets):
             launch = max(reach(r, ready[r][j]) for r in range(p))
-            grads += [(launch, link_time(c)) for c in b.grads]
+            grads += [(launch, x) for x in grad_seconds[j]]
             reduced.append(share([grads, exchanges])[0][-1] if b.grads else launch)
-            grads += [(launch, link_time(c)) for c in b.rest]
+            grads += [(launch, x) for x in rest_seconds[j]]
             if not in_hooks or j == len(buckets) - 1:
                 continue
             hooks = [
@@ -671,9 +678,7 @@ def _overlap_backward(
     def link_busy(
         starts: Mapping[int, float], grads: Sequence[tuple[float, float]]
     ) -> list[tuple[float, float]]:
-        exchanges = [
-            (starts[j], sum(link_time(c) for c in buckets[j].updates)) for j in sorted(starts)
-        ]
+        exchanges = exchange_lane(starts)
         return busy_periods([grads, exchanges], share([grads, exchanges]))
 
     def settle(busy: Sequence[tuple[float, float]]) -> tuple[_Schedule, list[tuple[float, float]]]:
